@@ -1,0 +1,151 @@
+/* mfsdp_pipeline.h: the bucket state machine and the collective pipeline.
+ *
+ * One pipeline per wrapped model. It owns every bucket's buffers (through the memory ops),
+ * issues all-gathers for weights and reduce-scatters / all-reduces for gradients through the
+ * transport ops, and runs the element-wise kernels between them. The Python hooks only say
+ * *when* (unshard this unit, this gradient is ready, backward ended); the pipeline decides
+ * *what* (which collectives, into which buffers, with which scaling).
+ *
+ * Buffers of one bucket (S = shard_size, N = shards * S, r = shard rank):
+ *   WEIGHT        full compute weights, N elements of param_dtype. Temporary under ZeRO-3.
+ *   WEIGHT_SHARD  rank r's S elements: its own storage under ZeRO-3, else a view of WEIGHT.
+ *   MAIN_SHARD    optimizer weights (main_dtype): own storage if main_dtype != param_dtype.
+ *   GRAD          full gradients, N elements. ZeRO-2/3: temporary, in comm_dtype, filled each
+ *                 backward and reduce-scattered. no_shard/ZeRO-1: persistent, grad_dtype,
+ *                 accumulates local gradients until the step's single reduction.
+ *   GRAD_SLICE    view of GRAD at r*S: the reduce-scatter output.
+ *   GRAD_SHARD    main gradients (grad_dtype) of the shard: own storage under ZeRO-2/3.
+ *   OPT_GRAD      what the optimizer reads as .grad (main_dtype): own storage if it differs.
+ *   COMM, COMM_SLICE  temporary comm_dtype copy for persistent GRAD when comm != grad dtype. */
+#ifndef MFSDP_PIPELINE_H
+#define MFSDP_PIPELINE_H
+
+#include <stdint.h>
+
+#include "../core/mfsdp_kernels.h"
+#include "mfsdp_transport.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mfsdp_buf_kind {
+  MFSDP_BUF_WEIGHT = 0,
+  MFSDP_BUF_WEIGHT_SHARD,
+  MFSDP_BUF_MAIN_SHARD,
+  MFSDP_BUF_GRAD,
+  MFSDP_BUF_GRAD_SLICE,
+  MFSDP_BUF_GRAD_SHARD,
+  MFSDP_BUF_OPT_GRAD,
+  MFSDP_BUF_COMM,
+  MFSDP_BUF_COMM_SLICE,
+  MFSDP_BUF_COUNT
+} mfsdp_buf_kind;
+
+typedef enum mfsdp_grad_mode {
+  MFSDP_GRAD_NONE = 0,               /* frozen bucket: no gradient memory at all */
+  MFSDP_GRAD_ALL_REDUCE = 1,         /* no_shard, replicated: all-reduce once per step */
+  MFSDP_GRAD_SCATTER_IN_PLACE = 2,   /* ZeRO-1: reduce-scatter the local sum once per step */
+  MFSDP_GRAD_SCATTER_ACCUMULATE = 3  /* ZeRO-2/3: reduce-scatter every backward, += shard */
+} mfsdp_grad_mode;
+
+typedef enum mfsdp_weight_state {
+  MFSDP_W_EMPTY = 0,     /* full weights released (ZeRO-3 only) */
+  MFSDP_W_GATHERING = 1, /* all-gather in flight */
+  MFSDP_W_READY = 2,     /* full weights valid */
+  MFSDP_W_STALE = 3      /* storage present, contents older than the shard: needs a gather */
+} mfsdp_weight_state;
+
+typedef enum mfsdp_grad_state {
+  MFSDP_G_CLEAN = 0,    /* nothing accumulated since the last zero (or last reduction, ZeRO-2/3) */
+  MFSDP_G_DIRTY = 1,    /* local, unreduced gradients present */
+  MFSDP_G_REDUCING = 2, /* reduction in flight */
+  MFSDP_G_REDUCED = 3   /* persistent GRAD holds reduced values (no_shard / ZeRO-1) */
+} mfsdp_grad_state;
+
+typedef struct mfsdp_bucket_spec {
+  int32_t shards;      /* ranks the layout splits the bucket over (1: replicated) */
+  int32_t shard_rank;  /* this rank's index among them */
+  int64_t shard_size;
+  int32_t n_items;
+  const int64_t* offsets; /* copied */
+  const int64_t* numels;  /* copied */
+  int32_t param_dtype, main_dtype, grad_dtype, comm_dtype;
+  int32_t weights_sharded;  /* full weights are temporary (ZeRO-3) */
+  int32_t weights_regather; /* optimizer updates a shard of persistent weights (ZeRO-1/2) */
+  int32_t grad_mode;        /* mfsdp_grad_mode */
+} mfsdp_bucket_spec;
+
+typedef struct mfsdp_pipeline_config {
+  int32_t dp_world;        /* data-parallel size (collectives span it) */
+  double grad_prescale;    /* gradients are multiplied by this before the sum: 1/dp_world or 1 */
+  int32_t reduce_op;       /* mfsdp_reduce_op */
+  int64_t reduce_queue_bytes; /* in-flight gradient reductions beyond this are completed */
+} mfsdp_pipeline_config;
+
+typedef struct mfsdp_backend {
+  const mfsdp_memory_ops* memory;
+  void* memory_ctx;
+  const mfsdp_transport_ops* transport;
+  void* transport_ctx;
+  const mfsdp_kernel_ops* kernels;
+  void* kernels_ctx;
+} mfsdp_backend;
+
+/* Collective accounting, per bucket and summed over the pipeline. */
+typedef struct mfsdp_comm_stats {
+  int64_t all_gathers, all_gather_bytes;       /* bytes of the full output */
+  int64_t reduce_scatters, reduce_scatter_bytes; /* bytes of the full input */
+  int64_t all_reduces, all_reduce_bytes;
+} mfsdp_comm_stats;
+
+typedef struct mfsdp_pipeline mfsdp_pipeline;
+
+mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* config, const mfsdp_backend* backend,
+                                   const mfsdp_bucket_spec* buckets, int32_t n_buckets, mfsdp_pipeline** out);
+/* Waits for nothing: in-flight work is discarded. Call mfsdp_pipeline_drain first when healthy. */
+void mfsdp_pipeline_destroy(mfsdp_pipeline* p);
+
+int32_t mfsdp_pipeline_num_buckets(const mfsdp_pipeline* p);
+const mfsdp_buffer* mfsdp_pipeline_buffer(const mfsdp_pipeline* p, int32_t bucket, int32_t kind); /* NULL if absent */
+int32_t mfsdp_pipeline_weight_state(const mfsdp_pipeline* p, int32_t bucket);
+int32_t mfsdp_pipeline_grad_state(const mfsdp_pipeline* p, int32_t bucket);
+void mfsdp_pipeline_stats(const mfsdp_pipeline* p, int32_t bucket, mfsdp_comm_stats* out); /* bucket -1: total */
+/* Non-empty once a collective failed: every later call refuses with this text. */
+const char* mfsdp_pipeline_broken(const mfsdp_pipeline* p);
+
+/* Initialisation: begin materialises WEIGHT (zeroed), set_item copies a parameter in,
+ * end derives the shard and main weights and releases what is temporary. */
+mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t bucket);
+mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t bucket, int32_t item, const void* src,
+                                     int32_t src_dtype, int64_t numel);
+mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t bucket);
+
+/* Weights. unshard issues gathers (asynchronous); wait makes the full weights usable. */
+mfsdp_status mfsdp_pipeline_unshard(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
+mfsdp_status mfsdp_pipeline_wait_unshard(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
+mfsdp_status mfsdp_pipeline_reshard(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
+/* The optimizer (or a checkpoint load) changed the main weights: cast main -> compute shard and
+ * mark full weights stale so the next unshard spreads the new values. Frozen buckets are
+ * skipped unless include_frozen (they only change by loading). */
+mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_frozen);
+
+/* Gradients. */
+mfsdp_status mfsdp_pipeline_begin_backward(mfsdp_pipeline* p, int sync);
+mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t bucket, int32_t item, const void* src,
+                                       int32_t src_dtype, int64_t numel);
+mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p);
+/* Reduce whatever no_shard / ZeRO-1 gradients are not yet reduced (exactly once per step),
+ * finish every in-flight reduction, and fill OPT_GRAD. */
+mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p);
+mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p);
+/* Finish every in-flight collective. */
+mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p);
+/* Number of NaN/Inf elements in item `item`'s main gradient shard. */
+mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t bucket, int32_t item,
+                                                 int64_t* count);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

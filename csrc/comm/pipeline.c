@@ -1,0 +1,750 @@
+/* pipeline.c: the bucket state machine and collective pipeline (see mfsdp_pipeline.h).
+ *
+ * [Note: storage resize]
+ * Temporary buffers (ZeRO-3 full weights, ZeRO-2/3 full gradients, comm copies) keep one
+ * tensor object for the life of the model and only resize its storage between 0 and full size.
+ * Parameter views and tensors autograd saved for backward point into that storage object, so
+ * they stay valid across release and re-gather: no per-parameter work on the hot path.
+ *
+ * [Note: collective order]
+ * Every rank must issue the same collectives in the same order. Gathers run in the order the
+ * caller lists buckets (unit order); reductions run when a bucket's last gradient arrives,
+ * which autograd does in the same order on every rank for the same graph, and the leftovers at
+ * the end of backward run in bucket order. Every gradient bucket is reduced on every backward
+ * (unused parameters contribute zeros), so ranks that skip a parameter stay in step.
+ *
+ * [Note: reduce once per step]
+ * no_shard and ZeRO-1 accumulate local gradients in the persistent GRAD and reduce them once
+ * per optimisation step. When a reduced buffer receives further gradients (several syncing
+ * backwards before one step), `rebase` first rescales it so that the next reduction counts the
+ * already-reduced part exactly once: an all-reduced sum R sits on all `world` ranks, so it is
+ * divided by world * f (f = the factor the reduction applies); a reduce-scattered slice sits on
+ * one rank only, so it is divided by f and the stale local values around it are zeroed. */
+#include "mfsdp_pipeline.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct bucket {
+  mfsdp_bucket_spec spec; /* offsets/numels point at the copies below */
+  int64_t* offsets;
+  int64_t* numels;
+  int64_t full_size; /* shards * shard_size */
+  mfsdp_buffer buf[MFSDP_BUF_COUNT];
+  int8_t present[MFSDP_BUF_COUNT];
+  int8_t owner[MFSDP_BUF_COUNT];        /* kind whose storage this buffer uses (itself for owners) */
+  int64_t view_offset[MFSDP_BUF_COUNT]; /* element offset into the owner */
+  int8_t temporary[MFSDP_BUF_COUNT];    /* owner whose storage is released between uses */
+  int8_t materialized[MFSDP_BUF_COUNT];
+  int32_t wstate;
+  mfsdp_work* gather_work;
+  int32_t gstate;
+  mfsdp_work* reduce_work;
+  int32_t n_ready;
+  uint8_t* ready;
+  int64_t* holes; /* [start, end) pairs of GRAD not covered by any item */
+  int32_t n_holes;
+  int8_t initializing;
+  mfsdp_comm_stats stats;
+} bucket;
+
+struct mfsdp_pipeline {
+  mfsdp_pipeline_config cfg;
+  mfsdp_backend be;
+  int32_t n;
+  bucket* b;
+  int32_t* queue; /* FIFO of buckets with a reduction in flight */
+  int32_t q_head, q_len;
+  int64_t q_bytes;
+  int in_backward, sync;
+  char broken[512];
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* buffers */
+
+static int64_t elem_size(int32_t dtype) { return mfsdp_dtype_size(dtype); }
+
+static void* at(const mfsdp_buffer* b, int64_t offset) {
+  return b->data ? (char*)b->data + offset * elem_size(b->dtype) : NULL;
+}
+
+static void refresh_views(bucket* bk, int owner) {
+  for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
+    if (bk->present[k] && bk->owner[k] == owner && k != owner)
+      bk->buf[k].data = at(&bk->buf[owner], bk->view_offset[k]);
+}
+
+static mfsdp_status materialize(mfsdp_pipeline* p, bucket* bk, int kind) {
+  int o = bk->owner[kind];
+  if (bk->materialized[o]) return MFSDP_OK;
+  MFSDP_CHECK(p->be.memory->materialize(p->be.memory_ctx, &bk->buf[o]));
+  bk->materialized[o] = 1;
+  refresh_views(bk, o);
+  return MFSDP_OK;
+}
+
+static mfsdp_status release(mfsdp_pipeline* p, bucket* bk, int kind) {
+  int o = bk->owner[kind];
+  if (!bk->materialized[o] || !bk->temporary[o]) return MFSDP_OK;
+  MFSDP_CHECK(p->be.memory->release(p->be.memory_ctx, &bk->buf[o]));
+  bk->materialized[o] = 0;
+  refresh_views(bk, o);
+  return MFSDP_OK;
+}
+
+static mfsdp_status add_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype, int temporary) {
+  MFSDP_CHECK(p->be.memory->create(p->be.memory_ctx, numel, dtype, &bk->buf[kind]));
+  bk->present[kind] = 1;
+  bk->owner[kind] = (int8_t)kind;
+  bk->materialized[kind] = 1;
+  bk->temporary[kind] = (int8_t)temporary;
+  return MFSDP_OK;
+}
+
+static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, int64_t offset, int64_t numel) {
+  int o = bk->owner[of];
+  int64_t base = bk->view_offset[of] + offset;
+  if (of == o && offset == 0 && numel == bk->buf[o].numel) {
+    bk->buf[kind] = bk->buf[o]; /* the same range: share the handle, destroy only once */
+  } else {
+    MFSDP_CHECK(p->be.memory->create_view(p->be.memory_ctx, &bk->buf[o], base, numel, &bk->buf[kind]));
+  }
+  bk->present[kind] = 1;
+  bk->owner[kind] = (int8_t)o;
+  bk->view_offset[kind] = base;
+  bk->buf[kind].data = at(&bk->buf[o], base);
+  return MFSDP_OK;
+}
+
+/* Creates the buffers of one bucket per the table in mfsdp_pipeline.h. */
+static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_bucket_spec* s = &bk->spec;
+  int64_t S = s->shard_size, N = bk->full_size, off = (int64_t)s->shard_rank * S;
+  int grads = s->grad_mode != MFSDP_GRAD_NONE;
+  int accumulate = s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE;
+
+  MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, N, s->param_dtype, s->weights_sharded));
+  if (s->weights_sharded)
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, S, s->param_dtype, 0));
+  else
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, MFSDP_BUF_WEIGHT, off, S));
+  if (grads && s->main_dtype != s->param_dtype)
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, S, s->main_dtype, 0));
+  else
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, 0, S));
+  if (grads) {
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, N, accumulate ? s->comm_dtype : s->grad_dtype, accumulate));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, off, S));
+    if (accumulate)
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_SHARD, S, s->grad_dtype, 0));
+    else
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, S));
+    if (s->main_dtype != s->grad_dtype)
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, S, s->main_dtype, 0));
+    else
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, 0, S));
+    if (!accumulate && s->comm_dtype != s->grad_dtype) {
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, N, s->comm_dtype, 1));
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, off, S));
+    }
+  }
+  /* Views exist now; temporaries give their memory back until first use. */
+  for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
+    if (bk->present[k] && bk->owner[k] == k && bk->temporary[k]) MFSDP_CHECK(release(p, bk, k));
+  return MFSDP_OK;
+}
+
+static mfsdp_status compute_holes(bucket* bk) {
+  int32_t n = bk->spec.n_items;
+  bk->holes = malloc((size_t)(2 * (n + 1)) * sizeof *bk->holes);
+  if (bk->holes == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "hole table");
+  int64_t cursor = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    if (bk->offsets[i] > cursor) {
+      bk->holes[2 * bk->n_holes] = cursor;
+      bk->holes[2 * bk->n_holes + 1] = bk->offsets[i];
+      bk->n_holes++;
+    }
+    int64_t end = bk->offsets[i] + bk->numels[i];
+    if (end > cursor) cursor = end;
+  }
+  if (cursor < bk->full_size) {
+    bk->holes[2 * bk->n_holes] = cursor;
+    bk->holes[2 * bk->n_holes + 1] = bk->full_size;
+    bk->n_holes++;
+  }
+  return MFSDP_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* creation */
+
+static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_bucket_spec* s, int32_t i) {
+  if (s->shards < 1 || s->shard_rank < 0 || s->shard_rank >= s->shards || s->shard_size < 1 || s->n_items < 0)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: shards %d, rank %d, shard size %lld", i, s->shards,
+                      s->shard_rank, (long long)s->shard_size);
+  if (s->shards != 1 && s->shards != cfg->dp_world)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: %d shards but data-parallel size %d", i, s->shards,
+                      cfg->dp_world);
+  if (!mfsdp_dtype_valid(s->param_dtype) || s->grad_mode < MFSDP_GRAD_NONE ||
+      s->grad_mode > MFSDP_GRAD_SCATTER_ACCUMULATE)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: bad dtype or grad mode", i);
+  if (s->grad_mode != MFSDP_GRAD_NONE &&
+      (!mfsdp_dtype_is_float(s->main_dtype) || !mfsdp_dtype_is_float(s->grad_dtype) ||
+       !mfsdp_dtype_is_float(s->comm_dtype) || !mfsdp_dtype_is_float(s->param_dtype)))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: gradients need floating dtypes", i);
+  if (s->weights_sharded && s->shards == 1)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: sharded weights need more than one shard", i);
+  if ((s->grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE || s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) &&
+      s->shards != cfg->dp_world)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: reduce-scatter needs one shard per rank", i);
+  int64_t full = (int64_t)s->shards * s->shard_size;
+  for (int32_t k = 0; k < s->n_items; ++k)
+    if (s->offsets[k] < 0 || s->numels[k] < 0 || s->offsets[k] + s->numels[k] > full ||
+        (k > 0 && s->offsets[k] < s->offsets[k - 1] + s->numels[k - 1]))
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: [%lld, +%lld) outside or overlapping", i,
+                        k, (long long)s->offsets[k], (long long)s->numels[k]);
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp_backend* be,
+                                   const mfsdp_bucket_spec* specs, int32_t n, mfsdp_pipeline** out) {
+  *out = NULL;
+  if (cfg->dp_world < 1 || n < 0 || (cfg->reduce_op != MFSDP_REDUCE_SUM && cfg->reduce_op != MFSDP_REDUCE_AVG))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bad pipeline config (world %d, %d buckets)", cfg->dp_world, n);
+  if (!be->memory || !be->transport || !be->kernels)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "backend lacks memory, transport or kernels");
+  for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(check_spec(cfg, &specs[i], i));
+
+  mfsdp_pipeline* p = calloc(1, sizeof *p);
+  if (p == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "pipeline");
+  p->cfg = *cfg;
+  p->be = *be;
+  p->n = n;
+  p->b = calloc((size_t)(n ? n : 1), sizeof *p->b);
+  p->queue = malloc((size_t)(n ? n : 1) * sizeof *p->queue);
+  mfsdp_status st = MFSDP_OK;
+  if (p->b == NULL || p->queue == NULL) {
+    st = MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "%d buckets", n);
+    goto fail;
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    bucket* bk = &p->b[i];
+    bk->spec = specs[i];
+    int32_t items = specs[i].n_items;
+    bk->offsets = malloc((size_t)(items ? items : 1) * sizeof *bk->offsets);
+    bk->numels = malloc((size_t)(items ? items : 1) * sizeof *bk->numels);
+    bk->ready = calloc((size_t)(items ? items : 1), 1);
+    if (!bk->offsets || !bk->numels || !bk->ready) {
+      st = MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "bucket %d tables", i);
+      goto fail;
+    }
+    if (items) {
+      memcpy(bk->offsets, specs[i].offsets, (size_t)items * sizeof *bk->offsets);
+      memcpy(bk->numels, specs[i].numels, (size_t)items * sizeof *bk->numels);
+    }
+    bk->spec.offsets = bk->offsets;
+    bk->spec.numels = bk->numels;
+    bk->full_size = (int64_t)specs[i].shards * specs[i].shard_size;
+    for (int k = 0; k < MFSDP_BUF_COUNT; ++k) bk->owner[k] = -1;
+    MFSDP_CHECK_GOTO(compute_holes(bk), st, fail);
+    MFSDP_CHECK_GOTO(create_buffers(p, bk), st, fail);
+    bk->wstate = specs[i].weights_sharded ? MFSDP_W_EMPTY : MFSDP_W_READY;
+    bk->gstate = MFSDP_G_CLEAN;
+  }
+  *out = p;
+  return MFSDP_OK;
+fail:
+  mfsdp_pipeline_destroy(p);
+  return st;
+}
+
+void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
+  if (p == NULL) return;
+  for (int32_t i = 0; p->b && i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if (bk->gather_work) p->be.transport->discard(p->be.transport_ctx, bk->gather_work);
+    if (bk->reduce_work) p->be.transport->discard(p->be.transport_ctx, bk->reduce_work);
+    for (int k = 0; k < MFSDP_BUF_COUNT; ++k) {
+      if (!bk->present[k]) continue;
+      int shared = 0; /* a view that reuses its owner's handle is dropped with the owner */
+      for (int j = 0; j < k; ++j)
+        if (bk->present[j] && bk->buf[j].handle == bk->buf[k].handle) shared = 1;
+      if (!shared) p->be.memory->destroy(p->be.memory_ctx, &bk->buf[k]);
+    }
+    free(bk->offsets);
+    free(bk->numels);
+    free(bk->ready);
+    free(bk->holes);
+  }
+  free(p->b);
+  free(p->queue);
+  free(p);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* accessors */
+
+int32_t mfsdp_pipeline_num_buckets(const mfsdp_pipeline* p) { return p->n; }
+
+const mfsdp_buffer* mfsdp_pipeline_buffer(const mfsdp_pipeline* p, int32_t bucket_id, int32_t kind) {
+  if (bucket_id < 0 || bucket_id >= p->n || kind < 0 || kind >= MFSDP_BUF_COUNT) return NULL;
+  return p->b[bucket_id].present[kind] ? &p->b[bucket_id].buf[kind] : NULL;
+}
+
+int32_t mfsdp_pipeline_weight_state(const mfsdp_pipeline* p, int32_t b) { return p->b[b].wstate; }
+int32_t mfsdp_pipeline_grad_state(const mfsdp_pipeline* p, int32_t b) { return p->b[b].gstate; }
+const char* mfsdp_pipeline_broken(const mfsdp_pipeline* p) { return p->broken; }
+
+void mfsdp_pipeline_stats(const mfsdp_pipeline* p, int32_t b, mfsdp_comm_stats* out) {
+  memset(out, 0, sizeof *out);
+  for (int32_t i = 0; i < p->n; ++i) {
+    if (b >= 0 && i != b) continue;
+    const mfsdp_comm_stats* s = &p->b[i].stats;
+    out->all_gathers += s->all_gathers;
+    out->all_gather_bytes += s->all_gather_bytes;
+    out->reduce_scatters += s->reduce_scatters;
+    out->reduce_scatter_bytes += s->reduce_scatter_bytes;
+    out->all_reduces += s->all_reduces;
+    out->all_reduce_bytes += s->all_reduce_bytes;
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* guards and transport calls */
+
+static mfsdp_status healthy(const mfsdp_pipeline* p) {
+  if (p->broken[0])
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE,
+                      "the engine stopped after a failed collective (%s); build a new model with fully_shard",
+                      p->broken);
+  return MFSDP_OK;
+}
+
+/* A failed collective leaves the ranks out of step: remember it and refuse further work. */
+static mfsdp_status comm_failed(mfsdp_pipeline* p, mfsdp_status st) {
+  if (st != MFSDP_OK && st != MFSDP_ERR_INVALID_ARGUMENT && !p->broken[0]) {
+    strncpy(p->broken, mfsdp_last_error(), sizeof p->broken - 1);
+    p->broken[sizeof p->broken - 1] = '\0';
+  }
+  return st;
+}
+
+static mfsdp_status check_bucket(const mfsdp_pipeline* p, int32_t b) {
+  if (b < 0 || b >= p->n) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d out of range [0, %d)", b, p->n);
+  return MFSDP_OK;
+}
+
+static int communicates(const mfsdp_pipeline* p, const bucket* bk) {
+  return p->cfg.dp_world > 1 && (bk->spec.shards > 1 || bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE);
+}
+
+static mfsdp_status wait_work(mfsdp_pipeline* p, mfsdp_work** work) {
+  mfsdp_work* w = *work;
+  *work = NULL;
+  if (w == NULL) return MFSDP_OK;
+  return comm_failed(p, p->be.transport->wait(p->be.transport_ctx, w));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* initialisation */
+
+mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t b) {
+  MFSDP_CHECK(healthy(p));
+  MFSDP_CHECK(check_bucket(p, b));
+  bucket* bk = &p->b[b];
+  if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(wait_work(p, &bk->gather_work));
+  MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_WEIGHT));
+  MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT].data, bk->spec.param_dtype,
+                                       bk->full_size));
+  bk->initializing = 1;
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t b, int32_t item, const void* src, int32_t src_dtype,
+                                     int64_t numel) {
+  MFSDP_CHECK(check_bucket(p, b));
+  bucket* bk = &p->b[b];
+  if (!bk->initializing)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: set_item outside init_begin/init_end", b);
+  if (item < 0 || item >= bk->spec.n_items || numel != bk->numels[item])
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: %lld elements given, %lld expected", b, item,
+                      (long long)numel, item >= 0 && item < bk->spec.n_items ? (long long)bk->numels[item] : -1LL);
+  return p->be.kernels->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT], bk->offsets[item]),
+                             bk->spec.param_dtype, src, src_dtype, numel, 1.0);
+}
+
+mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
+  MFSDP_CHECK(check_bucket(p, b));
+  bucket* bk = &p->b[b];
+  if (!bk->initializing) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_end without init_begin", b);
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  int64_t S = bk->spec.shard_size, off = (int64_t)bk->spec.shard_rank * S;
+  if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
+                        at(&bk->buf[MFSDP_BUF_WEIGHT], off), bk->spec.param_dtype, S, 1.0));
+  if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD)
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype,
+                        bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype, S, 1.0));
+  bk->initializing = 0;
+  if (bk->spec.weights_sharded) {
+    MFSDP_CHECK(release(p, bk, MFSDP_BUF_WEIGHT));
+    bk->wstate = MFSDP_W_EMPTY;
+  } else {
+    bk->wstate = MFSDP_W_READY;
+  }
+  return MFSDP_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* weights */
+
+static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
+  bk->wstate = MFSDP_W_GATHERING;
+  if (!communicates(p, bk)) return MFSDP_OK;
+  mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[MFSDP_BUF_WEIGHT],
+                                                &bk->buf[MFSDP_BUF_WEIGHT_SHARD], &bk->gather_work);
+  if (st != MFSDP_OK) return comm_failed(p, st);
+  bk->stats.all_gathers++;
+  bk->stats.all_gather_bytes += bk->full_size * elem_size(bk->spec.param_dtype);
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_unshard(mfsdp_pipeline* p, const int32_t* ids, int32_t n) {
+  MFSDP_CHECK(healthy(p));
+  for (int32_t i = 0; i < n; ++i) {
+    MFSDP_CHECK(check_bucket(p, ids[i]));
+    bucket* bk = &p->b[ids[i]];
+    if (bk->wstate == MFSDP_W_EMPTY) {
+      MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_WEIGHT));
+      MFSDP_CHECK(start_gather(p, bk));
+    } else if (bk->wstate == MFSDP_W_STALE) {
+      MFSDP_CHECK(start_gather(p, bk));
+    }
+  }
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_wait_unshard(mfsdp_pipeline* p, const int32_t* ids, int32_t n) {
+  MFSDP_CHECK(healthy(p));
+  for (int32_t i = 0; i < n; ++i) {
+    MFSDP_CHECK(check_bucket(p, ids[i]));
+    bucket* bk = &p->b[ids[i]];
+    if (bk->wstate == MFSDP_W_GATHERING) {
+      MFSDP_CHECK(wait_work(p, &bk->gather_work));
+      bk->wstate = MFSDP_W_READY;
+    } else if (bk->wstate != MFSDP_W_READY) {
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: waited for weights that were never gathered", ids[i]);
+    }
+  }
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_reshard(mfsdp_pipeline* p, const int32_t* ids, int32_t n) {
+  MFSDP_CHECK(healthy(p));
+  for (int32_t i = 0; i < n; ++i) {
+    MFSDP_CHECK(check_bucket(p, ids[i]));
+    bucket* bk = &p->b[ids[i]];
+    if (!bk->spec.weights_sharded || bk->wstate == MFSDP_W_EMPTY) continue;
+    if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(wait_work(p, &bk->gather_work));
+    MFSDP_CHECK(release(p, bk, MFSDP_BUF_WEIGHT));
+    bk->wstate = MFSDP_W_EMPTY;
+  }
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_frozen) {
+  MFSDP_CHECK(healthy(p));
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if (bk->spec.grad_mode == MFSDP_GRAD_NONE && !include_frozen) continue;
+    if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD)
+      MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
+                                      bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->spec.shard_size,
+                                      1.0));
+    if (bk->spec.shards == 1) continue; /* the shard is the whole bucket: nothing to spread */
+    if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(wait_work(p, &bk->gather_work));
+    if (bk->wstate != MFSDP_W_EMPTY) bk->wstate = MFSDP_W_STALE;
+  }
+  return MFSDP_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* gradients */
+
+static int64_t reduce_bytes(const bucket* bk) {
+  int32_t dt = bk->present[MFSDP_BUF_COMM] ? bk->buf[MFSDP_BUF_COMM].dtype : bk->buf[MFSDP_BUF_GRAD].dtype;
+  return bk->full_size * elem_size(dt);
+}
+
+static mfsdp_status zero_holes(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+  for (int32_t h = 0; h < bk->n_holes; ++h)
+    MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, at(g, bk->holes[2 * h]), g->dtype,
+                                         bk->holes[2 * h + 1] - bk->holes[2 * h]));
+  return MFSDP_OK;
+}
+
+/* Completes the reduction of the bucket at the head of the queue. */
+static mfsdp_status complete_front(mfsdp_pipeline* p) {
+  int32_t id = p->queue[p->q_head];
+  bucket* bk = &p->b[id];
+  p->q_head = (p->q_head + 1) % (p->n ? p->n : 1);
+  p->q_len--;
+  p->q_bytes -= reduce_bytes(bk);
+  MFSDP_CHECK(wait_work(p, &bk->reduce_work));
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  void* kc = p->be.kernels_ctx;
+  int64_t S = bk->spec.shard_size;
+  switch (bk->spec.grad_mode) {
+    case MFSDP_GRAD_SCATTER_ACCUMULATE:
+      MFSDP_CHECK(k->accumulate(kc, bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype,
+                                bk->buf[MFSDP_BUF_GRAD_SLICE].data, bk->spec.comm_dtype, S, 1.0));
+      MFSDP_CHECK(release(p, bk, MFSDP_BUF_GRAD));
+      bk->gstate = MFSDP_G_CLEAN;
+      break;
+    case MFSDP_GRAD_ALL_REDUCE:
+    case MFSDP_GRAD_SCATTER_IN_PLACE: {
+      if (bk->present[MFSDP_BUF_COMM]) {
+        int whole = bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE;
+        int dst = whole ? MFSDP_BUF_GRAD : MFSDP_BUF_GRAD_SLICE, src = whole ? MFSDP_BUF_COMM : MFSDP_BUF_COMM_SLICE;
+        MFSDP_CHECK(k->copy(kc, bk->buf[dst].data, bk->spec.grad_dtype, bk->buf[src].data, bk->spec.comm_dtype,
+                            bk->buf[dst].numel, 1.0));
+        MFSDP_CHECK(release(p, bk, MFSDP_BUF_COMM));
+      }
+      bk->gstate = MFSDP_G_REDUCED;
+      break;
+    }
+    default:
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: queued without gradients", id);
+  }
+  return MFSDP_OK;
+}
+
+static mfsdp_status complete_until(mfsdp_pipeline* p, int32_t id) {
+  while (p->b[id].gstate == MFSDP_G_REDUCING) {
+    if (p->q_len == 0) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d reducing but not queued", id);
+    MFSDP_CHECK(complete_front(p));
+  }
+  return MFSDP_OK;
+}
+
+static mfsdp_status complete_all(mfsdp_pipeline* p) {
+  while (p->q_len > 0) MFSDP_CHECK(complete_front(p));
+  return MFSDP_OK;
+}
+
+/* Issues the bucket's gradient reduction and queues it; bounds the bytes in flight. */
+static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
+  bucket* bk = &p->b[id];
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  void* kc = p->be.kernels_ctx;
+  mfsdp_reduce_op op = (mfsdp_reduce_op)p->cfg.reduce_op;
+  mfsdp_status st = MFSDP_OK;
+  int comm = communicates(p, bk);
+  mfsdp_work* work = NULL;
+  if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
+    /* Already scaled while packing. */
+    if (comm) {
+      st = p->be.transport->reduce_scatter(p->be.transport_ctx, &bk->buf[MFSDP_BUF_GRAD_SLICE],
+                                           &bk->buf[MFSDP_BUF_GRAD], op, &work);
+      bk->stats.reduce_scatters++;
+      bk->stats.reduce_scatter_bytes += reduce_bytes(bk);
+    }
+  } else {
+    int full = MFSDP_BUF_GRAD, slice = MFSDP_BUF_GRAD_SLICE;
+    if (bk->present[MFSDP_BUF_COMM]) {
+      MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_COMM));
+      MFSDP_CHECK(k->copy(kc, bk->buf[MFSDP_BUF_COMM].data, bk->spec.comm_dtype, bk->buf[MFSDP_BUF_GRAD].data,
+                          bk->spec.grad_dtype, bk->full_size, p->cfg.grad_prescale));
+      full = MFSDP_BUF_COMM;
+      slice = MFSDP_BUF_COMM_SLICE;
+    } else {
+      MFSDP_CHECK(k->scale(kc, bk->buf[full].data, bk->buf[full].dtype, bk->full_size, p->cfg.grad_prescale));
+    }
+    if (comm && bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
+      st = p->be.transport->all_reduce(p->be.transport_ctx, &bk->buf[full], op, &work);
+      bk->stats.all_reduces++;
+      bk->stats.all_reduce_bytes += reduce_bytes(bk);
+    } else if (comm) {
+      st = p->be.transport->reduce_scatter(p->be.transport_ctx, &bk->buf[slice], &bk->buf[full], op, &work);
+      bk->stats.reduce_scatters++;
+      bk->stats.reduce_scatter_bytes += reduce_bytes(bk);
+    }
+  }
+  if (st != MFSDP_OK) return comm_failed(p, st);
+  bk->reduce_work = work;
+  bk->gstate = MFSDP_G_REDUCING;
+  p->queue[(p->q_head + p->q_len) % p->n] = id;
+  p->q_len++;
+  p->q_bytes += reduce_bytes(bk);
+  while (p->q_len > 1 && p->q_bytes > p->cfg.reduce_queue_bytes) MFSDP_CHECK(complete_front(p));
+  return MFSDP_OK;
+}
+
+/* See [Note: reduce once per step]. */
+static mfsdp_status rebase(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  void* kc = p->be.kernels_ctx;
+  double world = (double)p->cfg.dp_world;
+  double f = p->cfg.grad_prescale * (p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / world : 1.0);
+  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+  if (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
+    if (p->cfg.dp_world > 1) MFSDP_CHECK(k->scale(kc, g->data, g->dtype, bk->full_size, 1.0 / (world * f)));
+  } else if (bk->spec.shards > 1) {
+    int64_t S = bk->spec.shard_size, off = (int64_t)bk->spec.shard_rank * S;
+    MFSDP_CHECK(k->fill_zero(kc, g->data, g->dtype, off));
+    MFSDP_CHECK(k->fill_zero(kc, at(g, off + S), g->dtype, bk->full_size - off - S));
+    MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SLICE].data, g->dtype, S, 1.0 / f));
+  }
+  bk->gstate = MFSDP_G_DIRTY;
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_begin_backward(mfsdp_pipeline* p, int sync) {
+  MFSDP_CHECK(healthy(p));
+  if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "begin_backward inside a backward");
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    bk->n_ready = 0;
+    if (bk->spec.n_items) memset(bk->ready, 0, (size_t)bk->spec.n_items);
+  }
+  p->in_backward = 1;
+  p->sync = !!sync;
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t b, int32_t item, const void* src, int32_t src_dtype,
+                                       int64_t numel) {
+  MFSDP_CHECK(healthy(p));
+  MFSDP_CHECK(check_bucket(p, b));
+  bucket* bk = &p->b[b];
+  if (!p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: gradient outside a backward pass", b);
+  if (bk->spec.grad_mode == MFSDP_GRAD_NONE)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d holds frozen parameters: no gradient expected", b);
+  if (item < 0 || item >= bk->spec.n_items || numel != bk->numels[item])
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: gradient of %lld elements, expected %lld", b,
+                      item, (long long)numel, item >= 0 && item < bk->spec.n_items ? (long long)bk->numels[item] : -1LL);
+  if (bk->ready[item])
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d item %d: gradient reported twice in one backward", b, item);
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  void* kc = p->be.kernels_ctx;
+  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+  if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
+    if (bk->gstate == MFSDP_G_REDUCING)
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: gradient arrived after its reduction started", b);
+    if (bk->gstate == MFSDP_G_CLEAN) {
+      MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
+      MFSDP_CHECK(zero_holes(p, bk));
+      bk->gstate = MFSDP_G_DIRTY;
+    }
+    MFSDP_CHECK(k->copy(kc, at(g, bk->offsets[item]), g->dtype, src, src_dtype, numel, p->cfg.grad_prescale));
+  } else {
+    if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(complete_until(p, b));
+    if (bk->gstate == MFSDP_G_REDUCED) MFSDP_CHECK(rebase(p, bk));
+    MFSDP_CHECK(k->accumulate(kc, at(g, bk->offsets[item]), g->dtype, src, src_dtype, numel, 1.0));
+    bk->gstate = MFSDP_G_DIRTY;
+  }
+  bk->ready[item] = 1;
+  bk->n_ready++;
+  if (bk->n_ready == bk->spec.n_items && (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync))
+    MFSDP_CHECK(launch_reduce(p, b));
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p) {
+  MFSDP_CHECK(healthy(p));
+  if (!p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "end_backward without begin_backward");
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && bk->gstate != MFSDP_G_REDUCING) {
+      /* Parameters unused in this backward contribute zeros (see [Note: collective order]). */
+      MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
+      const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+      if (bk->gstate == MFSDP_G_CLEAN) {
+        MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
+      } else {
+        for (int32_t j = 0; j < bk->spec.n_items; ++j)
+          if (!bk->ready[j])
+            MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, at(g, bk->offsets[j]), g->dtype, bk->numels[j]));
+      }
+      MFSDP_CHECK(launch_reduce(p, i));
+    } else if (p->sync && (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE ||
+                           bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
+               (bk->gstate == MFSDP_G_CLEAN || bk->gstate == MFSDP_G_DIRTY)) {
+      MFSDP_CHECK(launch_reduce(p, i));
+    }
+  }
+  MFSDP_CHECK(complete_all(p));
+  p->in_backward = 0;
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
+  MFSDP_CHECK(healthy(p));
+  if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient sync requested inside a backward pass");
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if ((bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
+        (bk->gstate == MFSDP_G_CLEAN || bk->gstate == MFSDP_G_DIRTY))
+      MFSDP_CHECK(launch_reduce(p, i));
+  }
+  MFSDP_CHECK(complete_all(p));
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
+      MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype,
+                                      bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype, bk->spec.shard_size,
+                                      1.0));
+  }
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
+  MFSDP_CHECK(healthy(p));
+  if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "zero_grad inside a backward pass");
+  MFSDP_CHECK(complete_all(p));
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if (bk->spec.grad_mode == MFSDP_GRAD_NONE) continue;
+    int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD : MFSDP_BUF_GRAD;
+    MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[target].data, bk->buf[target].dtype, bk->buf[target].numel));
+    if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
+      MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype,
+                               bk->spec.shard_size));
+    bk->gstate = MFSDP_G_CLEAN;
+  }
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p) {
+  MFSDP_CHECK(healthy(p));
+  MFSDP_CHECK(complete_all(p));
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if (bk->wstate == MFSDP_W_GATHERING) {
+      MFSDP_CHECK(wait_work(p, &bk->gather_work));
+      bk->wstate = MFSDP_W_READY;
+    }
+  }
+  p->in_backward = 0;
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t b, int32_t item, int64_t* count) {
+  MFSDP_CHECK(check_bucket(p, b));
+  bucket* bk = &p->b[b];
+  *count = 0;
+  if (bk->spec.grad_mode == MFSDP_GRAD_NONE || item < 0 || item >= bk->spec.n_items)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d has no gradient", b, item);
+  int64_t S = bk->spec.shard_size, s0 = (int64_t)bk->spec.shard_rank * S;
+  int64_t a = bk->offsets[item] > s0 ? bk->offsets[item] : s0;
+  int64_t z = bk->offsets[item] + bk->numels[item];
+  if (z > s0 + S) z = s0 + S;
+  if (a >= z) return MFSDP_OK;
+  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD_SHARD];
+  return p->be.kernels->count_nonfinite(p->be.kernels_ctx, at(g, a - s0), g->dtype, z - a, count);
+}

@@ -1,0 +1,45 @@
+/* mfsdp_kernels.h: the element-wise kernels the pipeline runs over bucket memory.
+ *
+ * One table of operations per device kind: mfsdp_cpu_kernels here, the CUDA table in
+ * csrc/cuda/mfsdp_cuda.h. All arithmetic happens in float32, or float64 when either operand
+ * is float64, and is rounded once into the destination type: a low-precision gradient added
+ * into a high-precision main gradient is upcast first, never summed in the low type. */
+#ifndef MFSDP_KERNELS_H
+#define MFSDP_KERNELS_H
+
+#include <stdint.h>
+
+#include "mfsdp_dtype.h"
+#include "mfsdp_status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mfsdp_kernel_ops {
+  /* dst[i] = alpha * src[i], cast to dst_dtype (alpha == 1: a plain cast copy). */
+  mfsdp_status (*copy)(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n,
+                       double alpha);
+  /* dst[i] = dst[i] + alpha * src[i], computed in the wider type, rounded once. */
+  mfsdp_status (*accumulate)(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype,
+                             int64_t n, double alpha);
+  /* x[i] *= alpha */
+  mfsdp_status (*scale)(void* ctx, void* x, int dtype, int64_t n, double alpha);
+  mfsdp_status (*fill_zero)(void* ctx, void* x, int dtype, int64_t n);
+  /* *count = number of NaN/Inf elements (synchronous). */
+  mfsdp_status (*count_nonfinite)(void* ctx, const void* x, int dtype, int64_t n, int64_t* count);
+} mfsdp_kernel_ops;
+
+extern const mfsdp_kernel_ops mfsdp_cpu_kernels;
+
+mfsdp_status mfsdp_cpu_copy(void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n, double alpha);
+mfsdp_status mfsdp_cpu_accumulate(void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n,
+                                  double alpha);
+mfsdp_status mfsdp_cpu_scale(void* x, int dtype, int64_t n, double alpha);
+mfsdp_status mfsdp_cpu_fill_zero(void* x, int dtype, int64_t n);
+mfsdp_status mfsdp_cpu_count_nonfinite(const void* x, int dtype, int64_t n, int64_t* count);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

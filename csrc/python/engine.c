@@ -1,0 +1,500 @@
+/* engine.c: megatron_fsdp_c._C.Engine, the Python face of one mfsdp_pipeline.
+ *
+ * Ownership: the engine owns the pipeline, which owns every bucket buffer (torch tensors held
+ * through the memory ops). It keeps a reference to its transport object for as long as the
+ * pipeline may call it. Calls run with the GIL held; the pipeline is not re-entrant. */
+#include "glue.h"
+
+#include "../cuda/mfsdp_cuda.h"
+
+typedef struct engine_object {
+  PyObject_HEAD
+  mfsdp_pipeline* pipeline;
+  torch_memory memory;
+  PyObject* transport;
+  PyObject* device;
+  int busy;
+} engine_object;
+
+static module_state* engine_state(PyObject* self) { return mfsdp_state_of_type(Py_TYPE(self)); }
+
+static PyObject* fail(PyObject* self, mfsdp_status s) { return mfsdp_raise(engine_state(self), s); }
+
+static int ready(engine_object* e) {
+  if (e->pipeline == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "Engine is not initialised or was closed");
+    return 0;
+  }
+  if (e->busy) {
+    PyErr_SetString(PyExc_RuntimeError, "Engine re-entered from another thread or a callback; calls must not overlap");
+    return 0;
+  }
+  return 1;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* construction */
+
+static int dict_long(PyObject* d, const char* key, long long* out) {
+  PyObject* v = PyDict_GetItemString(d, key);
+  if (v == NULL) {
+    PyErr_Format(PyExc_KeyError, "bucket spec is missing '%s'", key);
+    return -1;
+  }
+  *out = PyLong_AsLongLong(v);
+  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int64_t* dict_i64s(PyObject* d, const char* key, int32_t* n) {
+  PyObject* v = PyDict_GetItemString(d, key);
+  if (v == NULL) {
+    PyErr_Format(PyExc_KeyError, "bucket spec is missing '%s'", key);
+    return NULL;
+  }
+  PyObject* fast = PySequence_Fast(v, "bucket spec field must be a sequence");
+  if (fast == NULL) return NULL;
+  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+  int64_t* out = PyMem_Malloc((size_t)(len ? len : 1) * sizeof *out);
+  for (Py_ssize_t i = 0; out && i < len; ++i) {
+    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (out[i] == -1 && PyErr_Occurred()) {
+      PyMem_Free(out);
+      out = NULL;
+    }
+  }
+  if (out == NULL && !PyErr_Occurred()) PyErr_NoMemory();
+  *n = (int32_t)len;
+  Py_DECREF(fast);
+  return out;
+}
+
+static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
+  if (!PyDict_Check(d)) {
+    PyErr_SetString(PyExc_TypeError, "bucket spec must be a dict");
+    return -1;
+  }
+  long long v[11];
+  static const char* keys[11] = {"shards",     "shard_rank", "shard_size",      "param_dtype",      "main_dtype",
+                                 "grad_dtype", "comm_dtype", "weights_sharded", "weights_regather", "grad_mode",
+                                 "n_items"};
+  for (int i = 0; i < 11; ++i)
+    if (dict_long(d, keys[i], &v[i]) < 0) return -1;
+  int32_t n_off = 0, n_num = 0;
+  int64_t* offsets = dict_i64s(d, "offsets", &n_off);
+  int64_t* numels = offsets ? dict_i64s(d, "numels", &n_num) : NULL;
+  if (numels == NULL || n_off != n_num || n_off != v[10]) {
+    PyMem_Free(offsets);
+    PyMem_Free(numels);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bucket spec: offsets/numels/n_items disagree");
+    return -1;
+  }
+  *s = (mfsdp_bucket_spec){(int32_t)v[0], (int32_t)v[1], v[2], n_off, offsets, numels, (int32_t)v[3], (int32_t)v[4],
+                           (int32_t)v[5], (int32_t)v[6], (int32_t)v[7], (int32_t)v[8], (int32_t)v[9]};
+  return 0;
+}
+
+PyDoc_STRVAR(engine_doc,
+             "Engine(buckets, dp_world, grad_prescale, reduce_op, reduce_queue_bytes, device, transport)\n\n"
+             "One collective pipeline over the given bucket specs (see csrc/comm/mfsdp_pipeline.h).\n"
+             "reduce_op: 'sum' or 'avg'. device: torch.device of every buffer. transport: a\n"
+             "TorchTransport or NcclTransport over the data-parallel ranks.");
+
+static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
+  engine_object* e = (engine_object*)self;
+  module_state* st = engine_state(self);
+  static char* kwlist[] = {"buckets", "dp_world", "grad_prescale", "reduce_op", "reduce_queue_bytes",
+                           "device",  "transport", NULL};
+  PyObject *specs_obj, *device, *transport;
+  int dp_world;
+  double prescale;
+  const char* op;
+  long long queue_bytes;
+  if (e->pipeline != NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "Engine is already initialised");
+    return -1;
+  }
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OidsLOO:Engine", kwlist, &specs_obj, &dp_world, &prescale, &op,
+                                   &queue_bytes, &device, &transport))
+    return -1;
+  if (!PyObject_TypeCheck(transport, st->torch_transport_type) &&
+      !(st->nccl_transport_type && PyObject_TypeCheck(transport, st->nccl_transport_type))) {
+    PyErr_Format(PyExc_TypeError, "Engine: transport must be a TorchTransport or NcclTransport, got %.100s",
+                 Py_TYPE(transport)->tp_name);
+    return -1;
+  }
+  int reduce_op = strcmp(op, "sum") == 0 ? MFSDP_REDUCE_SUM : strcmp(op, "avg") == 0 ? MFSDP_REDUCE_AVG : -1;
+  if (reduce_op < 0) {
+    PyErr_Format(PyExc_ValueError, "Engine: reduce_op must be 'sum' or 'avg', not '%s'", op);
+    return -1;
+  }
+  PyObject* index = PyObject_GetAttrString(device, "index");
+  PyObject* type = PyObject_GetAttrString(device, "type");
+  if (index == NULL || type == NULL) {
+    Py_XDECREF(index);
+    Py_XDECREF(type);
+    return -1;
+  }
+  int is_cuda = PyUnicode_Check(type) && PyUnicode_CompareWithASCIIString(type, "cuda") == 0;
+  int device_index = is_cuda ? (index == Py_None ? 0 : (int)PyLong_AsLong(index)) : -1;
+  Py_DECREF(index);
+  Py_DECREF(type);
+  if (PyErr_Occurred()) return -1;
+
+  const mfsdp_kernel_ops* kernels = &mfsdp_cpu_kernels;
+  void* kernels_ctx = NULL;
+  if (is_cuda) {
+    if (mfsdp_cuda_kernels == NULL) {
+      PyErr_SetString(PyExc_RuntimeError,
+                      "Engine: CUDA device requested but megatron_fsdp_c was built without CUDA "
+                      "(rebuild on a machine with nvcc: pip install -e . --no-build-isolation)");
+      return -1;
+    }
+    kernels = mfsdp_cuda_kernels;
+    kernels_ctx = mfsdp_cuda_kernel_context(device_index);
+  }
+
+  PyObject* fast = PySequence_Fast(specs_obj, "Engine: buckets must be a sequence of dicts");
+  if (fast == NULL) return -1;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  mfsdp_bucket_spec* specs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *specs);
+  int rc = -1;
+  Py_ssize_t parsed = 0;
+  if (specs == NULL) {
+    PyErr_NoMemory();
+    goto exit;
+  }
+  for (; parsed < n; ++parsed)
+    if (parse_spec(PySequence_Fast_GET_ITEM(fast, parsed), &specs[parsed]) < 0) goto exit;
+
+  Py_XSETREF(e->device, Py_NewRef(device));
+  Py_XSETREF(e->transport, Py_NewRef(transport));
+  e->memory = (torch_memory){st, e->device, device_index};
+  transport_object* t = (transport_object*)transport;
+  mfsdp_backend be = {&mfsdp_torch_memory_ops, &e->memory, t->ops, t->ctx, kernels, kernels_ctx};
+  mfsdp_pipeline_config cfg = {dp_world, prescale, reduce_op, queue_bytes};
+  mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, (int32_t)n, &e->pipeline);
+  if (s != MFSDP_OK) {
+    fail(self, s);
+    goto exit;
+  }
+  rc = 0;
+exit:
+  for (Py_ssize_t i = 0; i < parsed; ++i) {
+    PyMem_Free((void*)specs[i].offsets);
+    PyMem_Free((void*)specs[i].numels);
+  }
+  PyMem_Free(specs);
+  Py_DECREF(fast);
+  return rc;
+}
+
+static void engine_close_pipeline(engine_object* e) {
+  mfsdp_pipeline* p = e->pipeline;
+  e->pipeline = NULL;
+  if (p) mfsdp_pipeline_destroy(p);
+}
+
+static int engine_traverse(PyObject* self, visitproc visit, void* arg) {
+  engine_object* e = (engine_object*)self;
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(e->transport);
+  Py_VISIT(e->device);
+  return 0;
+}
+
+static int engine_clear(PyObject* self) {
+  engine_object* e = (engine_object*)self;
+  engine_close_pipeline(e);
+  Py_CLEAR(e->transport);
+  Py_CLEAR(e->device);
+  return 0;
+}
+
+static void engine_dealloc(PyObject* self) {
+  PyTypeObject* tp = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  engine_clear(self);
+  tp->tp_free(self);
+  Py_DECREF(tp);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* methods */
+
+#define MAX_IDS_ON_STACK 64
+
+/* Runs a pipeline call over a sequence of bucket ids. */
+static PyObject* over_ids(PyObject* self, PyObject* ids,
+                          mfsdp_status (*fn)(mfsdp_pipeline*, const int32_t*, int32_t)) {
+  engine_object* e = (engine_object*)self;
+  if (!ready(e)) return NULL;
+  PyObject* fast = PySequence_Fast(ids, "bucket ids must be a sequence of ints");
+  if (fast == NULL) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  int32_t stack[MAX_IDS_ON_STACK];
+  int32_t* arr = n <= MAX_IDS_ON_STACK ? stack : PyMem_Malloc((size_t)n * sizeof *arr);
+  PyObject* result = NULL;
+  if (arr == NULL) {
+    PyErr_NoMemory();
+    goto exit;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (v == -1 && PyErr_Occurred()) goto exit;
+    arr[i] = (int32_t)v;
+  }
+  e->busy = 1;
+  mfsdp_status s = fn(e->pipeline, arr, (int32_t)n);
+  e->busy = 0;
+  result = s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
+exit:
+  if (arr != stack) PyMem_Free(arr);
+  Py_DECREF(fast);
+  return result;
+}
+
+static PyObject* engine_unshard(PyObject* self, PyObject* ids) { return over_ids(self, ids, mfsdp_pipeline_unshard); }
+static PyObject* engine_wait_unshard(PyObject* self, PyObject* ids) {
+  return over_ids(self, ids, mfsdp_pipeline_wait_unshard);
+}
+static PyObject* engine_reshard(PyObject* self, PyObject* ids) { return over_ids(self, ids, mfsdp_pipeline_reshard); }
+
+static PyObject* run(PyObject* self, mfsdp_status (*fn)(mfsdp_pipeline*)) {
+  engine_object* e = (engine_object*)self;
+  if (!ready(e)) return NULL;
+  e->busy = 1;
+  mfsdp_status s = fn(e->pipeline);
+  e->busy = 0;
+  if (s != MFSDP_OK) return fail(self, s);
+  Py_RETURN_NONE;
+}
+
+static PyObject* engine_end_backward(PyObject* self, PyObject* unused) {
+  (void)unused;
+  return run(self, mfsdp_pipeline_end_backward);
+}
+static PyObject* engine_sync_grads(PyObject* self, PyObject* unused) {
+  (void)unused;
+  return run(self, mfsdp_pipeline_sync_grads);
+}
+static PyObject* engine_zero_grads(PyObject* self, PyObject* unused) {
+  (void)unused;
+  return run(self, mfsdp_pipeline_zero_grads);
+}
+static PyObject* engine_drain(PyObject* self, PyObject* unused) {
+  (void)unused;
+  return run(self, mfsdp_pipeline_drain);
+}
+
+static PyObject* engine_begin_backward(PyObject* self, PyObject* sync) {
+  engine_object* e = (engine_object*)self;
+  if (!ready(e)) return NULL;
+  int flag = PyObject_IsTrue(sync);
+  if (flag < 0) return NULL;
+  mfsdp_status s = mfsdp_pipeline_begin_backward(e->pipeline, flag);
+  if (s != MFSDP_OK) return fail(self, s);
+  Py_RETURN_NONE;
+}
+
+static PyObject* engine_install_main_weights(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  int include_frozen = 0;
+  if (!PyArg_ParseTuple(args, "|p:install_main_weights", &include_frozen) || !ready(e)) return NULL;
+  e->busy = 1;
+  mfsdp_status s = mfsdp_pipeline_install_main_weights(e->pipeline, include_frozen);
+  e->busy = 0;
+  if (s != MFSDP_OK) return fail(self, s);
+  Py_RETURN_NONE;
+}
+
+static int device_matches(engine_object* e, const tensor_view* v, const char* what) {
+  if (v->device != e->memory.device_index) {
+    PyErr_Format(PyExc_ValueError, "%s: tensor is on %s%d but the engine's buffers are on %s%d", what,
+                 v->device < 0 ? "cpu" : "cuda:", v->device < 0 ? 0 : v->device,
+                 e->memory.device_index < 0 ? "cpu" : "cuda:", e->memory.device_index < 0 ? 0 : e->memory.device_index);
+    return 0;
+  }
+  return 1;
+}
+
+static PyObject* engine_grad_ready(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  engine_object* e = (engine_object*)self;
+  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "grad_ready(bucket, item, grad) takes 3 arguments");
+  if (!ready(e)) return NULL;
+  long b = PyLong_AsLong(args[0]), i = PyLong_AsLong(args[1]);
+  if (PyErr_Occurred()) return NULL;
+  tensor_view v;
+  if (mfsdp_tensor_view(engine_state(self), args[2], "grad_ready", &v) < 0 || !device_matches(e, &v, "grad_ready"))
+    return NULL;
+  e->busy = 1;
+  mfsdp_status s = mfsdp_pipeline_grad_ready(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel);
+  e->busy = 0;
+  if (s != MFSDP_OK) return fail(self, s);
+  Py_RETURN_NONE;
+}
+
+static PyObject* engine_init_begin(PyObject* self, PyObject* arg) {
+  engine_object* e = (engine_object*)self;
+  if (!ready(e)) return NULL;
+  long b = PyLong_AsLong(arg);
+  if (PyErr_Occurred()) return NULL;
+  mfsdp_status s = mfsdp_pipeline_init_begin(e->pipeline, (int32_t)b);
+  if (s != MFSDP_OK) return fail(self, s);
+  Py_RETURN_NONE;
+}
+
+static PyObject* engine_init_end(PyObject* self, PyObject* arg) {
+  engine_object* e = (engine_object*)self;
+  if (!ready(e)) return NULL;
+  long b = PyLong_AsLong(arg);
+  if (PyErr_Occurred()) return NULL;
+  mfsdp_status s = mfsdp_pipeline_init_end(e->pipeline, (int32_t)b);
+  if (s != MFSDP_OK) return fail(self, s);
+  Py_RETURN_NONE;
+}
+
+static PyObject* engine_set_item(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  engine_object* e = (engine_object*)self;
+  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "set_item(bucket, item, tensor) takes 3 arguments");
+  if (!ready(e)) return NULL;
+  long b = PyLong_AsLong(args[0]), i = PyLong_AsLong(args[1]);
+  if (PyErr_Occurred()) return NULL;
+  tensor_view v;
+  if (mfsdp_tensor_view(engine_state(self), args[2], "set_item", &v) < 0 || !device_matches(e, &v, "set_item"))
+    return NULL;
+  mfsdp_status s = mfsdp_pipeline_set_item(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel);
+  if (s != MFSDP_OK) return fail(self, s);
+  Py_RETURN_NONE;
+}
+
+static PyObject* engine_tensor(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  int b, kind;
+  if (!PyArg_ParseTuple(args, "ii:tensor", &b, &kind) || !ready(e)) return NULL;
+  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline) || kind < 0 || kind >= MFSDP_BUF_COUNT)
+    return PyErr_Format(PyExc_IndexError, "tensor(%d, %d): no such bucket or buffer kind", b, kind);
+  const mfsdp_buffer* buf = mfsdp_pipeline_buffer(e->pipeline, b, kind);
+  if (buf == NULL) Py_RETURN_NONE;
+  return Py_NewRef((PyObject*)buf->handle);
+}
+
+static PyObject* engine_weight_state(PyObject* self, PyObject* arg) {
+  engine_object* e = (engine_object*)self;
+  long b = PyLong_AsLong(arg);
+  if (PyErr_Occurred() || !ready(e)) return NULL;
+  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+  static const char* names[] = {"empty", "gathering", "ready", "stale"};
+  return PyUnicode_FromString(names[mfsdp_pipeline_weight_state(e->pipeline, (int32_t)b)]);
+}
+
+static PyObject* engine_grad_state(PyObject* self, PyObject* arg) {
+  engine_object* e = (engine_object*)self;
+  long b = PyLong_AsLong(arg);
+  if (PyErr_Occurred() || !ready(e)) return NULL;
+  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+  static const char* names[] = {"clean", "dirty", "reducing", "reduced"};
+  return PyUnicode_FromString(names[mfsdp_pipeline_grad_state(e->pipeline, (int32_t)b)]);
+}
+
+static PyObject* engine_stats(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  int b = -1;
+  if (!PyArg_ParseTuple(args, "|i:stats", &b) || !ready(e)) return NULL;
+  if (b < -1 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %d", b);
+  mfsdp_comm_stats s;
+  mfsdp_pipeline_stats(e->pipeline, b, &s);
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L}", "all_gathers", (long long)s.all_gathers, "all_gather_bytes",
+                       (long long)s.all_gather_bytes, "reduce_scatters", (long long)s.reduce_scatters,
+                       "reduce_scatter_bytes", (long long)s.reduce_scatter_bytes, "all_reduces",
+                       (long long)s.all_reduces, "all_reduce_bytes", (long long)s.all_reduce_bytes);
+}
+
+static PyObject* engine_count_nonfinite_grad(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  int b, i;
+  int64_t count = 0;
+  if (!PyArg_ParseTuple(args, "ii:count_nonfinite_grad", &b, &i) || !ready(e)) return NULL;
+  mfsdp_status s = mfsdp_pipeline_count_nonfinite_grad(e->pipeline, b, i, &count);
+  if (s != MFSDP_OK) return fail(self, s);
+  return PyLong_FromLongLong(count);
+}
+
+static PyObject* engine_broken(PyObject* self, void* closure) {
+  (void)closure;
+  engine_object* e = (engine_object*)self;
+  if (e->pipeline == NULL) Py_RETURN_NONE;
+  const char* text = mfsdp_pipeline_broken(e->pipeline);
+  if (!text[0]) Py_RETURN_NONE;
+  return PyUnicode_FromString(text);
+}
+
+static PyObject* engine_num_buckets(PyObject* self, void* closure) {
+  (void)closure;
+  engine_object* e = (engine_object*)self;
+  return PyLong_FromLong(e->pipeline ? mfsdp_pipeline_num_buckets(e->pipeline) : 0);
+}
+
+static PyObject* engine_close(PyObject* self, PyObject* unused) {
+  (void)unused;
+  engine_close_pipeline((engine_object*)self);
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef engine_methods[] = {
+    {"init_begin", engine_init_begin, METH_O, "init_begin(bucket): materialise zeroed full weights for set_item."},
+    {"set_item", (PyCFunction)(void (*)(void))engine_set_item, METH_FASTCALL,
+     "set_item(bucket, item, tensor): copy a parameter's values into the bucket."},
+    {"init_end", engine_init_end, METH_O, "init_end(bucket): derive shard and main weights, release temporaries."},
+    {"unshard", engine_unshard, METH_O, "unshard(buckets): start all-gathers of the full weights."},
+    {"wait_unshard", engine_wait_unshard, METH_O, "wait_unshard(buckets): full weights usable after this."},
+    {"reshard", engine_reshard, METH_O, "reshard(buckets): release full weights (ZeRO-3 buckets)."},
+    {"install_main_weights", engine_install_main_weights, METH_VARARGS,
+     "install_main_weights(include_frozen=False): main -> compute weights; full weights become stale."},
+    {"begin_backward", engine_begin_backward, METH_O, "begin_backward(sync): a backward pass starts."},
+    {"grad_ready", (PyCFunction)(void (*)(void))engine_grad_ready, METH_FASTCALL,
+     "grad_ready(bucket, item, grad): one parameter's gradient of this backward."},
+    {"end_backward", engine_end_backward, METH_NOARGS, "end_backward(): flush and finish this backward's reductions."},
+    {"sync_grads", engine_sync_grads, METH_NOARGS,
+     "sync_grads(): reduce pending no_shard/ZeRO-1 gradients once, finish all reductions, fill OPT_GRAD."},
+    {"zero_grads", engine_zero_grads, METH_NOARGS, "zero_grads(): zero the main gradient buffers."},
+    {"drain", engine_drain, METH_NOARGS, "drain(): finish every in-flight collective."},
+    {"tensor", engine_tensor, METH_VARARGS, "tensor(bucket, kind) -> the buffer's torch tensor, or None."},
+    {"weight_state", engine_weight_state, METH_O, "weight_state(bucket) -> 'empty'|'gathering'|'ready'|'stale'."},
+    {"grad_state", engine_grad_state, METH_O, "grad_state(bucket) -> 'clean'|'dirty'|'reducing'|'reduced'."},
+    {"stats", engine_stats, METH_VARARGS, "stats(bucket=-1) -> collective counts and bytes."},
+    {"count_nonfinite_grad", engine_count_nonfinite_grad, METH_VARARGS,
+     "count_nonfinite_grad(bucket, item) -> NaN/Inf count in this rank's main gradient of the item."},
+    {"close", engine_close, METH_NOARGS, "close(): free every buffer now."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef engine_getset[] = {
+    {"broken", engine_broken, NULL, "Text of the collective failure that stopped the engine, or None.", NULL},
+    {"num_buckets", engine_num_buckets, NULL, "Number of buckets.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot engine_slots[] = {
+    {Py_tp_doc, (void*)engine_doc},
+    {Py_tp_init, engine_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_traverse, engine_traverse},
+    {Py_tp_clear, engine_clear},
+    {Py_tp_dealloc, engine_dealloc},
+    {Py_tp_methods, engine_methods},
+    {Py_tp_getset, engine_getset},
+    {0, NULL},
+};
+
+static PyType_Spec engine_spec = {
+    .name = "megatron_fsdp_c._C.Engine",
+    .basicsize = sizeof(engine_object),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = engine_slots,
+};
+
+int mfsdp_register_engine(PyObject* module, module_state* st) {
+  st->engine_type = (PyTypeObject*)PyType_FromModuleAndSpec(module, &engine_spec, NULL);
+  if (st->engine_type == NULL) return -1;
+  return PyModule_AddType(module, st->engine_type);
+}

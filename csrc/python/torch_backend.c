@@ -1,0 +1,248 @@
+/* torch_backend.c: buffers as torch tensors, and the torch.distributed transport.
+ *
+ * Memory: every owner buffer is one flat torch tensor made once; materialise/release resize
+ * its untyped storage (see [Note: storage resize] in csrc/comm/pipeline.c).
+ *
+ * Transport: collectives go through torch.distributed with async_op=True, called from C. Two
+ * process groups over the same ranks, one for all-gathers and one for reductions, so a
+ * prefetching gather never queues behind a gradient reduce-scatter on one communicator. A
+ * work handle is the torch Work object itself. */
+#include "glue.h"
+
+/* ------------------------------------------------------------------------------------------ */
+/* memory */
+
+static mfsdp_status py_fail(const char* what) { return mfsdp_status_from_python(MFSDP_ERR_PYTHON, what); }
+
+static mfsdp_status read_data_ptr(PyObject* tensor, void** data) {
+  PyObject* r = PyObject_CallMethod(tensor, "data_ptr", NULL);
+  if (r == NULL) return py_fail("data_ptr");
+  *data = (void*)(intptr_t)PyLong_AsLongLong(r);
+  Py_DECREF(r);
+  return PyErr_Occurred() ? py_fail("data_ptr") : MFSDP_OK;
+}
+
+static mfsdp_status mem_create(void* ctx, int64_t numel, int32_t dtype, mfsdp_buffer* out) {
+  torch_memory* m = ctx;
+  PyObject* zeros = PyObject_GetAttrString(m->st->torch, "zeros");
+  PyObject* args = Py_BuildValue("(L)", (long long)numel);
+  PyObject* kwargs = Py_BuildValue("{s:O,s:O}", "dtype", PyTuple_GET_ITEM(m->st->dtypes, dtype), "device", m->device);
+  PyObject* t = (zeros && args && kwargs) ? PyObject_Call(zeros, args, kwargs) : NULL;
+  Py_XDECREF(zeros);
+  Py_XDECREF(args);
+  Py_XDECREF(kwargs);
+  if (t == NULL) return mfsdp_status_from_python(MFSDP_ERR_OUT_OF_MEMORY, "create buffer");
+  *out = (mfsdp_buffer){NULL, numel, dtype, m->device_index, t};
+  mfsdp_status s = read_data_ptr(t, &out->data);
+  if (s != MFSDP_OK) Py_CLEAR(out->handle);
+  return s;
+}
+
+static mfsdp_status mem_create_view(void* ctx, const mfsdp_buffer* owner, int64_t offset, int64_t numel,
+                                    mfsdp_buffer* out) {
+  (void)ctx;
+  PyObject* t = PyObject_CallMethod((PyObject*)owner->handle, "narrow", "iLL", 0, (long long)offset, (long long)numel);
+  if (t == NULL) return py_fail("create view");
+  *out = (mfsdp_buffer){NULL, numel, owner->dtype, owner->device, t};
+  return MFSDP_OK;
+}
+
+static mfsdp_status resize_storage(mfsdp_buffer* b, int64_t nbytes) {
+  PyObject* storage = PyObject_CallMethod((PyObject*)b->handle, "untyped_storage", NULL);
+  if (storage == NULL) return py_fail("untyped_storage");
+  PyObject* r = PyObject_CallMethod(storage, "resize_", "L", (long long)nbytes);
+  Py_DECREF(storage);
+  if (r == NULL) return mfsdp_status_from_python(nbytes ? MFSDP_ERR_OUT_OF_MEMORY : MFSDP_ERR_PYTHON, "resize_");
+  Py_DECREF(r);
+  return MFSDP_OK;
+}
+
+static mfsdp_status mem_materialize(void* ctx, mfsdp_buffer* b) {
+  (void)ctx;
+  MFSDP_CHECK(resize_storage(b, b->numel * mfsdp_dtype_size(b->dtype)));
+  return read_data_ptr((PyObject*)b->handle, &b->data);
+}
+
+static mfsdp_status mem_release(void* ctx, mfsdp_buffer* b) {
+  (void)ctx;
+  MFSDP_CHECK(resize_storage(b, 0));
+  b->data = NULL;
+  return MFSDP_OK;
+}
+
+static void mem_destroy(void* ctx, mfsdp_buffer* b) {
+  (void)ctx;
+  PyObject* t = (PyObject*)b->handle;
+  b->handle = NULL;
+  b->data = NULL;
+  Py_XDECREF(t);
+}
+
+const mfsdp_memory_ops mfsdp_torch_memory_ops = {mem_create, mem_create_view, mem_materialize, mem_release,
+                                                 mem_destroy};
+
+/* ------------------------------------------------------------------------------------------ */
+/* transport */
+
+typedef struct torch_transport {
+  transport_object head;
+  PyObject* all_gather;     /* torch.distributed.all_gather_single (all_gather_into_tensor) */
+  PyObject* reduce_scatter; /* torch.distributed.reduce_scatter_single (reduce_scatter_tensor) */
+  PyObject* all_reduce;     /* torch.distributed.all_reduce */
+  PyObject* gather_group;
+  PyObject* reduce_group;
+  PyObject* ops[2];         /* ReduceOp.SUM, ReduceOp.AVG */
+  PyObject* kw_gather;      /* ("group", "async_op") */
+  PyObject* kw_reduce;      /* ("op", "group", "async_op") */
+} torch_transport;
+
+static mfsdp_status issue(PyObject* fn, PyObject* const* args, size_t nargs, PyObject* kwnames, mfsdp_work** work,
+                          const char* what) {
+  PyObject* w = PyObject_Vectorcall(fn, args, nargs, kwnames);
+  if (w == NULL) return mfsdp_status_from_python(MFSDP_ERR_COMM, what);
+  *work = (mfsdp_work*)w; /* the Work object is the handle */
+  return MFSDP_OK;
+}
+
+static mfsdp_status tt_all_gather(void* ctx, const mfsdp_buffer* full, const mfsdp_buffer* shard, mfsdp_work** work) {
+  torch_transport* t = ctx;
+  PyObject* args[] = {full->handle, shard->handle, t->gather_group, Py_True};
+  return issue(t->all_gather, args, 2, t->kw_gather, work, "all_gather_into_tensor");
+}
+
+static mfsdp_status tt_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
+                                     mfsdp_reduce_op op, mfsdp_work** work) {
+  torch_transport* t = ctx;
+  PyObject* args[] = {shard->handle, full->handle, t->ops[op], t->reduce_group, Py_True};
+  return issue(t->reduce_scatter, args, 2, t->kw_reduce, work, "reduce_scatter_tensor");
+}
+
+static mfsdp_status tt_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, mfsdp_work** work) {
+  torch_transport* t = ctx;
+  PyObject* args[] = {buf->handle, t->ops[op], t->reduce_group, Py_True};
+  return issue(t->all_reduce, args, 1, t->kw_reduce, work, "all_reduce");
+}
+
+static mfsdp_status tt_wait(void* ctx, mfsdp_work* work) {
+  (void)ctx;
+  PyObject* w = (PyObject*)work;
+  if (w == NULL) return MFSDP_OK;
+  PyObject* r = PyObject_CallMethod(w, "wait", NULL);
+  Py_DECREF(w);
+  if (r == NULL) return mfsdp_status_from_python(MFSDP_ERR_COMM, "Work.wait");
+  Py_DECREF(r);
+  return MFSDP_OK;
+}
+
+static void tt_discard(void* ctx, mfsdp_work* work) {
+  (void)ctx;
+  Py_XDECREF((PyObject*)work);
+}
+
+static const mfsdp_transport_ops torch_transport_ops = {"torch", tt_all_gather, tt_reduce_scatter, tt_all_reduce,
+                                                        tt_wait, tt_discard};
+
+PyDoc_STRVAR(torch_transport_doc,
+             "TorchTransport(all_gather_group, reduce_group, device=-1)\n\n"
+             "Collectives through torch.distributed (any backend; gloo on CPU), called from C.\n"
+             "all_gather_group and reduce_group are process groups over the same ranks.");
+
+/* torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names. */
+static PyObject* attr_or_fallback(PyObject* module, const char* name, const char* fallback) {
+  PyObject* fn = PyObject_GetAttrString(module, name);
+  if (fn == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+    fn = PyObject_GetAttrString(module, fallback);
+  }
+  return fn;
+}
+
+static int tt_init(PyObject* self, PyObject* args, PyObject* kwds) {
+  torch_transport* t = (torch_transport*)self;
+  static char* kwlist[] = {"all_gather_group", "reduce_group", "device", NULL};
+  PyObject *ag, *rg;
+  int device = -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|i:TorchTransport", kwlist, &ag, &rg, &device)) return -1;
+  PyObject* dist = PyImport_ImportModule("torch.distributed");
+  if (dist == NULL) return -1;
+  PyObject* reduce_op = PyObject_GetAttrString(dist, "ReduceOp");
+  int ok = reduce_op != NULL;
+  if (ok) {
+    Py_XSETREF(t->all_gather, attr_or_fallback(dist, "all_gather_single", "all_gather_into_tensor"));
+    Py_XSETREF(t->reduce_scatter, attr_or_fallback(dist, "reduce_scatter_single", "reduce_scatter_tensor"));
+    Py_XSETREF(t->all_reduce, PyObject_GetAttrString(dist, "all_reduce"));
+    Py_XSETREF(t->ops[MFSDP_REDUCE_SUM], PyObject_GetAttrString(reduce_op, "SUM"));
+    Py_XSETREF(t->ops[MFSDP_REDUCE_AVG], PyObject_GetAttrString(reduce_op, "AVG"));
+    Py_XSETREF(t->kw_gather, Py_BuildValue("(ss)", "group", "async_op"));
+    Py_XSETREF(t->kw_reduce, Py_BuildValue("(sss)", "op", "group", "async_op"));
+    ok = t->all_gather && t->reduce_scatter && t->all_reduce && t->ops[0] && t->ops[1] && t->kw_gather &&
+         t->kw_reduce;
+  }
+  Py_XDECREF(reduce_op);
+  Py_DECREF(dist);
+  if (!ok) return -1;
+  Py_XSETREF(t->gather_group, Py_NewRef(ag));
+  Py_XSETREF(t->reduce_group, Py_NewRef(rg));
+  t->head.ops = &torch_transport_ops;
+  t->head.ctx = t;
+  t->head.device = device;
+  return 0;
+}
+
+static int tt_traverse(PyObject* self, visitproc visit, void* arg) {
+  torch_transport* t = (torch_transport*)self;
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(t->all_gather);
+  Py_VISIT(t->reduce_scatter);
+  Py_VISIT(t->all_reduce);
+  Py_VISIT(t->gather_group);
+  Py_VISIT(t->reduce_group);
+  Py_VISIT(t->ops[0]);
+  Py_VISIT(t->ops[1]);
+  return 0;
+}
+
+static int tt_clear(PyObject* self) {
+  torch_transport* t = (torch_transport*)self;
+  Py_CLEAR(t->all_gather);
+  Py_CLEAR(t->reduce_scatter);
+  Py_CLEAR(t->all_reduce);
+  Py_CLEAR(t->gather_group);
+  Py_CLEAR(t->reduce_group);
+  Py_CLEAR(t->ops[0]);
+  Py_CLEAR(t->ops[1]);
+  Py_CLEAR(t->kw_gather);
+  Py_CLEAR(t->kw_reduce);
+  return 0;
+}
+
+static void tt_dealloc(PyObject* self) {
+  PyTypeObject* tp = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  tt_clear(self);
+  tp->tp_free(self);
+  Py_DECREF(tp);
+}
+
+static PyType_Slot tt_slots[] = {
+    {Py_tp_doc, (void*)torch_transport_doc},
+    {Py_tp_init, tt_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_traverse, tt_traverse},
+    {Py_tp_clear, tt_clear},
+    {Py_tp_dealloc, tt_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec tt_spec = {
+    .name = "megatron_fsdp_c._C.TorchTransport",
+    .basicsize = sizeof(torch_transport),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = tt_slots,
+};
+
+int mfsdp_register_torch_transport(PyObject* module, module_state* st) {
+  st->torch_transport_type = (PyTypeObject*)PyType_FromModuleAndSpec(module, &tt_spec, NULL);
+  if (st->torch_transport_type == NULL) return -1;
+  return PyModule_AddType(module, st->torch_transport_type);
+}

@@ -1,0 +1,20 @@
+"""megatron_fsdp_c: Fully Sharded Data Parallel for PyTorch with a C engine.
+
+A mirror of NVIDIA Megatron-FSDP's API (fully_shard, MixedPrecisionPolicy, the MegatronFSDP
+wrapper) whose layout planner, kernels and collective pipeline are C (megatron_fsdp_c._C).
+"""
+from . import _C
+from .fully_shard import ShardingStrategy, fully_shard, fully_shard_model, fully_shard_optimizer
+from .megatron_fsdp import MegatronFSDP
+from .mixed_precision import MixedPrecisionPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MegatronFSDP",
+    "MixedPrecisionPolicy",
+    "ShardingStrategy",
+    "fully_shard",
+    "fully_shard_model",
+    "fully_shard_optimizer",
+]

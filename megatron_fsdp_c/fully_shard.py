@@ -1,0 +1,253 @@
+"""fully_shard, fully_shard_model and fully_shard_optimizer (Megatron-FSDP's entry points).
+
+Differences from Megatron-FSDP, on purpose:
+- the optimizer keeps the user's param groups and hyperparameters (Megatron-FSDP rebuilds one
+  group from the defaults);
+- strategy 3 without units is a clear error instead of a division by zero;
+- the optimizer may be built on the original parameters: fully_shard remaps it.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import importlib
+import inspect
+from typing import Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from ._distributed import make_dist_context
+from .megatron_fsdp import MegatronFSDP
+from .mixed_precision import MixedPrecisionPolicy
+
+__all__ = ["ShardingStrategy", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
+
+
+class ShardingStrategy(enum.IntEnum):
+    NO_SHARD = 0
+    OPTIM = 1
+    OPTIM_GRADS = 2
+    OPTIM_GRADS_PARAMS = 3
+
+
+_STRATEGY_NAMES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def parse_strategy(value) -> int:
+    if isinstance(value, bool):
+        value = None  # True/False are ints in Python; never a strategy
+    elif isinstance(value, int) and 0 <= int(value) <= 3:
+        return int(value)
+    elif isinstance(value, str) and value.lower() in _STRATEGY_NAMES:
+        return _STRATEGY_NAMES[value.lower()]
+    raise ValueError(
+        f"unknown zero_dp_strategy {value!r}: use 0/'no_shard', 1/'optim', 2/'optim_grads' or "
+        "3/'optim_grads_params'"
+    )
+
+
+def _resolve_class(entry):
+    if isinstance(entry, type):
+        if not issubclass(entry, nn.Module):
+            raise TypeError(f"fsdp_unit_modules entry {entry.__name__} is not an nn.Module subclass")
+        return entry
+    if isinstance(entry, str):
+        module_name, _, cls_name = entry.rpartition(".")
+        if not module_name:
+            raise ValueError(f"fsdp_unit_modules entry {entry!r} must be a class or a dotted 'package.module.Class'")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"fsdp_unit_modules entry {entry!r} cannot be imported: {e}") from e
+        return _resolve_class(cls)
+    raise TypeError(
+        f"fsdp_unit_modules entries must be nn.Module classes or dotted strings, got {type(entry).__name__}"
+    )
+
+
+def find_units(module: nn.Module, classes: Sequence[type]) -> List[nn.Module]:
+    """Outermost modules that are instances of `classes`, in module order."""
+    units, inside = [], set()
+    for sub in module.modules():
+        if id(sub) in inside:
+            continue
+        if isinstance(sub, tuple(classes)):
+            units.append(sub)
+            inside.update(id(m) for m in sub.modules())
+    for cls in classes:
+        if not any(isinstance(u, cls) for u in units) and not any(isinstance(m, cls) for m in module.modules()):
+            present = sorted({type(m).__name__ for m in module.modules()})
+            raise ValueError(
+                f"fsdp_unit_modules: no module of class {cls.__module__}.{cls.__qualname__} in the model; the model "
+                f"contains: {', '.join(present)}"
+            )
+    return units
+
+
+def _check_params(module: nn.Module) -> torch.device:
+    devices = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad and not (p.is_floating_point()):
+            raise TypeError(
+                f"parameter '{name}' has dtype {p.dtype} and requires grad: only float32/bfloat16/float16/float64 "
+                "parameters can be trained (set requires_grad=False or convert the parameter)"
+            )
+        if p.is_meta:
+            raise ValueError(
+                f"parameter '{name}' is on the meta device: pass init_model_with_meta_device=True to materialise "
+                "it module by module, or initialise the model first"
+            )
+        devices.setdefault(p.device, name)
+    if len(devices) > 1:
+        (d1, n1), (d2, n2) = list(devices.items())[:2]
+        raise ValueError(
+            f"parameters are on different devices: '{n1}' on {d1} and '{n2}' on {d2}; move the model to one "
+            "device (model.to(device)) or pass device= to fully_shard"
+        )
+    if not devices:
+        raise ValueError("the module has no parameters to shard")
+    return next(iter(devices))
+
+
+def fully_shard_model(
+    module: nn.Module,
+    device_mesh=None,
+    dp_shard_dim: Optional[str] = None,
+    fsdp_unit_modules: Optional[Iterable[Union[type, str]]] = None,
+    zero_dp_strategy: Union[int, str] = 3,
+    device: Optional[torch.device] = None,
+    mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    report_nan_in_param_grad: bool = False,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    bucket_size: Optional[int] = None,
+    reduce_queue_bytes: Optional[int] = None,
+    transport: str = "auto",
+    **unsupported,
+) -> MegatronFSDP:
+    """Wraps `module` in a MegatronFSDP that shards it over the data-parallel ranks.
+
+    fsdp_unit_modules: classes (or 'pkg.mod.Class' strings) whose instances are gathered and
+    released as one unit; required for zero_dp_strategy 3 ('optim_grads_params', the default).
+    device_mesh: None (all ranks), a 1-D DeviceMesh, an N-D mesh with dp_shard_dim, or a
+    ProcessGroup. bucket_size: elements per bucket for parameters outside every unit.
+    """
+    if unsupported:
+        raise TypeError(f"fully_shard got unsupported arguments: {', '.join(sorted(unsupported))}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, MegatronFSDP) or getattr(module, "_megatron_fsdp_wrapper", None) is not None:
+        raise RuntimeError(
+            "fully_shard was already applied to this module; keep using the model it returned (calling it twice "
+            "would shard the shards)"
+        )
+    strategy = parse_strategy(zero_dp_strategy)
+    policy = MixedPrecisionPolicy() if mixed_precision_policy is None else mixed_precision_policy
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mixed_precision_policy must be a megatron_fsdp_c.MixedPrecisionPolicy, got {type(policy).__name__}"
+        )
+    classes = [_resolve_class(c) for c in (fsdp_unit_modules or [])]
+    if strategy == 3 and not classes:
+        raise ValueError(
+            "zero_dp_strategy='optim_grads_params' (3) needs fsdp_unit_modules: the classes gathered and released "
+            "together, e.g. fsdp_unit_modules=[TransformerBlock]. Without units use zero_dp_strategy 'optim_grads' (2)"
+        )
+    if device is not None:
+        module.to(device)
+    param_device = _check_params(module)
+    units = find_units(module, classes)
+    if disable_bucketing:
+        bucket_size = None
+    ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport)
+    return MegatronFSDP(
+        module, dist_ctx=ctx, zero_dp_strategy=strategy, fsdp_unit_modules=units, mixed_precision_policy=policy,
+        sync_model_each_microbatch=sync_model_each_microbatch, overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather, average_in_collective=average_in_collective,
+        calculate_per_token_loss=calculate_per_token_loss, report_nan_in_param_grad=report_nan_in_param_grad,
+        bucket_size=bucket_size, reduce_queue_bytes=reduce_queue_bytes,
+    )
+
+
+def _model_of(optimizer) -> MegatronFSDP:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, "_mfsdp_model_ref", None)
+            model = ref() if ref is not None else None
+            if model is not None:
+                return model
+    raise ValueError(
+        "fully_shard_optimizer: the optimizer holds no megatron_fsdp_c parameters; build it on "
+        "model.parameters() of the model fully_shard returned (or use fully_shard(module, optimizer))"
+    )
+
+
+def _remap_optimizer(model: MegatronFSDP, optimizer: torch.optim.Optimizer) -> None:
+    """Points the optimizer's param groups at the distributed parameters, keeping each group's
+    hyperparameters. Existing optimizer state refers to the old tensors and is dropped."""
+    lookup = {}
+    for r in model.param_buffer.records:
+        lookup[id(r.param)] = r.dist_param
+        lookup[id(r.dist_param)] = r.dist_param
+    for gi, group in enumerate(optimizer.param_groups):
+        mapped = []
+        for p in group["params"]:
+            if id(p) not in lookup:
+                raise ValueError(
+                    f"optimizer param group {gi} holds a parameter of shape {tuple(p.shape)} that is not part of the "
+                    "sharded model; build the optimizer on the model's parameters"
+                )
+            mapped.append(lookup[id(p)])
+        group["params"] = mapped
+    if optimizer.state:
+        optimizer.state.clear()
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
+    """Patches `optimizer` in place so that step() syncs gradients first and installs the
+    updated weights after, and zero_grad() also zeroes the gradient buffers."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fully_shard_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if getattr(optimizer, "_megatron_fsdp_patched", False):
+        return optimizer
+    model = _model_of(optimizer)
+    base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
+
+    @functools.wraps(base_step)
+    def step(*args, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True,
+             **kwargs):
+        if sync_grad_before_optimizer_step and (not model.model_auto_sync or model._grads_pending):
+            model.finish_grad_sync()
+        result = base_step(*args, **kwargs)
+        if install_optimized_model_weights:
+            model.install_optimized_model_weights()
+        return result
+
+    @functools.wraps(base_zero_grad)
+    def zero_grad(*args, zero_grad_buffer: bool = True, **kwargs):
+        base_zero_grad(*args, **kwargs)
+        if zero_grad_buffer:
+            model.zero_grad_buffer()
+
+    step.__signature__ = inspect.signature(step)
+    optimizer.step = step
+    optimizer.zero_grad = zero_grad
+    optimizer._megatron_fsdp_patched = True
+    optimizer._megatron_fsdp_model = model
+    return optimizer
+
+
+def fully_shard(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **kwargs):
+    """Shards `module` (fully_shard_model) and, if given, remaps and patches `optimizer`
+    (fully_shard_optimizer). Returns (model, optimizer)."""
+    preproc = kwargs.pop("preproc_state_dict_for_dcp_ckpt", True)
+    model = fully_shard_model(module, **kwargs)
+    if optimizer is not None:
+        _remap_optimizer(model, optimizer)
+        fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=preproc)
+    return model, optimizer

@@ -1,0 +1,289 @@
+"""MegatronFSDP: the nn.Module wrapper users train (mirrors megatron_fsdp.MegatronFSDP).
+
+Microbatch semantics (documented differences from Megatron-FSDP are marked *):
+- A backward *syncs* when it is not inside `no_sync()` and either auto-sync is on
+  (`sync_model_each_microbatch`, the fully_shard default) or `is_last_microbatch` is set.
+  * Megatron-FSDP ignores `no_sync()` while auto-sync is on; here `no_sync()` always wins.
+- ZeRO-2/3 reduce-scatter every backward and accumulate into the sharded main gradient.
+  no_shard and ZeRO-1 accumulate locally and reduce exactly once per optimisation step: in a
+  syncing backward (overlapped with it) or, at the latest, in `finish_grad_sync()`, which the
+  patched `optimizer.step()` calls whenever gradients are pending.
+  * Megatron-FSDP never reduces ZeRO-0/1 gradients when auto-sync is off and
+  `is_last_microbatch` was not set; here the step's `finish_grad_sync()` always does.
+- Gradients appear on the distributed parameters (`.grad` DTensors) after a syncing backward or
+  `finish_grad_sync()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from . import _C
+from ._distributed import DistContext, all_gather_flat
+from .hooks import HookManager
+from .mixed_precision import MixedPrecisionPolicy
+from .param_buffer import ParamBuffer, collect_params
+
+__all__ = ["MegatronFSDP"]
+
+logger = logging.getLogger("megatron_fsdp_c")
+
+
+class MegatronFSDP(nn.Module):
+    def __init__(self, module: nn.Module, *, dist_ctx: DistContext, zero_dp_strategy: int,
+                 fsdp_unit_modules: List[nn.Module], mixed_precision_policy: MixedPrecisionPolicy,
+                 sync_model_each_microbatch: bool = False, overlap_grad_reduce: bool = True,
+                 overlap_param_gather: bool = True, average_in_collective: bool = False,
+                 calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
+                 bucket_size: Optional[int] = None, reduce_queue_bytes: Optional[int] = None):
+        super().__init__()
+        self.module = module
+        self.dist_ctx = dist_ctx
+        self.zero_dp_strategy = zero_dp_strategy
+        self.mp_policy = mixed_precision_policy
+        # Megatron-FSDP forces overlap on for ZeRO-2/3; here overlap is how the engine always works.
+        self.overlap_grad_reduce = True if zero_dp_strategy >= 2 else overlap_grad_reduce
+        self.overlap_param_gather = True if zero_dp_strategy == 3 else overlap_param_gather
+        self.report_nan_in_param_grad = report_nan_in_param_grad
+        self.model_auto_sync = sync_model_each_microbatch
+        self.is_last_microbatch = False
+        self.microbatch_count = 0
+        self._no_sync_depth = 0
+        self._grads_pending = False
+        self._holds_dist_params = False
+
+        records = collect_params(module, fsdp_unit_modules)
+        for r in records:
+            r.replicated = bool(getattr(r.param, "_mfsdp_no_shard", False)) or r.param.dim() == 0
+        if calculate_per_token_loss:
+            prescale, op = 1.0, "sum"
+        elif average_in_collective:
+            prescale, op = 1.0, "avg"
+        else:
+            prescale, op = 1.0 / dist_ctx.world, "sum"
+        cap = 0 if bucket_size is None else int(bucket_size)
+        self.param_buffer = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx,
+                                        bucket_cap=cap, reduce_queue_bytes=reduce_queue_bytes,
+                                        grad_prescale=prescale, reduce_op=op)
+        self.param_buffer.load_params()
+        self.param_buffer.build_dist_params(self)
+        self.hooks = HookManager(self, fsdp_unit_modules)
+        self._swap_params(dist=True)
+        module._megatron_fsdp_wrapper = weakref.ref(self)
+        if logger.isEnabledFor(logging.INFO) and dist_ctx.rank == 0:
+            self._log_summary(fsdp_unit_modules)
+
+    # -- parameters -----------------------------------------------------------------------
+    def _swap_params(self, dist: bool) -> None:
+        """Registers the distributed (dist=True) or the compute parameters on the modules."""
+        if self._holds_dist_params == dist:
+            return
+        for r in self.param_buffer.records:
+            p = r.dist_param if dist else r.param
+            for mod, attr in r.places:
+                mod._parameters[attr] = p
+        self._holds_dist_params = dist
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The distributed (DTensor) parameters, named as in `state_dict` ('module.' + name)."""
+        head = f"{prefix}." if prefix else ""
+        for r in self.param_buffer.records:
+            yield f"{head}module.{r.name}", r.dist_param
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def dist_param_of(self, param: nn.Parameter) -> nn.Parameter:
+        """The distributed parameter standing for an original (compute) parameter."""
+        for r in self.param_buffer.records:
+            if r.param is param or r.dist_param is param:
+                return r.dist_param
+        raise KeyError("parameter does not belong to this model")
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._swap_params(dist=False)
+        self.hooks.root_pre_forward()
+        output = self.module(*args, **kwargs)
+        output = self.hooks.root_post_forward(output)
+        if not torch.is_grad_enabled():
+            self._swap_params(dist=True)
+        return output
+
+    # -- gradient sync --------------------------------------------------------------------
+    def _should_sync(self) -> bool:
+        return self._no_sync_depth == 0 and (self.model_auto_sync or self.is_last_microbatch)
+
+    def _after_backward(self, synced: bool) -> None:
+        self.microbatch_count += 1
+        self._grads_pending = True
+        self._swap_params(dist=True)
+        if synced:
+            self.finish_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Finishes every gradient reduction (reducing no_shard/ZeRO-1 gradients exactly once)
+        and attaches the `.grad` DTensors to the distributed parameters."""
+        if self.hooks.in_backward:
+            raise RuntimeError("finish_grad_sync() called inside a backward pass; call it after backward()")
+        self.param_buffer.engine.sync_grads()
+        for r in self.param_buffer.records:
+            if r.grad_dtensor is not None:
+                r.dist_param.grad = r.grad_dtensor
+        if self.report_nan_in_param_grad:
+            self._check_nonfinite_grads()
+        self.microbatch_count = 0
+        self._grads_pending = False
+
+    def _check_nonfinite_grads(self) -> None:
+        engine = self.param_buffer.engine
+        bad = [r.name for r in self.param_buffer.records
+               if r.grad_dtensor is not None and engine.count_nonfinite_grad(r.bucket, r.item)]
+        flag = torch.tensor([len(bad)], dtype=torch.int64, device=self.dist_ctx.device)
+        torch.distributed.all_reduce(flag, group=self.dist_ctx.group)
+        if flag.item():
+            where = f"on rank {self.dist_ctx.rank}: {', '.join(bad)}" if bad else "on another rank"
+            raise FloatingPointError(
+                f"non-finite (NaN/Inf) gradient found after reduction {where}. Check the loss, the learning rate "
+                "and the inputs of these parameters' modules")
+
+    def zero_grad_buffer(self) -> None:
+        """Zeroes the main gradient buffers and detaches `.grad` from the distributed parameters."""
+        self.param_buffer.engine.zero_grads()
+        for r in self.param_buffer.records:
+            r.dist_param.grad = None
+        self._grads_pending = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grad_buffer()
+
+    def install_optimized_model_weights(self) -> None:
+        """Main weights -> compute weights after an optimizer step; the next forward's
+        all-gathers spread them."""
+        self.param_buffer.engine.install_main_weights(False)
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """Starts gathering every stale persistent bucket now (ZeRO-1/2) instead of at first use."""
+        stale = [b for b in self.param_buffer.gatherable_buckets()
+                 if self.param_buffer.engine.weight_state(b) == "stale"]
+        if stale:
+            self.param_buffer.engine.unshard(stale)
+            if force_sync or not self.overlap_param_gather:
+                self.param_buffer.engine.wait_unshard(stale)
+
+    def synchronize_param_gather(self) -> None:
+        self.param_buffer.engine.drain()
+
+    def synchronize_gradient_reduce(self) -> None:
+        self.param_buffer.engine.drain()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside do not reduce no_shard/ZeRO-1 gradients or attach `.grad`."""
+        self._no_sync_depth += 1
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+            if self._no_sync_depth == 0:
+                self.is_last_microbatch = True
+
+    @contextlib.contextmanager
+    def sync(self):
+        """Auto-sync on inside (restores the previous setting after; Megatron-FSDP resets to off)."""
+        previous = self.model_auto_sync
+        self.set_model_auto_sync(True)
+        try:
+            yield
+        finally:
+            self.model_auto_sync = previous
+
+    def set_model_auto_sync(self, sync_model: bool = True) -> None:
+        self.model_auto_sync = bool(sync_model)
+
+    # -- introspection --------------------------------------------------------------------
+    @torch.no_grad()
+    def full_parameters(self) -> dict:
+        """{name: full tensor} of the main weights, gathered on every rank (collective)."""
+        buf, ctx = self.param_buffer, self.dist_ctx
+        fulls = {}
+        for b, bp in enumerate(buf.plan):
+            main = buf.engine.tensor(b, _C.BUF_MAIN_SHARD)
+            if bp["shards"] > 1:
+                full = torch.empty(bp["bucket_size"], dtype=main.dtype, device=main.device)
+                all_gather_flat(full, main, ctx.group)
+            else:
+                full = main
+            fulls[b] = full
+        return {r.name: fulls[r.bucket].narrow(0, buf.plan[r.bucket]["offsets"][r.item], r.param.numel())
+                .view(r.shape).clone() for r in buf.records}
+
+    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+        """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state,
+        and temporary buffers currently materialised (full weights / gradient buckets)."""
+        buf = self.param_buffer
+        seen = set()
+
+        def nbytes(t) -> int:
+            if t is None:
+                return 0
+            t = t._local_tensor if hasattr(t, "_local_tensor") else t
+            s = t.untyped_storage()
+            key = (s.data_ptr(), s.nbytes())
+            if s.nbytes() == 0 or key in seen:
+                return 0
+            seen.add(key)
+            return s.nbytes()
+
+        persistent, temporary = {"param": 0, "grad": 0}, 0
+        for b, spec in enumerate(buf.specs):
+            t = lambda kind: buf.engine.tensor(b, kind)  # noqa: E731
+            weight_full = t(_C.BUF_WEIGHT)
+            if spec["weights_sharded"]:
+                temporary += nbytes(weight_full)
+            else:
+                persistent["param"] += nbytes(weight_full)
+            persistent["param"] += nbytes(t(_C.BUF_WEIGHT_SHARD)) + nbytes(t(_C.BUF_MAIN_SHARD))
+            grad_full = t(_C.BUF_GRAD)
+            if spec["grad_mode"] == _C.GRAD_SCATTER_ACCUMULATE:
+                temporary += nbytes(grad_full)
+            else:
+                persistent["grad"] += nbytes(grad_full)
+            persistent["grad"] += nbytes(t(_C.BUF_GRAD_SHARD)) + nbytes(t(_C.BUF_OPT_GRAD))
+            temporary += nbytes(t(_C.BUF_COMM))
+        optim = 0
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        optim += nbytes(v)
+        report = {"param_bytes": persistent["param"], "grad_bytes": persistent["grad"],
+                  "optimizer_state_bytes": optim, "temporary_bytes": temporary}
+        report["total_bytes"] = sum(report.values())
+        return report
+
+    def comm_stats(self, bucket: int = -1) -> dict:
+        """Collectives issued so far (counts and bytes), for one bucket or all."""
+        return self.param_buffer.engine.stats(bucket)
+
+    def _log_summary(self, units) -> None:
+        buf = self.param_buffer
+        names = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+        for b, (bp, spec) in enumerate(zip(buf.plan, buf.specs)):
+            label = "outside units" if bp["unit"] < 0 else type(units[bp["unit"]]).__name__ + f"#{bp['unit']}"
+            logger.info("bucket %d (%s): %d params, %d elements x %d shards, %s%s", b, label, bp["n_items"],
+                        bp["shard_size"], bp["shards"], names[self.zero_dp_strategy],
+                        ", replicated" if bp["replicated"] else "")
+
+    def extra_repr(self) -> str:
+        names = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+        return (f"strategy={names[self.zero_dp_strategy]}, world={self.dist_ctx.world}, "
+                f"buckets={len(self.param_buffer.plan)}")

@@ -1,0 +1,81 @@
+"""MixedPrecisionPolicy: the dtypes of main weights, main gradients and gradient communication.
+
+The compute dtype is the module's parameter dtype (a bf16 model computes in bf16). Gradients
+are always widened before they are summed: a low-precision gradient is cast up and added to the
+main gradient in the wider type, and a reduction in a narrow communication dtype is accumulated
+into the (wider) main gradient, rounding once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+__all__ = ["MixedPrecisionPolicy"]
+
+_FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Significand bits: a lower number loses information when a wider value is cast to it.
+_PRECISION = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
+def _check_dtype(field: str, value) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"MixedPrecisionPolicy.{field} must be a torch.dtype or None, got {value!r}")
+    if value not in _FLOATING:
+        raise ValueError(
+            f"MixedPrecisionPolicy.{field}={value} is not a floating dtype; use one of "
+            "torch.float32, torch.bfloat16, torch.float16, torch.float64 (or None)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of the sharded training state (names and defaults follow Megatron-FSDP).
+
+    main_params_dtype: dtype of the optimizer's weights. None: the optimizer updates the compute
+        weights directly. When it equals the compute dtype no second copy is kept. Main weights
+        are never narrower than the compute weights (a float64 model keeps float64 main weights
+        under the float32 default).
+    main_grads_dtype: dtype of gradient accumulation. None: the parameter dtype.
+    grad_comm_dtype: dtype of gradient reduce-scatter / all-reduce. None: the main gradient dtype.
+        A narrower communication dtype halves the traffic; the reduced values are still
+        accumulated into the main gradient in its own (wider) dtype.
+    allow_lossy_accumulation: main_grads_dtype narrower than grad_comm_dtype throws away bits of
+        every reduced gradient; that is refused unless this is set.
+    """
+
+    main_params_dtype: Optional[torch.dtype] = torch.float32
+    main_grads_dtype: Optional[torch.dtype] = None
+    grad_comm_dtype: Optional[torch.dtype] = None
+    allow_lossy_accumulation: bool = False
+
+    def __post_init__(self):
+        _check_dtype("main_params_dtype", self.main_params_dtype)
+        _check_dtype("main_grads_dtype", self.main_grads_dtype)
+        _check_dtype("grad_comm_dtype", self.grad_comm_dtype)
+        grads, comm = self.main_grads_dtype, self.grad_comm_dtype
+        if (grads is not None and comm is not None and _PRECISION[grads] < _PRECISION[comm]
+                and not self.allow_lossy_accumulation):
+            raise ValueError(
+                f"main_grads_dtype={grads} is narrower than grad_comm_dtype={comm}: every reduced gradient "
+                "would lose bits when accumulated. Use main_grads_dtype at least as wide as grad_comm_dtype "
+                "(e.g. torch.float32), or pass allow_lossy_accumulation=True if this is intended."
+            )
+
+    def resolve(self, param_dtype: torch.dtype):
+        """(main, grad, comm) dtypes for trainable parameters of `param_dtype`."""
+        main = self.main_params_dtype or param_dtype
+        if _PRECISION[main] < _PRECISION[param_dtype]:
+            main = param_dtype
+        grad = self.main_grads_dtype or param_dtype
+        comm = self.grad_comm_dtype or grad
+        if (_PRECISION[grad] < _PRECISION[comm] and not self.allow_lossy_accumulation):
+            raise ValueError(
+                f"parameters of dtype {param_dtype} get main gradients in {grad} (the parameter dtype, since "
+                f"main_grads_dtype is None) but grad_comm_dtype={comm} is wider: set main_grads_dtype="
+                f"{comm} or allow_lossy_accumulation=True"
+            )
+        return main, grad, comm

@@ -1,0 +1,215 @@
+"""ParamBuffer: a model's parameters laid out in engine buckets, and their three faces.
+
+1. The compute parameter: the module's own nn.Parameter object, whose .data is a view into the
+   bucket's full-weight buffer (WEIGHT). Under ZeRO-3 that buffer's storage exists only while
+   the unit runs; the view stays valid (see [Note: storage resize] in csrc/comm/pipeline.c).
+2. The distributed parameter: an nn.Parameter holding a DTensor whose local tensor is a view
+   of this rank's rows of the main weights (MAIN_SHARD): uneven Shard(0), or Replicate() for
+   no_shard and replicated parameters. The optimizer steps it in place.
+3. The gradient DTensor: same placement, a view of the optimizer-gradient buffer (OPT_GRAD).
+
+Outside forward/backward the module holds the distributed parameters (so printing, state_dict
+and optimizers see valid tensors); the wrapper swaps the compute parameters in for each pass.
+
+The bucket math itself (grouping, offsets, row-aligned shards) lives in C:
+csrc/core/mfsdp_layout.h, reached through _C.plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import _C
+from ._distributed import DistContext
+from .mixed_precision import MixedPrecisionPolicy
+
+__all__ = ["ParamRecord", "ParamBuffer", "collect_params"]
+
+ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
+
+
+@dataclasses.dataclass(eq=False)
+class ParamRecord:
+    index: int
+    name: str                       # first registered name, relative to the wrapped module
+    param: nn.Parameter             # the compute parameter (the module's own object)
+    shape: torch.Size
+    unit: int                       # FSDP unit index, -1 outside every unit (or shared across units)
+    places: list                    # [(module, attribute)] where the parameter is registered
+    replicated: bool = False        # fsdp_no_shard or 0-d: one full copy per rank
+    bucket: int = -1
+    item: int = -1
+    local_slice: tuple = (0, 0, 0)  # (lo, hi, offset in shard) of this rank's elements
+    dist_param: Optional[nn.Parameter] = None
+    grad_dtensor: Optional[DTensor] = None
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+
+def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]:
+    """Every distinct parameter of `root` in registration order, with its unit.
+
+    A parameter registered under modules of two different units (or of a unit and the rest of
+    the model), e.g. tied embeddings, belongs to no unit: it stays gathered for the whole pass.
+    """
+    unit_of_module: Dict[int, int] = {}
+    for u, unit in enumerate(units):
+        for sub in unit.modules():
+            unit_of_module.setdefault(id(sub), u)
+    records: Dict[int, ParamRecord] = {}
+    seen_places = set()
+    for mod_name, mod in root.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is None or (id(mod), attr) in seen_places:
+                continue
+            seen_places.add((id(mod), attr))
+            unit = unit_of_module.get(id(mod), -1)
+            rec = records.get(id(p))
+            if rec is None:
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                records[id(p)] = ParamRecord(len(records), name, p, p.shape, unit, [(mod, attr)])
+            else:
+                rec.places.append((mod, attr))
+                if rec.unit != unit:
+                    rec.unit = -1
+    return list(records.values())
+
+
+def _row_size(shape: torch.Size) -> int:
+    if len(shape) < 2 or shape[0] == 0:
+        return 1
+    return max(1, math.prod(shape[1:]))
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class ParamBuffer:
+    """Builds the plan and the engine for one model and keeps the parameter records."""
+
+    def __init__(self, records: List[ParamRecord], strategy: int, policy: MixedPrecisionPolicy, ctx: DistContext,
+                 *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str):
+        self.records = records
+        self.strategy = strategy
+        self.ctx = ctx
+        codes = _C.DTYPE_CODES
+        plan_input = []
+        for r in records:
+            p = r.param
+            plan_input.append((p.numel(), _row_size(p.shape), codes[p.dtype], r.unit, int(p.requires_grad),
+                               int(r.replicated)))
+        shard_world = 1 if strategy == 0 else ctx.world
+        self.plan = _C.plan(plan_input, shard_world, ctx.rank if shard_world > 1 else 0, bucket_cap, ALIGN_BYTES)
+        dtype_of = {code: dt for dt, code in codes.items()}
+        specs = []
+        max_grad_bytes = 0
+        for b, bp in enumerate(self.plan):
+            spec = self._bucket_spec(bp, dtype_of[bp["dtype"]], policy)
+            specs.append(spec)
+            for i, (pi, sl) in enumerate(zip(bp["params"], bp["slices"])):
+                rec = records[pi]
+                rec.bucket, rec.item, rec.local_slice = b, i, sl
+            if spec["grad_mode"] != _C.GRAD_NONE:
+                width = torch.empty((), dtype=dtype_of[spec["comm_dtype"]]).element_size()
+                max_grad_bytes = max(max_grad_bytes, bp["bucket_size"] * width)
+        if reduce_queue_bytes is None:
+            reduce_queue_bytes = max(2 * max_grad_bytes, 64 << 20)
+        self.specs = specs
+        self.engine = _C.Engine(specs, ctx.world, grad_prescale, reduce_op, int(reduce_queue_bytes), ctx.device,
+                                ctx.transport)
+        self.bucket_units = [bp["unit"] for bp in self.plan]
+
+    def _bucket_spec(self, bp: dict, dtype: torch.dtype, policy: MixedPrecisionPolicy) -> dict:
+        trainable = bp["requires_grad"] and dtype.is_floating_point
+        main = grad = comm = dtype
+        if trainable:
+            main, grad, comm = policy.resolve(dtype)
+        codes = _C.DTYPE_CODES
+        sharded = bp["shards"] > 1
+        if not trainable:
+            grad_mode = _C.GRAD_NONE
+        elif bp["replicated"] or self.strategy == 0:
+            grad_mode = _C.GRAD_ALL_REDUCE
+        elif self.strategy == 1:
+            grad_mode = _C.GRAD_SCATTER_IN_PLACE
+        else:
+            grad_mode = _C.GRAD_SCATTER_ACCUMULATE
+        return dict(
+            shards=bp["shards"], shard_rank=bp["shard_rank"], shard_size=bp["shard_size"],
+            offsets=bp["offsets"], numels=bp["numels"], n_items=bp["n_items"],
+            param_dtype=codes[dtype], main_dtype=codes[main], grad_dtype=codes[grad], comm_dtype=codes[comm],
+            weights_sharded=int(sharded and self.strategy == 3),
+            weights_regather=int(sharded and self.strategy in (1, 2)),
+            grad_mode=grad_mode,
+        )
+
+    # -- initialisation -------------------------------------------------------------------
+    def load_params(self, bucket_ids=None) -> None:
+        """Copies the parameters' current values into their buckets and points each compute
+        parameter at its place in the full-weight buffer."""
+        by_bucket: Dict[int, List[ParamRecord]] = {}
+        for r in self.records:
+            by_bucket.setdefault(r.bucket, []).append(r)
+        for b in (range(len(self.plan)) if bucket_ids is None else bucket_ids):
+            self.engine.init_begin(b)
+            for r in by_bucket.get(b, []):
+                self.engine.set_item(b, r.item, r.param.detach().contiguous())
+            self.point_compute_params(by_bucket.get(b, []))  # while the full weights exist
+            self.engine.init_end(b)
+
+    def point_compute_params(self, records: List[ParamRecord]) -> None:
+        for r in records:
+            full = self.engine.tensor(r.bucket, _C.BUF_WEIGHT)
+            offset = self.plan[r.bucket]["offsets"][r.item]
+            r.param.data = full.narrow(0, offset, r.param.numel()).view(r.shape)
+
+    def build_dist_params(self, owner) -> None:
+        mesh = self.ctx.mesh
+        for r in self.records:
+            bp = self.plan[r.bucket]
+            placement = Shard(0) if (self.strategy > 0 and not r.replicated) else Replicate()
+            main = self.engine.tensor(r.bucket, _C.BUF_MAIN_SHARD)
+            local = self._local_view(main, r, bp)
+            dt = DTensor.from_local(local, mesh, [placement], run_check=False, shape=r.shape,
+                                    stride=_contiguous_stride(r.shape))
+            dp = nn.Parameter(dt, requires_grad=r.param.requires_grad)
+            dp._megatron_fsdp_model = weakref.proxy(owner)  # Megatron-FSDP's attribute
+            dp._mfsdp_model_ref = weakref.ref(owner)  # how fully_shard_optimizer finds the model
+            r.dist_param = dp
+            opt_grad = self.engine.tensor(r.bucket, _C.BUF_OPT_GRAD)
+            if opt_grad is not None:
+                r.grad_dtensor = DTensor.from_local(self._local_view(opt_grad, r, bp), mesh, [placement],
+                                                    run_check=False, shape=r.shape,
+                                                    stride=_contiguous_stride(r.shape))
+
+    @staticmethod
+    def _local_view(buf: torch.Tensor, r: ParamRecord, bp: dict) -> torch.Tensor:
+        lo, hi, off = r.local_slice
+        flat = buf.narrow(0, off, hi - lo)
+        if bp["shards"] == 1 or r.replicated:
+            return flat.view(r.shape)
+        return flat.view(-1, *r.shape[1:]) if len(r.shape) > 1 else flat
+
+    # -- views used by the wrapper --------------------------------------------------------
+    def buckets_of_unit(self, unit: int) -> tuple:
+        return tuple(b for b, u in enumerate(self.bucket_units) if u == unit)
+
+    def weight_sharded_buckets(self) -> tuple:
+        return tuple(b for b, s in enumerate(self.specs) if s["weights_sharded"])
+
+    def gatherable_buckets(self) -> tuple:
+        """Buckets whose full weights ever need an all-gather (ZeRO-1/2/3 with several ranks)."""
+        return tuple(b for b, s in enumerate(self.specs) if s["weights_sharded"] or s["weights_regather"])

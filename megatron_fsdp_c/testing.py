@@ -1,0 +1,157 @@
+"""Shared by the tests, the example and the benchmarks: a plain GPT model and a helper that
+runs a function on N real processes (gloo on CPU) and returns what each rank returned."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "Block", "run_on_ranks"]
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab: int = 256
+    seq: int = 32
+    d: int = 64
+    heads: int = 4
+    layers: int = 2
+    tied: bool = False          # share the token embedding with the output head
+    checkpoint: bool = False    # torch.utils.checkpoint around every block
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: LN, fused qkv, causal SDPA, out proj, LN, 4x GELU MLP.
+
+    The qkv projection has no bias: the key bias has an exactly-zero true gradient (softmax is
+    shift invariant), so its computed gradient is pure rounding noise that Adam would amplify
+    into lr-sized steps, and no two reduction orders (DDP's or anyone's) would agree on it."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.d)
+        self.qkv = nn.Linear(cfg.d, 3 * cfg.d, bias=False)
+        self.proj = nn.Linear(cfg.d, cfg.d)
+        self.ln2 = nn.LayerNorm(cfg.d)
+        self.fc = nn.Linear(cfg.d, 4 * cfg.d)
+        self.out = nn.Linear(4 * cfg.d, cfg.d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d)
+        self.pos = nn.Embedding(cfg.seq, cfg.d)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.d)
+        self.head = nn.Linear(cfg.d, cfg.vocab, bias=False)
+        if cfg.tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx, targets=None):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            if self.cfg.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln(x))
+        if targets is None:
+            return logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the loss in fp32 or wider
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def batch(cfg: GPTConfig, batch_size: int, seed: int, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab, (batch_size, cfg.seq + 1), generator=g)
+    return idx[:, :-1].to(device), idx[:, 1:].to(device)
+
+
+# ------------------------------------------------------------------------------------------
+# multi-process runner
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, kwargs: dict,
+            timeout_s: float):
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        result = ("ok", fn(rank, world, *args, **kwargs))
+    except BaseException as e:  # reported to the parent, which raises
+        result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    try:
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 240.0, **kwargs) -> List[Any]:
+    """Runs fn(rank, world, *args) on `world` spawned processes in one gloo group; returns the
+    per-rank results. Any rank's exception is re-raised here; a hang is killed after timeout_s."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, args, kwargs, timeout_s), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s + 30)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}{', hung' if r in hung else ''})")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(value)
+            results.append(value)
+        if errors:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        return results
