@@ -266,13 +266,14 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
     bucket* bk = &p->b[i];
     if (bk->gather_work) p->be.transport->discard(p->be.transport_ctx, bk->gather_work);
     if (bk->reduce_work) p->be.transport->discard(p->be.transport_ctx, bk->reduce_work);
-    for (int k = 0; k < MFSDP_BUF_COUNT; ++k) {
-      if (!bk->present[k]) continue;
-      int shared = 0; /* a view that reuses its owner's handle is dropped with the owner */
+    /* A view that reuses its owner's handle is dropped once, with the owner: decide before
+     * destroying anything, since destroy clears the handle it drops. */
+    int8_t shared[MFSDP_BUF_COUNT] = {0};
+    for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
       for (int j = 0; j < k; ++j)
-        if (bk->present[j] && bk->buf[j].handle == bk->buf[k].handle) shared = 1;
-      if (!shared) p->be.memory->destroy(p->be.memory_ctx, &bk->buf[k]);
-    }
+        if (bk->present[k] && bk->present[j] && bk->buf[j].handle == bk->buf[k].handle) shared[k] = 1;
+    for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
+      if (bk->present[k] && !shared[k]) p->be.memory->destroy(p->be.memory_ctx, &bk->buf[k]);
     free(bk->offsets);
     free(bk->numels);
     free(bk->ready);

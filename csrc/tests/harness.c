@@ -1,0 +1,185 @@
+/* harness.c: heap memory and the thread transport for the C tests (see harness.h). */
+#include "harness.h"
+
+_Atomic int test_failures = 0;
+
+double load_as_double(const void* p, int dtype, int64_t i) {
+  switch (dtype) {
+    case MFSDP_F32: return ((const float*)p)[i];
+    case MFSDP_F64: return ((const double*)p)[i];
+    case MFSDP_BF16: return mfsdp_bf16_to_f32(((const uint16_t*)p)[i]);
+    case MFSDP_F16: return mfsdp_f16_to_f32(((const uint16_t*)p)[i]);
+    default: return 0.0;
+  }
+}
+
+void store_from_double(void* p, int dtype, int64_t i, double v) {
+  switch (dtype) {
+    case MFSDP_F32: ((float*)p)[i] = (float)v; break;
+    case MFSDP_F64: ((double*)p)[i] = v; break;
+    case MFSDP_BF16: ((uint16_t*)p)[i] = mfsdp_f32_to_bf16((float)v); break;
+    case MFSDP_F16: ((uint16_t*)p)[i] = mfsdp_f32_to_f16((float)v); break;
+    default: break;
+  }
+}
+
+/* ---- heap memory: owners hold a heap_block; views hold a heap_block whose mem is NULL ---- */
+
+static mfsdp_status heap_create(void* ctx, int64_t numel, int32_t dtype, mfsdp_buffer* out) {
+  (void)ctx;
+  heap_block* b = calloc(1, sizeof *b);
+  int64_t bytes = numel * mfsdp_dtype_size(dtype);
+  if (b == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "block");
+  b->bytes = bytes;
+  b->mem = calloc(1, (size_t)(bytes ? bytes : 1));
+  if (b->mem == NULL) {
+    free(b);
+    return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "%lld bytes", (long long)bytes);
+  }
+  *out = (mfsdp_buffer){b->mem, numel, dtype, -1, b};
+  return MFSDP_OK;
+}
+
+static mfsdp_status heap_create_view(void* ctx, const mfsdp_buffer* owner, int64_t offset, int64_t numel,
+                                     mfsdp_buffer* out) {
+  (void)ctx;
+  (void)offset;
+  heap_block* b = calloc(1, sizeof *b);
+  if (b == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "view");
+  *out = (mfsdp_buffer){NULL, numel, owner->dtype, owner->device, b};
+  return MFSDP_OK;
+}
+
+static mfsdp_status heap_materialize(void* ctx, mfsdp_buffer* buf) {
+  (void)ctx;
+  heap_block* b = buf->handle;
+  if (b->mem == NULL) {
+    b->mem = malloc((size_t)(b->bytes ? b->bytes : 1));
+    if (b->mem == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "materialise");
+    memset(b->mem, 0xA5, (size_t)b->bytes); /* poison: the engine must never rely on old contents */
+  }
+  buf->data = b->mem;
+  return MFSDP_OK;
+}
+
+static mfsdp_status heap_release(void* ctx, mfsdp_buffer* buf) {
+  (void)ctx;
+  heap_block* b = buf->handle;
+  free(b->mem);
+  b->mem = NULL;
+  buf->data = NULL;
+  return MFSDP_OK;
+}
+
+static void heap_destroy(void* ctx, mfsdp_buffer* buf) {
+  (void)ctx;
+  heap_block* b = buf->handle;
+  if (b) free(b->mem);
+  free(b);
+  buf->handle = NULL;
+  buf->data = NULL;
+}
+
+const mfsdp_memory_ops heap_memory_ops = {heap_create, heap_create_view, heap_materialize, heap_release,
+                                          heap_destroy};
+
+/* ---- thread transport ---- */
+
+void loop_world_init(loop_world* w, int n) {
+  memset(w, 0, sizeof *w);
+  w->n = n;
+  w->fail_after = -1;
+  pthread_barrier_init(&w->barrier, NULL, (unsigned)n);
+  pthread_mutex_init(&w->lock, NULL);
+}
+
+void loop_world_destroy(loop_world* w) {
+  pthread_barrier_destroy(&w->barrier);
+  pthread_mutex_destroy(&w->lock);
+}
+
+/* Counts collectives and, past fail_after, fails this one on every rank alike. */
+static mfsdp_status maybe_fail(loop_rank* r) {
+  loop_world* w = r->world;
+  pthread_barrier_wait(&w->barrier);
+  if (r->rank == 0) w->calls++;
+  pthread_barrier_wait(&w->barrier);
+  int injected = w->fail_after >= 0 && w->calls > w->fail_after;
+  pthread_barrier_wait(&w->barrier); /* nobody counts the next call before all have decided */
+  if (injected) return MFSDP_FAIL(MFSDP_ERR_COMM, "injected collective failure");
+  return MFSDP_OK;
+}
+
+static mfsdp_status loop_all_gather(void* ctx, const mfsdp_buffer* full, const mfsdp_buffer* shard, mfsdp_work** work) {
+  loop_rank* r = ctx;
+  loop_world* w = r->world;
+  *work = NULL;
+  MFSDP_CHECK(maybe_fail(r));
+  int64_t bytes = shard->numel * mfsdp_dtype_size(shard->dtype);
+  w->slot[r->rank] = shard->data;
+  pthread_barrier_wait(&w->barrier);
+  for (int k = 0; k < w->n; ++k) {
+    char* dst = (char*)full->data + k * bytes;
+    if (dst != w->slot[k]) memcpy(dst, w->slot[k], (size_t)bytes);
+  }
+  pthread_barrier_wait(&w->barrier);
+  return MFSDP_OK;
+}
+
+/* Sums slot[*][first .. first + n) in rank order into out (double accumulation, one rounding). */
+static void sum_slots(loop_world* w, int dtype, int64_t first, int64_t n, mfsdp_reduce_op op, double* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    double acc = 0.0;
+    for (int k = 0; k < w->n; ++k) acc += load_as_double(w->slot[k], dtype, first + i);
+    out[i] = op == MFSDP_REDUCE_AVG ? acc / w->n : acc;
+  }
+}
+
+static mfsdp_status loop_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
+                                        mfsdp_reduce_op op, mfsdp_work** work) {
+  loop_rank* r = ctx;
+  loop_world* w = r->world;
+  *work = NULL;
+  MFSDP_CHECK(maybe_fail(r));
+  double* tmp = malloc((size_t)(shard->numel ? shard->numel : 1) * sizeof *tmp);
+  if (tmp == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "rs tmp");
+  w->slot[r->rank] = full->data;
+  pthread_barrier_wait(&w->barrier);
+  sum_slots(w, full->dtype, (int64_t)r->rank * shard->numel, shard->numel, op, tmp);
+  pthread_barrier_wait(&w->barrier); /* everyone read before anyone writes (shard may alias full) */
+  for (int64_t i = 0; i < shard->numel; ++i) store_from_double(shard->data, shard->dtype, i, tmp[i]);
+  pthread_barrier_wait(&w->barrier);
+  free(tmp);
+  return MFSDP_OK;
+}
+
+static mfsdp_status loop_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, mfsdp_work** work) {
+  loop_rank* r = ctx;
+  loop_world* w = r->world;
+  *work = NULL;
+  MFSDP_CHECK(maybe_fail(r));
+  double* tmp = malloc((size_t)(buf->numel ? buf->numel : 1) * sizeof *tmp);
+  if (tmp == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "ar tmp");
+  w->slot[r->rank] = buf->data;
+  pthread_barrier_wait(&w->barrier);
+  sum_slots(w, buf->dtype, 0, buf->numel, op, tmp);
+  pthread_barrier_wait(&w->barrier);
+  for (int64_t i = 0; i < buf->numel; ++i) store_from_double(buf->data, buf->dtype, i, tmp[i]);
+  pthread_barrier_wait(&w->barrier);
+  free(tmp);
+  return MFSDP_OK;
+}
+
+static mfsdp_status loop_wait(void* ctx, mfsdp_work* work) {
+  (void)ctx;
+  (void)work;
+  return MFSDP_OK;
+}
+
+static void loop_discard(void* ctx, mfsdp_work* work) {
+  (void)ctx;
+  (void)work;
+}
+
+const mfsdp_transport_ops loop_transport_ops = {"threads", loop_all_gather, loop_reduce_scatter, loop_all_reduce,
+                                                loop_wait, loop_discard};
