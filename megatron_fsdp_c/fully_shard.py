@@ -35,11 +35,9 @@ _STRATEGY_NAMES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_par
 
 
 def parse_strategy(value) -> int:
-    if isinstance(value, bool):
-        value = None  # True/False are ints in Python; never a strategy
-    elif isinstance(value, int) and 0 <= int(value) <= 3:
-        return int(value)
-    elif isinstance(value, str) and value.lower() in _STRATEGY_NAMES:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= int(value) <= 3:
+        return int(value)  # (True/False are ints in Python; never a strategy)
+    if isinstance(value, str) and value.lower() in _STRATEGY_NAMES:
         return _STRATEGY_NAMES[value.lower()]
     raise ValueError(
         f"unknown zero_dp_strategy {value!r}: use 0/'no_shard', 1/'optim', 2/'optim_grads' or "
@@ -88,26 +86,29 @@ def find_units(module: nn.Module, classes: Sequence[type]) -> List[nn.Module]:
 def _check_params(module: nn.Module) -> torch.device:
     devices = {}
     for name, p in module.named_parameters():
-        if p.requires_grad and not (p.is_floating_point()):
+        if p.requires_grad and not p.is_floating_point():
             raise TypeError(
                 f"parameter '{name}' has dtype {p.dtype} and requires grad: only float32/bfloat16/float16/float64 "
                 "parameters can be trained (set requires_grad=False or convert the parameter)"
             )
-        if p.is_meta:
-            raise ValueError(
-                f"parameter '{name}' is on the meta device: pass init_model_with_meta_device=True to materialise "
-                "it module by module, or initialise the model first"
-            )
         devices.setdefault(p.device, name)
-    if len(devices) > 1:
-        (d1, n1), (d2, n2) = list(devices.items())[:2]
-        raise ValueError(
-            f"parameters are on different devices: '{n1}' on {d1} and '{n2}' on {d2}; move the model to one "
-            "device (model.to(device)) or pass device= to fully_shard"
-        )
     if not devices:
         raise ValueError("the module has no parameters to shard")
-    return next(iter(devices))
+    if len(devices) > 1:
+        (d1, n1), (d2, n2) = list(devices.items())[:2]
+        hint = (" (meta parameters need init_model_with_meta_device=True)"
+                if "meta" in (d1.type, d2.type) else "")
+        raise ValueError(
+            f"parameters are on different devices: '{n1}' on {d1} and '{n2}' on {d2}; move the model to one "
+            f"device (model.to(device)) or pass device= to fully_shard{hint}"
+        )
+    device = next(iter(devices))
+    if device.type == "meta":
+        raise ValueError(
+            "the parameters are on the meta device: pass init_model_with_meta_device=True to materialise them "
+            "module by module, or initialise the model first"
+        )
+    return device
 
 
 def fully_shard_model(

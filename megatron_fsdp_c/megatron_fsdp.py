@@ -213,18 +213,29 @@ class MegatronFSDP(nn.Module):
     @torch.no_grad()
     def full_parameters(self) -> dict:
         """{name: full tensor} of the main weights, gathered on every rank (collective)."""
+        return self._gather_full(_C.BUF_MAIN_SHARD)
+
+    @torch.no_grad()
+    def full_grads(self) -> dict:
+        """{name: full tensor} of the optimizer gradients (after a sync), gathered on every
+        rank (collective); frozen parameters are left out."""
+        return self._gather_full(_C.BUF_OPT_GRAD)
+
+    def _gather_full(self, kind: int) -> dict:
         buf, ctx = self.param_buffer, self.dist_ctx
         fulls = {}
         for b, bp in enumerate(buf.plan):
-            main = buf.engine.tensor(b, _C.BUF_MAIN_SHARD)
+            shard = buf.engine.tensor(b, kind)
+            if shard is None:
+                continue
             if bp["shards"] > 1:
-                full = torch.empty(bp["bucket_size"], dtype=main.dtype, device=main.device)
-                all_gather_flat(full, main, ctx.group)
+                full = torch.empty(bp["bucket_size"], dtype=shard.dtype, device=shard.device)
+                all_gather_flat(full, shard, ctx.group)
             else:
-                full = main
+                full = shard
             fulls[b] = full
         return {r.name: fulls[r.bucket].narrow(0, buf.plan[r.bucket]["offsets"][r.item], r.param.numel())
-                .view(r.shape).clone() for r in buf.records}
+                .view(r.shape).clone() for r in buf.records if r.bucket in fulls}
 
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
         """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state,

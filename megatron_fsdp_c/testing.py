@@ -118,6 +118,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
     finally:
         if dist.is_initialized():
             try:
+                if result[0] == "ok":
+                    dist.barrier()  # no rank tears gloo down while a peer still talks to it
                 dist.destroy_process_group()
             except Exception:
                 pass

@@ -16,63 +16,25 @@ with microbatches) the losses must still match to rtol 1e-5, the fp32 parameters
 (a wrong gradient would be off by lr-sized steps), and the same run in float64 -- where the
 order noise is 1e-16 -- must match DDP to rtol 1e-7.
 """
-import contextlib
-import copy
 import itertools
 import traceback
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import megatron_fsdp_c as mf
-from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-
+from common import assert_match, train_pair
 from conftest import get_run
 
 STRATEGIES = [0, 1, 2, 3]
 OPTIMIZERS = ["adamw", "sgd"]
 MICROBATCHES = [1, 3]
-STEPS = 5
-CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
 COMBOS = tuple(itertools.product(STRATEGIES, OPTIMIZERS, MICROBATCHES))
 
 
-def make_optimizer(name, params):
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-def train_pair(rank, world, strategy, optim, micro, cfg=CFG, steps=STEPS, dtype=torch.float32, **shard_kwargs):
-    """Trains the same model with fully_shard and with DDP; returns losses and final params."""
-    torch.manual_seed(0)
-    model = GPT(cfg).to(dtype)
-    ref = copy.deepcopy(model)
-    ddp = DDP(ref)
-    ref_opt = make_optimizer(optim, ref.parameters())
-    opt = make_optimizer(optim, model.parameters())
-    fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, **shard_kwargs)
-    losses, ref_losses = [], []
-    for step in range(steps):
-        for m in range(micro):
-            x, y = batch(cfg, 2, seed=10_000 * step + 100 * m + rank)
-            last = m == micro - 1
-            with contextlib.nullcontext() if last else fsdp.no_sync():
-                loss = fsdp(x, y)
-                loss.backward()
-            with contextlib.nullcontext() if last else ddp.no_sync():
-                ref_loss = ddp(x, y)
-                ref_loss.backward()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    full = fsdp.full_parameters()
-    return dict(losses=losses, ref_losses=ref_losses, params=full,
-                ref_params={n: p.detach().clone() for n, p in ref.named_parameters()})
+def _result(rank, world, *combo, **kw):
+    out = train_pair(rank, world, *combo, **kw)
+    out.pop("model")
+    return out
 
 
 def order_sensitive(world, strategy, optim, micro):
@@ -84,27 +46,12 @@ def parity_grid(rank, world):
     out = {}
     for combo in COMBOS:
         try:
-            out[combo] = ("ok", train_pair(rank, world, *combo))
+            out[combo] = ("ok", _result(rank, world, *combo))
             if order_sensitive(world, *combo):
-                out[combo + ("float64",)] = ("ok", train_pair(rank, world, *combo, dtype=torch.float64))
+                out[combo + ("float64",)] = ("ok", _result(rank, world, *combo, dtype=torch.float64))
         except Exception:  # noqa: BLE001 - reported by the test of this combo
             out[combo] = ("error", traceback.format_exc())
     return out
-
-
-def assert_match(result, exact=False, rtol=1e-5, atol=1e-6, param_atol=None):
-    losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(result["ref_losses"])
-    params, ref_params = result["params"], result["ref_params"]
-    assert set(params) == set(ref_params)
-    if exact:
-        assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
-        for name in ref_params:
-            assert torch.equal(params[name], ref_params[name]), name
-        return
-    torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=atol)
-    for name in ref_params:
-        torch.testing.assert_close(params[name], ref_params[name], rtol=rtol,
-                                   atol=atol if param_atol is None else param_atol, msg=name)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

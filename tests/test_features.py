@@ -1,0 +1,149 @@
+"""Core features against DDP (world 2, SGD, every strategy): tied weights, frozen parameters,
+activation checkpointing, averaging modes, microbatch sync modes, process groups and meshes,
+plus the collectives each strategy issues."""
+import dataclasses
+import traceback
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import megatron_fsdp_c as mf
+from megatron_fsdp_c import _C
+from megatron_fsdp_c.testing import GPT, Block, batch
+
+from common import CFG, assert_match, train_pair
+from conftest import get_run
+
+FEATURES = {
+    "tied_weights": dict(cfg=dataclasses.replace(CFG, tied=True)),
+    "frozen_parameters": dict(freeze=("tok.", "blocks.0.", "blocks.2.ln")),
+    "activation_checkpointing": dict(cfg=dataclasses.replace(CFG, checkpoint=True)),
+    "average_in_collective": dict(average_in_collective=True),
+    "sync_every_microbatch": dict(micro=3, use_no_sync=False),
+    "auto_sync_off_no_last_microbatch": dict(micro=3, use_no_sync=False, sync_model_each_microbatch=False),
+    "auto_sync_off_with_no_sync": dict(micro=3, sync_model_each_microbatch=False),
+    "process_group_as_mesh": dict(mesh="group"),
+    "device_mesh": dict(mesh="mesh"),
+    "zero_grad_set_to_none_alternating": dict(alternate_set_to_none=True),
+    "small_buckets": dict(bucket_size=500, reduce_queue_bytes=1),
+}
+STRATEGIES = [0, 1, 2, 3]
+
+
+def _feature_run(rank, world, strategy, name):
+    kwargs = dict(FEATURES[name])
+    result = train_pair(rank, world, strategy, "sgd", **kwargs)
+    model = result.pop("model")
+    engine, buf = model.param_buffer.engine, model.param_buffer
+    facts = {}
+    if name == "tied_weights":
+        facts["shared"] = model.module.head.weight is model.module.tok.weight
+        facts["records"] = sum(1 for r in buf.records if r.name in ("tok.weight", "head.weight"))
+    if name == "frozen_parameters":
+        frozen = [r for r in buf.records if not r.requires_grad]
+        facts["frozen_have_no_grad"] = all(r.dist_param.grad is None for r in frozen) and len(frozen) > 0
+        facts["frozen_buckets_have_no_grad_memory"] = all(
+            engine.tensor(r.bucket, _C.BUF_GRAD) is None for r in frozen)
+        facts["requires_grad_kept"] = all(not r.dist_param.requires_grad for r in frozen)
+    if name == "activation_checkpointing":
+        facts["released"] = [engine.weight_state(b) for b in buf.weight_sharded_buckets()]
+    return result, facts
+
+
+def features_grid(rank, world):
+    out = {}
+    for strategy in STRATEGIES:
+        for name in FEATURES:
+            try:
+                out[(strategy, name)] = ("ok", _feature_run(rank, world, strategy, name))
+            except Exception:  # noqa: BLE001 - reported by the test of this case
+                out[(strategy, name)] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_feature_matches_ddp(name, strategy):
+    for rank, grid in enumerate(get_run(features_grid, 2)):
+        status, value = grid[(strategy, name)]
+        assert status == "ok", f"rank {rank}:\n{value}"
+        result, facts = value
+        assert_match(result)
+        if name == "tied_weights":
+            assert facts == {"shared": True, "records": 1}
+        if name == "frozen_parameters":
+            assert all(facts.values()), facts
+        if name == "activation_checkpointing":
+            assert all(s == "empty" for s in facts["released"]), facts
+
+
+# -- per-token loss: gradients are summed over ranks, not averaged ------------------------------
+
+def per_token_grads(rank, world):
+    out = {}
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        ref = DDP(GPT(CFG))
+        ref.module.load_state_dict(model.state_dict())
+        fsdp, _ = mf.fully_shard(model, None, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
+                                 calculate_per_token_loss=True)
+        x, y = batch(CFG, 2, seed=rank)
+        fsdp(x, y).backward()
+        ref(x, y).backward()
+        grads = fsdp.full_grads()
+        out[strategy] = {n: (grads[n], p.grad * world) for n, p in ref.module.named_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_per_token_loss_sums_gradients(strategy):
+    grads = get_run(per_token_grads, 2)[0][strategy]
+    for name, (ours, ddp_times_world) in grads.items():
+        torch.testing.assert_close(ours, ddp_times_world, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# -- collectives per step -----------------------------------------------------------------------
+
+def count_collectives(rank, world):
+    out = {}
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        buf = fsdp.param_buffer
+        units = [b for b, bp in enumerate(buf.plan) if bp["unit"] >= 0]
+        roots = [b for b, bp in enumerate(buf.plan) if bp["unit"] < 0]
+        steps = []
+        for step in range(2):
+            before = fsdp.comm_stats()
+            for m in range(3):
+                x, y = batch(CFG, 2, seed=100 * step + 10 * m + rank)
+                with fsdp.no_sync() if m < 2 else torch.enable_grad():
+                    fsdp(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            after = fsdp.comm_stats()
+            steps.append({k: after[k] - before[k] for k in ("all_gathers", "reduce_scatters", "all_reduces")})
+        out[strategy] = dict(steps=steps, units=len(units), roots=len(roots), buckets=len(buf.plan))
+    return out
+
+
+def test_collectives_per_strategy():
+    counts = get_run(count_collectives, 2)[0]
+    # no_shard: one all-reduce per bucket per step, nothing gathered.
+    c = counts[0]
+    assert c["steps"][1] == {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": c["buckets"]}
+    # ZeRO-1: one reduce-scatter per bucket per step; weights re-gathered once after each step.
+    c = counts[1]
+    assert c["steps"][1] == {"all_gathers": c["buckets"], "reduce_scatters": c["buckets"], "all_reduces": 0}
+    # ZeRO-2: a reduce-scatter per bucket per microbatch (3), one gather per bucket per step.
+    c = counts[2]
+    assert c["steps"][1] == {"all_gathers": c["buckets"], "reduce_scatters": 3 * c["buckets"], "all_reduces": 0}
+    # ZeRO-3: per microbatch every unit bucket is gathered for forward and again for backward,
+    # the buckets outside units once; prefetching never gathers anything twice.
+    c = counts[3]
+    expected_ag = 3 * (2 * c["units"] + c["roots"])
+    assert c["steps"][1] == {"all_gathers": expected_ag, "reduce_scatters": 3 * c["buckets"], "all_reduces": 0}
