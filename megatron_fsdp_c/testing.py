@@ -82,9 +82,17 @@ class GPT(nn.Module):
 
 
 def batch(cfg: GPTConfig, batch_size: int, seed: int, device="cpu"):
+    """(inputs, targets) of a learnable synthetic language: each next token is 5 * token + 3
+    (mod vocab), except for 10% random tokens. Seeded, so every rank can draw its own."""
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, cfg.vocab, (batch_size, cfg.seq + 1), generator=g)
-    return idx[:, :-1].to(device), idx[:, 1:].to(device)
+    seq = torch.empty(batch_size, cfg.seq + 1, dtype=torch.long)
+    seq[:, 0] = torch.randint(0, cfg.vocab, (batch_size,), generator=g)
+    noise = torch.rand(batch_size, cfg.seq, generator=g) < 0.1
+    random_tokens = torch.randint(0, cfg.vocab, (batch_size, cfg.seq), generator=g)
+    for t in range(cfg.seq):
+        rule = (5 * seq[:, t] + 3) % cfg.vocab
+        seq[:, t + 1] = torch.where(noise[:, t], random_tokens[:, t], rule)
+    return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
 # ------------------------------------------------------------------------------------------
