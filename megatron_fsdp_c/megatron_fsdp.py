@@ -16,6 +16,7 @@ Microbatch semantics (documented differences from Megatron-FSDP are marked *):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
 from typing import Iterator, List, Optional, Tuple
@@ -208,6 +209,34 @@ class MegatronFSDP(nn.Module):
 
     def set_model_auto_sync(self, sync_model: bool = True) -> None:
         self.model_auto_sync = bool(sync_model)
+
+    # -- mixed precision ------------------------------------------------------------------
+    def reset_mixed_precision_policy(self, policy: MixedPrecisionPolicy) -> None:
+        """Adopts `policy.grad_comm_dtype` (None: communicate in the main gradient dtype).
+        Main parameter and gradient dtypes are fixed at fully_shard time and kept, as in
+        Megatron-FSDP; only temporary communication buffers change, so this is always allowed
+        (Megatron-FSDP's check for it is inverted)."""
+        if not isinstance(policy, MixedPrecisionPolicy):
+            raise TypeError(f"expected a MixedPrecisionPolicy, got {type(policy).__name__}")
+        effective = dataclasses.replace(self.mp_policy, grad_comm_dtype=policy.grad_comm_dtype,
+                                        allow_lossy_accumulation=policy.allow_lossy_accumulation)
+        for dtype in {r.param.dtype for r in self.param_buffer.records
+                      if r.requires_grad and r.param.dtype.is_floating_point}:
+            effective.resolve(dtype)  # raises when the new comm dtype would lose bits on accumulation
+        if self.hooks.in_backward:
+            raise RuntimeError("the mixed precision policy cannot change inside a backward pass")
+        self.param_buffer.engine.set_comm_dtype(policy.grad_comm_dtype)
+        self.mp_policy = effective
+
+    @contextlib.contextmanager
+    def mixed_precision_context(self, policy: MixedPrecisionPolicy):
+        """Communicates gradients in `policy.grad_comm_dtype` inside the block."""
+        previous = self.mp_policy
+        self.reset_mixed_precision_policy(policy)
+        try:
+            yield self
+        finally:
+            self.reset_mixed_precision_policy(previous)
 
     # -- introspection --------------------------------------------------------------------
     @torch.no_grad()

@@ -128,8 +128,8 @@ class ParamBuffer:
         if reduce_queue_bytes is None:
             reduce_queue_bytes = max(2 * max_grad_bytes, 64 << 20)
         self.specs = specs
-        self.engine = _C.Engine(specs, ctx.world, grad_prescale, reduce_op, int(reduce_queue_bytes), ctx.device,
-                                ctx.transport)
+        self.engine = _C.Engine(specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
+                                ctx.device, ctx.transport)
         self.bucket_units = [bp["unit"] for bp in self.plan]
 
     def _bucket_spec(self, bp: dict, dtype: torch.dtype, policy: MixedPrecisionPolicy) -> dict:

@@ -16,7 +16,10 @@
  *   GRAD_SLICE    view of GRAD at r*S: the reduce-scatter output.
  *   GRAD_SHARD    main gradients (grad_dtype) of the shard: own storage under ZeRO-2/3.
  *   OPT_GRAD      what the optimizer reads as .grad (main_dtype): own storage if it differs.
- *   COMM, COMM_SLICE  temporary comm_dtype copy for persistent GRAD when comm != grad dtype. */
+ *   COMM, COMM_SLICE  temporary comm_dtype copy for persistent GRAD when comm != grad dtype.
+ *   EXCHANGE      temporary comm_dtype receive buffer when comm_dtype is narrower than
+ *                 grad_dtype: all ranks' pieces of this rank's slice, summed here in grad_dtype
+ *                 (see [Note: exchange reduction] in pipeline.c). */
 #ifndef MFSDP_PIPELINE_H
 #define MFSDP_PIPELINE_H
 
@@ -39,6 +42,7 @@ typedef enum mfsdp_buf_kind {
   MFSDP_BUF_OPT_GRAD,
   MFSDP_BUF_COMM,
   MFSDP_BUF_COMM_SLICE,
+  MFSDP_BUF_EXCHANGE,
   MFSDP_BUF_COUNT
 } mfsdp_buf_kind;
 
@@ -78,6 +82,7 @@ typedef struct mfsdp_bucket_spec {
 
 typedef struct mfsdp_pipeline_config {
   int32_t dp_world;        /* data-parallel size (collectives span it) */
+  int32_t dp_rank;         /* this rank's index in it */
   double grad_prescale;    /* gradients are multiplied by this before the sum: 1/dp_world or 1 */
   int32_t reduce_op;       /* mfsdp_reduce_op */
   int64_t reduce_queue_bytes; /* in-flight gradient reductions beyond this are completed */
@@ -139,6 +144,10 @@ mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p);
  * finish every in-flight reduction, and fill OPT_GRAD. */
 mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p);
 mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p);
+/* Switches every trainable bucket to communicating gradients in `dtype` (-1: the grad dtype).
+ * Only temporary buffers change; refused while gradients are half reduced. */
+mfsdp_status mfsdp_pipeline_set_comm_dtype(mfsdp_pipeline* p, int32_t dtype);
+int32_t mfsdp_pipeline_comm_dtype(const mfsdp_pipeline* p, int32_t bucket);
 /* Finish every in-flight collective. */
 mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p);
 /* Number of NaN/Inf elements in item `item`'s main gradient shard. */

@@ -39,6 +39,8 @@ typedef struct mfsdp_transport_ops {
   mfsdp_status (*reduce_scatter)(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
                                  mfsdp_reduce_op op, mfsdp_work** work);
   mfsdp_status (*all_reduce)(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, mfsdp_work** work);
+  /* out's r-th block (numel / world elements) = rank r's in's block for this rank. */
+  mfsdp_status (*all_to_all)(void* ctx, const mfsdp_buffer* out, const mfsdp_buffer* in, mfsdp_work** work);
   /* Blocks (or orders the consumer after the work) and frees it. NULL work: no-op. */
   mfsdp_status (*wait)(void* ctx, mfsdp_work* work);
   /* Frees a work without waiting for it: teardown after an error. */

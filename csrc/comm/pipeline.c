@@ -19,7 +19,14 @@
  * backwards before one step), `rebase` first rescales it so that the next reduction counts the
  * already-reduced part exactly once: an all-reduced sum R sits on all `world` ranks, so it is
  * divided by world * f (f = the factor the reduction applies); a reduce-scattered slice sits on
- * one rank only, so it is divided by f and the stale local values around it are zeroed. */
+ * one rank only, so it is divided by f and the stale local values around it are zeroed.
+ *
+ * [Note: exchange reduction]
+ * A reduce-scatter in bf16 sums in bf16: every partial sum on the ring is rounded to 8 bits.
+ * When the communication dtype is narrower than the main gradients, the pipeline sends the same
+ * bytes with an all-to-all (each rank receives every rank's narrow piece of its own slice) and
+ * adds the pieces into the main gradient in its own dtype, in rank order: each contribution is
+ * rounded once (to the wire dtype) and the sum never is. */
 #include "mfsdp_pipeline.h"
 
 #include <stdlib.h>
@@ -76,6 +83,7 @@ static void refresh_views(bucket* bk, int owner) {
 }
 
 static mfsdp_status materialize(mfsdp_pipeline* p, bucket* bk, int kind) {
+  if (!bk->present[kind]) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "buffer kind %d does not exist in this bucket", kind);
   int o = bk->owner[kind];
   if (bk->materialized[o]) return MFSDP_OK;
   MFSDP_CHECK(p->be.memory->materialize(p->be.memory_ctx, &bk->buf[o]));
@@ -85,6 +93,7 @@ static mfsdp_status materialize(mfsdp_pipeline* p, bucket* bk, int kind) {
 }
 
 static mfsdp_status release(mfsdp_pipeline* p, bucket* bk, int kind) {
+  if (!bk->present[kind]) return MFSDP_OK;
   int o = bk->owner[kind];
   if (!bk->materialized[o] || !bk->temporary[o]) return MFSDP_OK;
   MFSDP_CHECK(p->be.memory->release(p->be.memory_ctx, &bk->buf[o]));
@@ -117,6 +126,71 @@ static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, in
   return MFSDP_OK;
 }
 
+/* Low-precision communication, high-precision accumulation: when a reduce-scatter would sum
+ * in a dtype narrower than the main gradients, the pipeline exchanges the narrow pieces instead
+ * (all-to-all: the same bytes on the wire as a reduce-scatter) and sums them itself in the
+ * gradient dtype, rounding once. See [Note: exchange reduction]. */
+static int exchanges(const mfsdp_pipeline* p, const mfsdp_bucket_spec* s) {
+  if (s->grad_mode == MFSDP_GRAD_NONE || p->cfg.dp_world < 2) return 0;
+  if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && s->shards < 2) return 0;
+  return mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
+}
+
+/* An all-reduce done as exchange + gather splits the bucket into dp_world blocks: its comm
+ * buffers are padded to a multiple of dp_world. */
+static int64_t exchange_block(const mfsdp_pipeline* p, const bucket* bk) {
+  return (bk->full_size + p->cfg.dp_world - 1) / p->cfg.dp_world;
+}
+
+static void drop_buffer(mfsdp_pipeline* p, bucket* bk, int kind) {
+  if (!bk->present[kind]) return;
+  int shared = 0;
+  for (int j = 0; j < MFSDP_BUF_COUNT; ++j)
+    if (j != kind && bk->present[j] && bk->buf[j].handle == bk->buf[kind].handle) shared = 1;
+  if (!shared) p->be.memory->destroy(p->be.memory_ctx, &bk->buf[kind]);
+  memset(&bk->buf[kind], 0, sizeof bk->buf[kind]);
+  bk->present[kind] = bk->materialized[kind] = bk->temporary[kind] = 0;
+  bk->owner[kind] = -1;
+  bk->view_offset[kind] = 0;
+}
+
+static mfsdp_status release_temporaries(mfsdp_pipeline* p, bucket* bk) {
+  for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
+    if (bk->present[k] && bk->owner[k] == k && bk->temporary[k]) MFSDP_CHECK(release(p, bk, k));
+  return MFSDP_OK;
+}
+
+/* The temporary buffers that depend on the communication dtype (see mfsdp_pipeline.h). */
+static mfsdp_status create_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_bucket_spec* s = &bk->spec;
+  int64_t S = s->shard_size, N = bk->full_size, off = (int64_t)s->shard_rank * S;
+  if (s->grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
+  if (s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, N, s->comm_dtype, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, off, S));
+  } else if (s->grad_mode == MFSDP_GRAD_ALL_REDUCE && exchanges(p, s)) {
+    int64_t B = exchange_block(p, bk);
+    N = B * p->cfg.dp_world;
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, N, s->comm_dtype, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, (int64_t)p->cfg.dp_rank * B, B));
+  } else if (s->comm_dtype != s->grad_dtype) {
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, N, s->comm_dtype, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, off, S));
+  }
+  if (exchanges(p, s)) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, N, s->comm_dtype, 1));
+  return MFSDP_OK;
+}
+
+static void drop_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
+  drop_buffer(p, bk, MFSDP_BUF_EXCHANGE);
+  drop_buffer(p, bk, MFSDP_BUF_COMM_SLICE);
+  drop_buffer(p, bk, MFSDP_BUF_COMM);
+  if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
+    drop_buffer(p, bk, MFSDP_BUF_GRAD_SLICE);
+    drop_buffer(p, bk, MFSDP_BUF_GRAD);
+  }
+}
+
 /* Creates the buffers of one bucket per the table in mfsdp_pipeline.h. */
 static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
@@ -134,25 +208,21 @@ static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
   else
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, 0, S));
   if (grads) {
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, N, accumulate ? s->comm_dtype : s->grad_dtype, accumulate));
-    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, off, S));
-    if (accumulate)
+    if (accumulate) {
       MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_SHARD, S, s->grad_dtype, 0));
-    else
+    } else { /* persistent full gradients accumulate locally until the step's reduction */
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, N, s->grad_dtype, 0));
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, off, S));
       MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, S));
+    }
     if (s->main_dtype != s->grad_dtype)
       MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, S, s->main_dtype, 0));
     else
       MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, 0, S));
-    if (!accumulate && s->comm_dtype != s->grad_dtype) {
-      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, N, s->comm_dtype, 1));
-      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, off, S));
-    }
+    MFSDP_CHECK(create_comm_buffers(p, bk));
   }
   /* Views exist now; temporaries give their memory back until first use. */
-  for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
-    if (bk->present[k] && bk->owner[k] == k && bk->temporary[k]) MFSDP_CHECK(release(p, bk, k));
-  return MFSDP_OK;
+  return release_temporaries(p, bk);
 }
 
 static mfsdp_status compute_holes(bucket* bk) {
@@ -211,7 +281,8 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
 mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp_backend* be,
                                    const mfsdp_bucket_spec* specs, int32_t n, mfsdp_pipeline** out) {
   *out = NULL;
-  if (cfg->dp_world < 1 || n < 0 || (cfg->reduce_op != MFSDP_REDUCE_SUM && cfg->reduce_op != MFSDP_REDUCE_AVG))
+  if (cfg->dp_world < 1 || cfg->dp_rank < 0 || cfg->dp_rank >= cfg->dp_world || n < 0 ||
+      (cfg->reduce_op != MFSDP_REDUCE_SUM && cfg->reduce_op != MFSDP_REDUCE_AVG))
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bad pipeline config (world %d, %d buckets)", cfg->dp_world, n);
   if (!be->memory || !be->transport || !be->kernels)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "backend lacks memory, transport or kernels");
@@ -475,8 +546,8 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
 /* gradients */
 
 static int64_t reduce_bytes(const bucket* bk) {
-  int32_t dt = bk->present[MFSDP_BUF_COMM] ? bk->buf[MFSDP_BUF_COMM].dtype : bk->buf[MFSDP_BUF_GRAD].dtype;
-  return bk->full_size * elem_size(dt);
+  const mfsdp_buffer* b = bk->present[MFSDP_BUF_COMM] ? &bk->buf[MFSDP_BUF_COMM] : &bk->buf[MFSDP_BUF_GRAD];
+  return b->numel * elem_size(b->dtype);
 }
 
 static mfsdp_status zero_holes(mfsdp_pipeline* p, bucket* bk) {
@@ -485,6 +556,45 @@ static mfsdp_status zero_holes(mfsdp_pipeline* p, bucket* bk) {
     MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, at(g, bk->holes[2 * h]), g->dtype,
                                          bk->holes[2 * h + 1] - bk->holes[2 * h]));
   return MFSDP_OK;
+}
+
+/* Sums the `shards` pieces of EXCHANGE (every rank's contribution to this rank's slice, in the
+ * comm dtype) into `dst` (grad dtype) in rank order, rounding in the grad dtype. */
+static mfsdp_status sum_exchanged(mfsdp_pipeline* p, bucket* bk, void* dst, int zero_first) {
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  int64_t S = bk->spec.shard_size;
+  double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / bk->spec.shards : 1.0;
+  if (zero_first) MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, dst, bk->spec.grad_dtype, S));
+  for (int32_t r = 0; r < bk->spec.shards; ++r)
+    MFSDP_CHECK(k->accumulate(p->be.kernels_ctx, dst, bk->spec.grad_dtype, at(&bk->buf[MFSDP_BUF_EXCHANGE], r * S),
+                              bk->spec.comm_dtype, S, alpha));
+  return release(p, bk, MFSDP_BUF_EXCHANGE);
+}
+
+/* The second half of an all-reduce done by exchange: sum this rank's block in the grad dtype,
+ * round it once to the comm dtype, gather every rank's block and widen the result. All ranks
+ * end with identical values. */
+static mfsdp_status gather_exchanged(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  void* kc = p->be.kernels_ctx;
+  int32_t W = p->cfg.dp_world, gdt = bk->spec.grad_dtype, cdt = bk->spec.comm_dtype;
+  int64_t B = exchange_block(p, bk), first = (int64_t)p->cfg.dp_rank * B;
+  int64_t valid = bk->full_size - first;
+  valid = valid < 0 ? 0 : valid > B ? B : valid;
+  double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / W : 1.0;
+  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+  MFSDP_CHECK(k->fill_zero(kc, at(g, first), gdt, valid));
+  for (int32_t r = 0; r < W; ++r)
+    MFSDP_CHECK(k->accumulate(kc, at(g, first), gdt, at(&bk->buf[MFSDP_BUF_EXCHANGE], r * B), cdt, valid, alpha));
+  MFSDP_CHECK(release(p, bk, MFSDP_BUF_EXCHANGE));
+  const mfsdp_buffer* block = &bk->buf[MFSDP_BUF_COMM_SLICE];
+  MFSDP_CHECK(k->copy(kc, block->data, cdt, at(g, first), gdt, valid, 1.0));
+  MFSDP_CHECK(k->fill_zero(kc, at(block, valid), cdt, B - valid));
+  mfsdp_work* work = NULL;
+  mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[MFSDP_BUF_COMM], block, &work);
+  if (st != MFSDP_OK) return comm_failed(p, st);
+  MFSDP_CHECK(wait_work(p, &work));
+  return k->copy(kc, g->data, gdt, bk->buf[MFSDP_BUF_COMM].data, cdt, bk->full_size, 1.0);
 }
 
 /* Completes the reduction of the bucket at the head of the queue. */
@@ -498,22 +608,30 @@ static mfsdp_status complete_front(mfsdp_pipeline* p) {
   const mfsdp_kernel_ops* k = p->be.kernels;
   void* kc = p->be.kernels_ctx;
   int64_t S = bk->spec.shard_size;
+  int exchanged = exchanges(p, &bk->spec);
   switch (bk->spec.grad_mode) {
     case MFSDP_GRAD_SCATTER_ACCUMULATE:
-      MFSDP_CHECK(k->accumulate(kc, bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype,
-                                bk->buf[MFSDP_BUF_GRAD_SLICE].data, bk->spec.comm_dtype, S, 1.0));
+      if (exchanged)
+        MFSDP_CHECK(sum_exchanged(p, bk, bk->buf[MFSDP_BUF_GRAD_SHARD].data, 0));
+      else
+        MFSDP_CHECK(k->accumulate(kc, bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype,
+                                  bk->buf[MFSDP_BUF_GRAD_SLICE].data, bk->spec.comm_dtype, S, 1.0));
       MFSDP_CHECK(release(p, bk, MFSDP_BUF_GRAD));
       bk->gstate = MFSDP_G_CLEAN;
       break;
     case MFSDP_GRAD_ALL_REDUCE:
     case MFSDP_GRAD_SCATTER_IN_PLACE: {
-      if (bk->present[MFSDP_BUF_COMM]) {
+      if (exchanged && bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
+        MFSDP_CHECK(gather_exchanged(p, bk));
+      } else if (exchanged) {
+        MFSDP_CHECK(sum_exchanged(p, bk, bk->buf[MFSDP_BUF_GRAD_SLICE].data, 1));
+      } else if (bk->present[MFSDP_BUF_COMM]) {
         int whole = bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE;
         int dst = whole ? MFSDP_BUF_GRAD : MFSDP_BUF_GRAD_SLICE, src = whole ? MFSDP_BUF_COMM : MFSDP_BUF_COMM_SLICE;
         MFSDP_CHECK(k->copy(kc, bk->buf[dst].data, bk->spec.grad_dtype, bk->buf[src].data, bk->spec.comm_dtype,
                             bk->buf[dst].numel, 1.0));
-        MFSDP_CHECK(release(p, bk, MFSDP_BUF_COMM));
       }
+      MFSDP_CHECK(release(p, bk, MFSDP_BUF_COMM));
       bk->gstate = MFSDP_G_REDUCED;
       break;
     }
@@ -545,34 +663,39 @@ static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
   mfsdp_status st = MFSDP_OK;
   int comm = communicates(p, bk);
   mfsdp_work* work = NULL;
-  if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
-    /* Already scaled while packing. */
-    if (comm) {
-      st = p->be.transport->reduce_scatter(p->be.transport_ctx, &bk->buf[MFSDP_BUF_GRAD_SLICE],
-                                           &bk->buf[MFSDP_BUF_GRAD], op, &work);
-      bk->stats.reduce_scatters++;
-      bk->stats.reduce_scatter_bytes += reduce_bytes(bk);
-    }
-  } else {
-    int full = MFSDP_BUF_GRAD, slice = MFSDP_BUF_GRAD_SLICE;
+  int exchange = exchanges(p, &bk->spec);
+  int full = MFSDP_BUF_GRAD, slice = MFSDP_BUF_GRAD_SLICE;
+  if (bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE) { /* ACCUMULATE scaled while packing */
     if (bk->present[MFSDP_BUF_COMM]) {
       MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_COMM));
-      MFSDP_CHECK(k->copy(kc, bk->buf[MFSDP_BUF_COMM].data, bk->spec.comm_dtype, bk->buf[MFSDP_BUF_GRAD].data,
-                          bk->spec.grad_dtype, bk->full_size, p->cfg.grad_prescale));
+      const mfsdp_buffer* c = &bk->buf[MFSDP_BUF_COMM];
+      MFSDP_CHECK(k->copy(kc, c->data, bk->spec.comm_dtype, bk->buf[MFSDP_BUF_GRAD].data, bk->spec.grad_dtype,
+                          bk->full_size, p->cfg.grad_prescale));
+      MFSDP_CHECK(k->fill_zero(kc, at(c, bk->full_size), c->dtype, c->numel - bk->full_size)); /* exchange padding */
       full = MFSDP_BUF_COMM;
       slice = MFSDP_BUF_COMM_SLICE;
     } else {
       MFSDP_CHECK(k->scale(kc, bk->buf[full].data, bk->buf[full].dtype, bk->full_size, p->cfg.grad_prescale));
     }
-    if (comm && bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
-      st = p->be.transport->all_reduce(p->be.transport_ctx, &bk->buf[full], op, &work);
+  }
+  if (exchange) {
+    MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_EXCHANGE));
+    st = p->be.transport->all_to_all(p->be.transport_ctx, &bk->buf[MFSDP_BUF_EXCHANGE], &bk->buf[full], &work);
+    if (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
       bk->stats.all_reduces++;
       bk->stats.all_reduce_bytes += reduce_bytes(bk);
-    } else if (comm) {
-      st = p->be.transport->reduce_scatter(p->be.transport_ctx, &bk->buf[slice], &bk->buf[full], op, &work);
+    } else {
       bk->stats.reduce_scatters++;
       bk->stats.reduce_scatter_bytes += reduce_bytes(bk);
     }
+  } else if (comm && bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
+    st = p->be.transport->all_reduce(p->be.transport_ctx, &bk->buf[full], op, &work);
+    bk->stats.all_reduces++;
+    bk->stats.all_reduce_bytes += reduce_bytes(bk);
+  } else if (comm) {
+    st = p->be.transport->reduce_scatter(p->be.transport_ctx, &bk->buf[slice], &bk->buf[full], op, &work);
+    bk->stats.reduce_scatters++;
+    bk->stats.reduce_scatter_bytes += reduce_bytes(bk);
   }
   if (st != MFSDP_OK) return comm_failed(p, st);
   bk->reduce_work = work;
@@ -719,6 +842,36 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
     bk->gstate = MFSDP_G_CLEAN;
   }
   return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_set_comm_dtype(mfsdp_pipeline* p, int32_t dtype) {
+  MFSDP_CHECK(healthy(p));
+  if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "communication dtype changed inside a backward pass");
+  MFSDP_CHECK(complete_all(p));
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if (bk->spec.grad_mode == MFSDP_GRAD_NONE) continue;
+    int32_t dt = dtype >= 0 ? dtype : bk->spec.grad_dtype;
+    if (!mfsdp_dtype_is_float(dt))
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "communication dtype %s is not floating", mfsdp_dtype_name(dt));
+    if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && bk->gstate != MFSDP_G_CLEAN)
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d still holds unreduced gradients", i);
+  }
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if (bk->spec.grad_mode == MFSDP_GRAD_NONE) continue;
+    int32_t dt = dtype >= 0 ? dtype : bk->spec.grad_dtype;
+    if (dt == bk->spec.comm_dtype) continue;
+    drop_comm_buffers(p, bk);
+    bk->spec.comm_dtype = dt;
+    MFSDP_CHECK(create_comm_buffers(p, bk));
+    MFSDP_CHECK(release_temporaries(p, bk));
+  }
+  return MFSDP_OK;
+}
+
+int32_t mfsdp_pipeline_comm_dtype(const mfsdp_pipeline* p, int32_t bucket_id) {
+  return p->b[bucket_id].spec.comm_dtype;
 }
 
 mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p) {

@@ -52,6 +52,12 @@ static inline const char* mfsdp_dtype_name(int dtype) {
   return mfsdp_dtype_valid(dtype) ? names[dtype] : "invalid";
 }
 
+/* Significand bits (with the implicit one): what a cast to this type keeps. */
+static inline int mfsdp_dtype_precision(int dtype) {
+  static const int bits[MFSDP_NUM_DTYPES] = {24, 8, 11, 53, 8, 7, 15, 31, 63, 1};
+  return mfsdp_dtype_valid(dtype) ? bits[dtype] : 0;
+}
+
 MFSDP_HD uint32_t mfsdp_f32_bits(float f) {
   uint32_t u;
   memcpy(&u, &f, sizeof u);

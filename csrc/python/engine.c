@@ -94,7 +94,7 @@ static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
 }
 
 PyDoc_STRVAR(engine_doc,
-             "Engine(buckets, dp_world, grad_prescale, reduce_op, reduce_queue_bytes, device, transport)\n\n"
+             "Engine(buckets, dp_world, dp_rank, grad_prescale, reduce_op, reduce_queue_bytes, device, transport)\n\n"
              "One collective pipeline over the given bucket specs (see csrc/comm/mfsdp_pipeline.h).\n"
              "reduce_op: 'sum' or 'avg'. device: torch.device of every buffer. transport: a\n"
              "TorchTransport or NcclTransport over the data-parallel ranks.");
@@ -102,10 +102,10 @@ PyDoc_STRVAR(engine_doc,
 static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   engine_object* e = (engine_object*)self;
   module_state* st = engine_state(self);
-  static char* kwlist[] = {"buckets", "dp_world", "grad_prescale", "reduce_op", "reduce_queue_bytes",
+  static char* kwlist[] = {"buckets", "dp_world",  "dp_rank", "grad_prescale", "reduce_op", "reduce_queue_bytes",
                            "device",  "transport", NULL};
   PyObject *specs_obj, *device, *transport;
-  int dp_world;
+  int dp_world, dp_rank;
   double prescale;
   const char* op;
   long long queue_bytes;
@@ -113,8 +113,8 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     PyErr_SetString(PyExc_RuntimeError, "Engine is already initialised");
     return -1;
   }
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OidsLOO:Engine", kwlist, &specs_obj, &dp_world, &prescale, &op,
-                                   &queue_bytes, &device, &transport))
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiidsLOO:Engine", kwlist, &specs_obj, &dp_world, &dp_rank, &prescale,
+                                   &op, &queue_bytes, &device, &transport))
     return -1;
   if (!PyObject_TypeCheck(transport, st->torch_transport_type) &&
       !(st->nccl_transport_type && PyObject_TypeCheck(transport, st->nccl_transport_type))) {
@@ -171,7 +171,7 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   e->memory = (torch_memory){st, e->device, device_index};
   transport_object* t = (transport_object*)transport;
   mfsdp_backend be = {&mfsdp_torch_memory_ops, &e->memory, t->ops, t->ctx, kernels, kernels_ctx};
-  mfsdp_pipeline_config cfg = {dp_world, prescale, reduce_op, queue_bytes};
+  mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes};
   mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, (int32_t)n, &e->pipeline);
   if (s != MFSDP_OK) {
     fail(self, s);
@@ -367,6 +367,16 @@ static PyObject* engine_set_item(PyObject* self, PyObject* const* args, Py_ssize
   Py_RETURN_NONE;
 }
 
+static PyObject* engine_set_comm_dtype(PyObject* self, PyObject* arg) {
+  engine_object* e = (engine_object*)self;
+  if (!ready(e)) return NULL;
+  int code = -1;
+  if (arg != Py_None && (code = mfsdp_dtype_code(engine_state(self), arg, "set_comm_dtype")) < 0) return NULL;
+  mfsdp_status s = mfsdp_pipeline_set_comm_dtype(e->pipeline, code);
+  if (s != MFSDP_OK) return fail(self, s);
+  Py_RETURN_NONE;
+}
+
 static PyObject* engine_tensor(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b, kind;
@@ -458,6 +468,8 @@ static PyMethodDef engine_methods[] = {
      "sync_grads(): reduce pending no_shard/ZeRO-1 gradients once, finish all reductions, fill OPT_GRAD."},
     {"zero_grads", engine_zero_grads, METH_NOARGS, "zero_grads(): zero the main gradient buffers."},
     {"drain", engine_drain, METH_NOARGS, "drain(): finish every in-flight collective."},
+    {"set_comm_dtype", engine_set_comm_dtype, METH_O,
+     "set_comm_dtype(dtype or None): communicate gradients in `dtype` (None: the main gradient dtype)."},
     {"tensor", engine_tensor, METH_VARARGS, "tensor(bucket, kind) -> the buffer's torch tensor, or None."},
     {"weight_state", engine_weight_state, METH_O, "weight_state(bucket) -> 'empty'|'gathering'|'ready'|'stale'."},
     {"grad_state", engine_grad_state, METH_O, "grad_state(bucket) -> 'clean'|'dirty'|'reducing'|'reduced'."},

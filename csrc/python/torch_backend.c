@@ -89,6 +89,7 @@ typedef struct torch_transport {
   PyObject* all_gather;     /* torch.distributed.all_gather_single (all_gather_into_tensor) */
   PyObject* reduce_scatter; /* torch.distributed.reduce_scatter_single (reduce_scatter_tensor) */
   PyObject* all_reduce;     /* torch.distributed.all_reduce */
+  PyObject* all_to_all;     /* torch.distributed.all_to_all_single */
   PyObject* gather_group;
   PyObject* reduce_group;
   PyObject* ops[2];         /* ReduceOp.SUM, ReduceOp.AVG */
@@ -123,6 +124,12 @@ static mfsdp_status tt_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_redu
   return issue(t->all_reduce, args, 1, t->kw_reduce, work, "all_reduce");
 }
 
+static mfsdp_status tt_all_to_all(void* ctx, const mfsdp_buffer* out, const mfsdp_buffer* in, mfsdp_work** work) {
+  torch_transport* t = ctx;
+  PyObject* args[] = {out->handle, in->handle, t->reduce_group, Py_True};
+  return issue(t->all_to_all, args, 2, t->kw_gather, work, "all_to_all_single");
+}
+
 static mfsdp_status tt_wait(void* ctx, mfsdp_work* work) {
   (void)ctx;
   PyObject* w = (PyObject*)work;
@@ -139,8 +146,9 @@ static void tt_discard(void* ctx, mfsdp_work* work) {
   Py_XDECREF((PyObject*)work);
 }
 
-static const mfsdp_transport_ops torch_transport_ops = {"torch", tt_all_gather, tt_reduce_scatter, tt_all_reduce,
-                                                        tt_wait, tt_discard};
+static const mfsdp_transport_ops torch_transport_ops = {"torch",       tt_all_gather, tt_reduce_scatter,
+                                                        tt_all_reduce, tt_all_to_all, tt_wait,
+                                                        tt_discard};
 
 PyDoc_STRVAR(torch_transport_doc,
              "TorchTransport(all_gather_group, reduce_group, device=-1)\n\n"
@@ -171,11 +179,12 @@ static int tt_init(PyObject* self, PyObject* args, PyObject* kwds) {
     Py_XSETREF(t->all_gather, attr_or_fallback(dist, "all_gather_single", "all_gather_into_tensor"));
     Py_XSETREF(t->reduce_scatter, attr_or_fallback(dist, "reduce_scatter_single", "reduce_scatter_tensor"));
     Py_XSETREF(t->all_reduce, PyObject_GetAttrString(dist, "all_reduce"));
+    Py_XSETREF(t->all_to_all, PyObject_GetAttrString(dist, "all_to_all_single"));
     Py_XSETREF(t->ops[MFSDP_REDUCE_SUM], PyObject_GetAttrString(reduce_op, "SUM"));
     Py_XSETREF(t->ops[MFSDP_REDUCE_AVG], PyObject_GetAttrString(reduce_op, "AVG"));
     Py_XSETREF(t->kw_gather, Py_BuildValue("(ss)", "group", "async_op"));
     Py_XSETREF(t->kw_reduce, Py_BuildValue("(sss)", "op", "group", "async_op"));
-    ok = t->all_gather && t->reduce_scatter && t->all_reduce && t->ops[0] && t->ops[1] && t->kw_gather &&
+    ok = t->all_gather && t->reduce_scatter && t->all_reduce && t->all_to_all && t->ops[0] && t->ops[1] && t->kw_gather &&
          t->kw_reduce;
   }
   Py_XDECREF(reduce_op);
@@ -195,6 +204,7 @@ static int tt_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(t->all_gather);
   Py_VISIT(t->reduce_scatter);
   Py_VISIT(t->all_reduce);
+  Py_VISIT(t->all_to_all);
   Py_VISIT(t->gather_group);
   Py_VISIT(t->reduce_group);
   Py_VISIT(t->ops[0]);
@@ -207,6 +217,7 @@ static int tt_clear(PyObject* self) {
   Py_CLEAR(t->all_gather);
   Py_CLEAR(t->reduce_scatter);
   Py_CLEAR(t->all_reduce);
+  Py_CLEAR(t->all_to_all);
   Py_CLEAR(t->gather_group);
   Py_CLEAR(t->reduce_group);
   Py_CLEAR(t->ops[0]);

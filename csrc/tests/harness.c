@@ -170,6 +170,20 @@ static mfsdp_status loop_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_re
   return MFSDP_OK;
 }
 
+static mfsdp_status loop_all_to_all(void* ctx, const mfsdp_buffer* out, const mfsdp_buffer* in, mfsdp_work** work) {
+  loop_rank* r = ctx;
+  loop_world* w = r->world;
+  *work = NULL;
+  MFSDP_CHECK(maybe_fail(r));
+  int64_t block = in->numel / w->n, bytes = block * mfsdp_dtype_size(in->dtype);
+  w->slot[r->rank] = in->data;
+  pthread_barrier_wait(&w->barrier);
+  for (int k = 0; k < w->n; ++k)
+    memcpy((char*)out->data + k * bytes, (const char*)w->slot[k] + r->rank * bytes, (size_t)bytes);
+  pthread_barrier_wait(&w->barrier);
+  return MFSDP_OK;
+}
+
 static mfsdp_status loop_wait(void* ctx, mfsdp_work* work) {
   (void)ctx;
   (void)work;
@@ -181,5 +195,6 @@ static void loop_discard(void* ctx, mfsdp_work* work) {
   (void)work;
 }
 
-const mfsdp_transport_ops loop_transport_ops = {"threads", loop_all_gather, loop_reduce_scatter, loop_all_reduce,
-                                                loop_wait, loop_discard};
+const mfsdp_transport_ops loop_transport_ops = {"threads",       loop_all_gather, loop_reduce_scatter,
+                                                loop_all_reduce, loop_all_to_all, loop_wait,
+                                                loop_discard};

@@ -268,7 +268,7 @@ static void* pipe_worker(void* arg) {
   loop_rank lr = {t->world, r};
   mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, &lr, &mfsdp_cpu_kernels, NULL};
   double prescale = c->per_token || c->op == MFSDP_REDUCE_AVG ? 1.0 : 1.0 / W;
-  mfsdp_pipeline_config cfg = {W, prescale, c->op, 1 << 20};
+  mfsdp_pipeline_config cfg = {W, r, prescale, c->op, 1 << 20};
   mfsdp_pipeline* p = NULL;
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
   if (p == NULL) goto out;
@@ -430,7 +430,7 @@ static void test_pipeline(void) {
 }
 
 static void test_pipeline_misuse(void) {
-  mfsdp_pipeline_config cfg = {2, 0.5, MFSDP_REDUCE_SUM, 1 << 20};
+  mfsdp_pipeline_config cfg = {2, 0, 0.5, MFSDP_REDUCE_SUM, 1 << 20};
   mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, NULL, &mfsdp_cpu_kernels, NULL};
   int64_t offsets[1] = {0}, numels[1] = {8};
   mfsdp_bucket_spec bad = {2, 0, 2, 1, offsets, numels, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
