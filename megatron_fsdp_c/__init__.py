@@ -7,6 +7,7 @@ from . import _C
 from .fully_shard import ShardingStrategy, fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
+from .no_shard import fsdp_no_shard
 
 __version__ = "0.1.0"
 
@@ -17,4 +18,5 @@ __all__ = [
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",
+    "fsdp_no_shard",
 ]

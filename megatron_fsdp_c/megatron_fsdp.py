@@ -28,6 +28,7 @@ from . import _C
 from ._distributed import DistContext, all_gather_flat
 from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
+from .no_shard import mark_by_name, replicated_roots
 from .param_buffer import ParamBuffer, collect_params
 
 __all__ = ["MegatronFSDP"]
@@ -58,9 +59,11 @@ class MegatronFSDP(nn.Module):
         self._grads_pending = False
         self._holds_dist_params = False
 
+        mark_by_name(module)
         records = collect_params(module, fsdp_unit_modules)
-        for r in records:
-            r.replicated = bool(getattr(r.param, "_mfsdp_no_shard", False)) or r.param.dim() == 0
+        self.replicated_roots = replicated_roots(module, [r.param for r in records if r.replicated])
+        if self.replicated_roots and dist_ctx.rank == 0:
+            logger.info("replicated (fsdp_no_shard) subtrees, never gathered: %s", ", ".join(self.replicated_roots))
         if calculate_per_token_loss:
             prescale, op = 1.0, "sum"
         elif average_in_collective:

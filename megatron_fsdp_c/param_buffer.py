@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import _C
 from ._distributed import DistContext
 from .mixed_precision import MixedPrecisionPolicy
+from .no_shard import is_no_shard
 
 __all__ = ["ParamRecord", "ParamBuffer", "collect_params"]
 
@@ -59,6 +60,8 @@ def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]
 
     A parameter registered under modules of two different units (or of a unit and the rest of
     the model), e.g. tied embeddings, belongs to no unit: it stays gathered for the whole pass.
+    A parameter is replicated if fsdp_no_shard marked any place it is registered, or if it is
+    0-d (a scalar has no rows to shard).
     """
     unit_of_module: Dict[int, int] = {}
     for u, unit in enumerate(units):
@@ -75,11 +78,12 @@ def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]
             rec = records.get(id(p))
             if rec is None:
                 name = f"{mod_name}.{attr}" if mod_name else attr
-                records[id(p)] = ParamRecord(len(records), name, p, p.shape, unit, [(mod, attr)])
+                rec = records[id(p)] = ParamRecord(len(records), name, p, p.shape, unit, [(mod, attr)])
             else:
                 rec.places.append((mod, attr))
                 if rec.unit != unit:
                     rec.unit = -1
+            rec.replicated = rec.replicated or is_no_shard(mod, attr) or p.dim() == 0
     return list(records.values())
 
 

@@ -81,6 +81,44 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class TowerBlock(nn.Module):
+    """One of the many small layers of a vision tower."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mix = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.mix(self.norm(x)))
+
+
+class VLM(nn.Module):
+    """A vision-language model: a tower of small blocks (usually frozen and replicated with
+    fsdp_no_shard), a projector, and a GPT language model conditioned on the pooled image."""
+
+    def __init__(self, cfg: GPTConfig, image_dim: int = 16, tower_layers: int = 6):
+        super().__init__()
+        self.tower = nn.Sequential(*[TowerBlock(image_dim) for _ in range(tower_layers)])
+        self.proj = nn.Linear(image_dim, cfg.d)
+        self.lm = GPT(cfg)
+
+    def forward(self, image, idx, targets):
+        lm = self.lm
+        t = idx.shape[1]
+        picture = self.proj(self.tower(image)).mean(dim=1, keepdim=True)
+        x = lm.tok(idx) + lm.pos(torch.arange(t, device=idx.device)) + picture
+        for block in lm.blocks:
+            x = block(x)
+        logits = lm.head(lm.ln(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def image_batch(batch_size: int, seed: int, patches: int = 4, image_dim: int = 16, device="cpu"):
+    g = torch.Generator().manual_seed(seed + 7919)
+    return torch.randn(batch_size, patches, image_dim, generator=g).to(device)
+
+
 def batch(cfg: GPTConfig, batch_size: int, seed: int, device="cpu"):
     """(inputs, targets) of a learnable synthetic language: each next token is 5 * token + 3
     (mod vocab), except for 10% random tokens. Seeded, so every rank can draw its own."""

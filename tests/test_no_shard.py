@@ -1,0 +1,179 @@
+"""fsdp_no_shard: a frozen vision tower of many small layers stays replicated (no all-gather,
+no hooks, no temporary buckets) while the language model is sharded, and the model trains
+exactly like DDP."""
+import contextlib
+import copy
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import megatron_fsdp_c as mf
+from megatron_fsdp_c import _C
+from megatron_fsdp_c.testing import VLM, Block, GPTConfig, TowerBlock, batch, image_batch
+
+from conftest import get_run
+
+CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
+STEPS = 4
+
+
+def build(mark=True):
+    torch.manual_seed(0)
+    model = VLM(CFG)
+    for p in model.tower.parameters():
+        p.requires_grad_(False)
+    if mark:
+        mf.fsdp_no_shard([model.tower, model.proj.weight, model.proj.bias])  # a module and parameters
+    return model
+
+
+def vlm_run(rank, world, strategy, optim):
+    model = build()
+    ref = DDP(copy.deepcopy(model))
+    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if optim == "adamw" else (
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+    ref_opt = make([p for p in ref.parameters() if p.requires_grad])
+    opt = make([p for p in model.parameters() if p.requires_grad])
+    fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block, TowerBlock], zero_dp_strategy=strategy)
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        for m in range(2):
+            x, y = batch(CFG, 2, seed=1000 * step + 10 * m + rank)
+            img = image_batch(2, seed=1000 * step + 10 * m + rank)
+            with fsdp.no_sync() if m == 0 else contextlib.nullcontext():
+                loss = fsdp(img, x, y)
+                loss.backward()
+            with ref.no_sync() if m == 0 else contextlib.nullcontext():
+                ref_loss = ref(img, x, y)
+                ref_loss.backward()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    buf = fsdp.param_buffer
+    marked = [r for r in buf.records if r.replicated]
+    marked_buckets = sorted({r.bucket for r in marked})
+    stats = {b: fsdp.comm_stats(b) for b in marked_buckets}
+    tower_hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+                      for m in model.tower.modules())
+    param_hooks = sum(len(r.param._post_accumulate_grad_hooks or {}) for r in marked if not r.requires_grad)
+    buckets = [dict(shards=buf.plan[b]["shards"], items=sum(buf.plan[b]["numels"]),
+                    weight=buf.engine.tensor(b, _C.BUF_WEIGHT).untyped_storage().nbytes(),
+                    elem=buf.engine.tensor(b, _C.BUF_WEIGHT).element_size(),
+                    grad=buf.engine.tensor(b, _C.BUF_GRAD), trainable=buf.plan[b]["requires_grad"],
+                    grad_mode=buf.specs[b]["grad_mode"])
+               for b in marked_buckets]
+    for b in buckets:
+        b["grad"] = None if b["grad"] is None else b["grad"].untyped_storage().nbytes()
+    full = fsdp.full_parameters()
+    ref_params = {n: p.detach() for n, p in ref.module.named_parameters()}
+    worst = max((full[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    return dict(losses=losses, ref_losses=ref_losses, worst=worst, stats=stats, tower_hooks=tower_hooks,
+                param_hooks=param_hooks, buckets=buckets, roots=fsdp.replicated_roots,
+                marked=sorted(r.name for r in marked))
+
+
+def optimizers(world, strategy):
+    """AdamW where the sum order matches DDP's (see [Note: reduction order at world 4] in
+    test_parity.py: ZeRO-2/3 reduce each of the 2 microbatches, DDP their sum); SGD always."""
+    return ["sgd", "adamw"] if world == 2 and strategy < 2 else ["sgd"]
+
+
+def no_shard_grid(rank, world):
+    out = {}
+    for strategy in range(4):
+        for optim in optimizers(world, strategy):
+            try:
+                out[(strategy, optim)] = ("ok", vlm_run(rank, world, strategy, optim))
+            except Exception:  # noqa: BLE001
+                out[(strategy, optim)] = ("error", traceback.format_exc())
+    return out
+
+
+CASES = [(w, s, o) for w in (2, 4) for s in range(4) for o in optimizers(w, s)]
+
+
+@pytest.mark.parametrize("world,strategy,optim", CASES)
+def test_frozen_replicated_tower_matches_ddp(world, strategy, optim):
+    for rank, grid in enumerate(get_run(no_shard_grid, world)):
+        status, r = grid[(strategy, optim)]
+        assert status == "ok", f"rank {rank}:\n{r}"
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
+        assert r["worst"] < 1e-5, r["worst"]
+        # the marked parts: never gathered; trainable ones all-reduced once per step
+        for b, s in r["stats"].items():
+            assert s["all_gathers"] == 0 and s["reduce_scatters"] == 0, s
+        assert r["tower_hooks"] == 0 and r["param_hooks"] == 0
+        for b in r["buckets"]:
+            assert b["shards"] == 1
+            assert b["weight"] < (b["items"] + 64) * b["elem"]  # full size, alignment padding only
+            if b["trainable"]:
+                assert b["grad_mode"] == _C.GRAD_ALL_REDUCE and b["grad"] is not None
+            else:
+                assert b["grad"] is None, "frozen replicated parameters get no gradient memory"
+        trainable_ar = [s["all_reduces"] for b, s in zip(r["buckets"], r["stats"].values()) if b["trainable"]]
+        assert all(n == STEPS for n in trainable_ar), trainable_ar
+        assert r["roots"] == ["tower", "proj"], r["roots"]
+        assert "proj.weight" in r["marked"] and "tower.0.mix.weight" in r["marked"]
+
+
+# -- the mark itself --------------------------------------------------------------------------
+
+def test_marks_modules_parameters_and_lists():
+    model = build(mark=False)
+    assert mf.fsdp_no_shard(model.tower) is model.tower
+    assert mf.fsdp_no_shard(model.proj.weight) is model.proj.weight
+    out = mf.fsdp_no_shard([model.lm.ln, model.lm.head.weight])
+    assert len(out) == 2
+    from megatron_fsdp_c.no_shard import is_no_shard
+    assert is_no_shard(model.tower[3].mix, "weight") and is_no_shard(model.proj, "weight")
+    assert not is_no_shard(model.proj, "bias") and is_no_shard(model.lm.ln, "bias")
+    assert is_no_shard(model.lm.head, "weight") and not is_no_shard(model.lm.tok, "weight")
+
+
+@pytest.mark.parametrize("bad", [42, "tower", None, [nn.Linear(2, 2), 3.0], {"a": 1}])
+def test_non_module_objects_are_a_type_error(bad):
+    with pytest.raises(TypeError, match="nn.Module"):
+        mf.fsdp_no_shard(bad)
+
+
+def test_mark_survives_reset_parameters_and_to_empty():
+    from megatron_fsdp_c.no_shard import is_no_shard, mark_by_name
+    model = build(mark=False)
+    mf.fsdp_no_shard(model.tower)
+    mf.fsdp_no_shard(model.proj.weight)
+    mark_by_name(model)  # what fully_shard does first
+    model.tower[0].mix.reset_parameters()
+    model.proj.reset_parameters()
+    with torch.device("meta"):
+        meta = VLM(CFG)
+    mf.fsdp_no_shard(meta.tower)
+    mf.fsdp_no_shard(meta.proj.weight)
+    mark_by_name(meta)
+    meta.to_empty(device="cpu")  # new Parameter objects
+    for m in meta.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    for tree in (model, meta):
+        assert is_no_shard(tree.tower[0].mix, "weight") and is_no_shard(tree.proj, "weight")
+        assert not is_no_shard(tree.proj, "bias")
+
+
+def after_fully_shard(rank, world):
+    model = build(mark=False)
+    fsdp, _ = mf.fully_shard(model, fsdp_unit_modules=[Block])
+    try:
+        mf.fsdp_no_shard(model.tower)
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_marking_after_fully_shard_is_refused():
+    message = get_run(after_fully_shard, 2)[0]
+    assert "before fully_shard" in message
