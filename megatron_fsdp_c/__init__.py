@@ -4,6 +4,7 @@ A mirror of NVIDIA Megatron-FSDP's API (fully_shard, MixedPrecisionPolicy, the M
 wrapper) whose layout planner, kernels and collective pipeline are C (megatron_fsdp_c._C).
 """
 from . import _C
+from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .fully_shard import ShardingStrategy, fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
@@ -19,4 +20,7 @@ __all__ = [
     "fully_shard_model",
     "fully_shard_optimizer",
     "fsdp_no_shard",
+    "save_checkpoint",
+    "load_checkpoint",
+    "full_state_dict",
 ]

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ._distributed import make_dist_context
+from .checkpoint import init_optimizer_state, register_optimizer_hooks
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 
@@ -83,7 +84,11 @@ def find_units(module: nn.Module, classes: Sequence[type]) -> List[nn.Module]:
     return units
 
 
-def _check_params(module: nn.Module) -> torch.device:
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _check_params(module: nn.Module, meta_device_init: bool = False, device=None) -> torch.device:
     devices = {}
     for name, p in module.named_parameters():
         if p.requires_grad and not p.is_floating_point():
@@ -94,6 +99,13 @@ def _check_params(module: nn.Module) -> torch.device:
         devices.setdefault(p.device, name)
     if not devices:
         raise ValueError("the module has no parameters to shard")
+    if meta_device_init:
+        target = torch.device(device) if device is not None else _default_device()
+        stray = [(d, n) for d, n in devices.items() if d.type != "meta" and d != target]
+        if stray:
+            raise ValueError(f"init_model_with_meta_device: parameter '{stray[0][1]}' is on {stray[0][0]}, not on the "
+                             f"meta device or on {target}")
+        return target
     if len(devices) > 1:
         (d1, n1), (d2, n2) = list(devices.items())[:2]
         hint = (" (meta parameters need init_model_with_meta_device=True)"
@@ -129,6 +141,7 @@ def fully_shard_model(
     bucket_size: Optional[int] = None,
     reduce_queue_bytes: Optional[int] = None,
     transport: str = "auto",
+    init_model_with_meta_device: bool = False,
     **unsupported,
 ) -> MegatronFSDP:
     """Wraps `module` in a MegatronFSDP that shards it over the data-parallel ranks.
@@ -159,9 +172,9 @@ def fully_shard_model(
             "zero_dp_strategy='optim_grads_params' (3) needs fsdp_unit_modules: the classes gathered and released "
             "together, e.g. fsdp_unit_modules=[TransformerBlock]. Without units use zero_dp_strategy 'optim_grads' (2)"
         )
-    if device is not None:
+    if device is not None and not init_model_with_meta_device:
         module.to(device)
-    param_device = _check_params(module)
+    param_device = _check_params(module, init_model_with_meta_device, device)
     units = find_units(module, classes)
     if disable_bucketing:
         bucket_size = None
@@ -172,6 +185,7 @@ def fully_shard_model(
         overlap_param_gather=overlap_param_gather, average_in_collective=average_in_collective,
         calculate_per_token_loss=calculate_per_token_loss, report_nan_in_param_grad=report_nan_in_param_grad,
         bucket_size=bucket_size, reduce_queue_bytes=reduce_queue_bytes,
+        init_model_with_meta_device=init_model_with_meta_device,
     )
 
 
@@ -193,8 +207,8 @@ def _remap_optimizer(model: MegatronFSDP, optimizer: torch.optim.Optimizer) -> N
     hyperparameters. Existing optimizer state refers to the old tensors and is dropped."""
     lookup = {}
     for r in model.param_buffer.records:
-        lookup[id(r.param)] = r.dist_param
-        lookup[id(r.dist_param)] = r.dist_param
+        for p in (r.origin, r.param, r.dist_param):
+            lookup[id(p)] = r.dist_param
     for gi, group in enumerate(optimizer.param_groups):
         mapped = []
         for p in group["params"]:
@@ -211,7 +225,9 @@ def _remap_optimizer(model: MegatronFSDP, optimizer: torch.optim.Optimizer) -> N
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
     """Patches `optimizer` in place so that step() syncs gradients first and installs the
-    updated weights after, and zero_grad() also zeroes the gradient buffers."""
+    updated weights after, and zero_grad() also zeroes the gradient buffers. Its states are
+    created now, numerically inert, so that a checkpoint can be loaded into a fresh optimizer,
+    and its state_dict carries the uneven-shard metadata DCP needs."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fully_shard_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if getattr(optimizer, "_megatron_fsdp_patched", False):
@@ -236,6 +252,9 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
             model.zero_grad_buffer()
 
     step.__signature__ = inspect.signature(step)
+    init_optimizer_state(optimizer, base_step)
+    if preproc_state_dict_for_dcp_ckpt:
+        register_optimizer_hooks(model, optimizer)
     optimizer.step = step
     optimizer.zero_grad = zero_grad
     optimizer._megatron_fsdp_patched = True

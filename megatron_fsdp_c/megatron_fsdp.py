@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from . import _C
+from .checkpoint import register_model_hooks
 from ._distributed import DistContext, all_gather_flat
 from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
@@ -42,7 +43,8 @@ class MegatronFSDP(nn.Module):
                  sync_model_each_microbatch: bool = False, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, average_in_collective: bool = False,
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
-                 bucket_size: Optional[int] = None, reduce_queue_bytes: Optional[int] = None):
+                 bucket_size: Optional[int] = None, reduce_queue_bytes: Optional[int] = None,
+                 init_model_with_meta_device: bool = False):
         super().__init__()
         self.module = module
         self.dist_ctx = dist_ctx
@@ -74,8 +76,13 @@ class MegatronFSDP(nn.Module):
         self.param_buffer = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx,
                                         bucket_cap=cap, reduce_queue_bytes=reduce_queue_bytes,
                                         grad_prescale=prescale, reduce_op=op)
-        self.param_buffer.load_params()
+        self.init_peak_bytes = None
+        if init_model_with_meta_device:
+            self.init_peak_bytes = self.param_buffer.load_from_meta(module, dist_ctx.device)
+        else:
+            self.param_buffer.load_params()
         self.param_buffer.build_dist_params(self)
+        register_model_hooks(self)
         self.hooks = HookManager(self, fsdp_unit_modules)
         self._swap_params(dist=True)
         module._megatron_fsdp_wrapper = weakref.ref(self)

@@ -49,6 +49,11 @@ class ParamRecord:
     local_slice: tuple = (0, 0, 0)  # (lo, hi, offset in shard) of this rank's elements
     dist_param: Optional[nn.Parameter] = None
     grad_dtensor: Optional[DTensor] = None
+    origin: Optional[nn.Parameter] = None  # the Parameter object the user saw (meta init replaces it)
+    aliases: list = dataclasses.field(default_factory=list)  # every qualified name it is registered under
+
+    def __post_init__(self):
+        self.origin = self.param
 
     @property
     def requires_grad(self) -> bool:
@@ -75,6 +80,7 @@ def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]
                 continue
             seen_places.add((id(mod), attr))
             unit = unit_of_module.get(id(mod), -1)
+            qualified = f"{mod_name}.{attr}" if mod_name else attr
             rec = records.get(id(p))
             if rec is None:
                 name = f"{mod_name}.{attr}" if mod_name else attr
@@ -84,6 +90,7 @@ def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]
                 if rec.unit != unit:
                     rec.unit = -1
             rec.replicated = rec.replicated or is_no_shard(mod, attr) or p.dim() == 0
+            rec.aliases.append(qualified)
     return list(records.values())
 
 
@@ -178,7 +185,80 @@ class ParamBuffer:
         for r in records:
             full = self.engine.tensor(r.bucket, _C.BUF_WEIGHT)
             offset = self.plan[r.bucket]["offsets"][r.item]
-            r.param.data = full.narrow(0, offset, r.param.numel()).view(r.shape)
+            r.param.data = full.narrow(0, offset, math.prod(r.shape)).view(r.shape)
+
+    def load_from_meta(self, root: nn.Module, device: torch.device) -> dict:
+        """Materialises a meta-device model one module at a time, in module (construction) order
+        so the random initialisation matches a model built directly on `device`: to_empty +
+        reset_parameters, the module's rows go straight into this rank's shards, the module's
+        full tensors are dropped. No rank ever holds more than its shards plus one module (and,
+        while compute parameters are pointed at their buckets, one gathered bucket).
+        Returns the peak bytes measured in each phase."""
+        record_of = {id(r.param): r for r in self.records}
+        for b in range(len(self.plan)):
+            self.engine.init_begin(b, True)
+        peak = {"materialise": 0, "point": 0}
+        done = set()
+        for name, mod in root.named_modules():
+            metas = [attr for attr, p in mod._parameters.items() if p is not None and p.is_meta]
+            if not metas and not any(b is not None and b.is_meta for b in mod._buffers.values()):
+                continue
+            reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
+            if reset is None:
+                raise ValueError(
+                    f"init_model_with_meta_device: module '{name or '<root>'}' ({type(mod).__name__}) holds meta "
+                    "tensors but has no reset_parameters(); add one that initialises its own parameters, or build "
+                    "the model on a real device")
+            old = {attr: mod._parameters[attr] for attr in metas}
+            mod.to_empty(device=device, recurse=False)
+            with torch.no_grad():
+                reset()
+            module_bytes = sum(t.numel() * t.element_size() for t in mod._parameters.values() if t is not None)
+            peak["materialise"] = max(peak["materialise"], self.materialized_bytes() + module_bytes)
+            for attr, meta_param in old.items():
+                rec = record_of.get(id(meta_param))
+                fresh = mod._parameters[attr]
+                if rec is None:
+                    continue
+                if id(rec) in done:  # tied: the first module's initialisation wins, as when built eagerly
+                    mod._parameters[attr] = rec.param
+                    continue
+                self.engine.set_item(rec.bucket, rec.item, fresh.detach().contiguous())
+                fresh.requires_grad_(meta_param.requires_grad)
+                fresh.data = torch.empty(0, dtype=fresh.dtype, device=device)  # drop the full copy
+                rec.param = fresh
+                for m, a in rec.places:
+                    m._parameters[a] = fresh
+                done.add(id(rec))
+        for b in range(len(self.plan)):
+            self.engine.init_end(b)
+        by_bucket: Dict[int, List[ParamRecord]] = {}
+        for r in self.records:
+            by_bucket.setdefault(r.bucket, []).append(r)
+        for b, recs in by_bucket.items():
+            sharded = self.specs[b]["weights_sharded"]
+            if sharded:  # the full weights exist only while gathered
+                self.engine.unshard([b])
+                self.engine.wait_unshard([b])
+                peak["point"] = max(peak["point"], self.materialized_bytes())
+            self.point_compute_params(recs)
+            if sharded:
+                self.engine.reshard([b])
+        return peak
+
+    def materialized_bytes(self) -> int:
+        """Bytes of every engine buffer whose storage exists now."""
+        seen, total = set(), 0
+        for b in range(len(self.plan)):
+            for kind in range(_C.BUF_EXCHANGE + 1):
+                t = self.engine.tensor(b, kind)
+                if t is None:
+                    continue
+                st = t.untyped_storage()
+                if st.nbytes() and st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+        return total
 
     def build_dist_params(self, owner) -> None:
         mesh = self.ctx.mesh

@@ -120,8 +120,9 @@ void mfsdp_pipeline_stats(const mfsdp_pipeline* p, int32_t bucket, mfsdp_comm_st
 const char* mfsdp_pipeline_broken(const mfsdp_pipeline* p);
 
 /* Initialisation: begin materialises WEIGHT (zeroed), set_item copies a parameter in,
- * end derives the shard and main weights and releases what is temporary. */
-mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t bucket);
+ * end derives the shard and main weights and releases what is temporary. direct = 1 writes
+ * only this rank's rows (no full ZeRO-3 bucket; for meta-device initialisation). */
+mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t bucket, int direct);
 mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t bucket, int32_t item, const void* src,
                                      int32_t src_dtype, int64_t numel);
 mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t bucket);

@@ -422,15 +422,22 @@ static mfsdp_status wait_work(mfsdp_pipeline* p, mfsdp_work** work) {
 /* ------------------------------------------------------------------------------------------ */
 /* initialisation */
 
-mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t b) {
+/* Two ways in. Full (meta = 0): the full weights are materialised, items are copied into them
+ * and init_end derives shard and main weights from them. Direct (meta = 1, for meta-device
+ * models materialised one module at a time): each item's own rows go straight to the shard
+ * and main weights, so no full bucket ever exists; ZeRO-3 buckets stay EMPTY. */
+mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t b, int direct) {
   MFSDP_CHECK(healthy(p));
   MFSDP_CHECK(check_bucket(p, b));
   bucket* bk = &p->b[b];
+  if (bk->initializing) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_begin twice", b);
   if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(wait_work(p, &bk->gather_work));
-  MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_WEIGHT));
-  MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT].data, bk->spec.param_dtype,
-                                       bk->full_size));
-  bk->initializing = 1;
+  if (!direct || !bk->spec.weights_sharded) {
+    MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_WEIGHT));
+    MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT].data, bk->spec.param_dtype,
+                                         bk->full_size));
+  }
+  bk->initializing = direct ? 2 : 1;
   return MFSDP_OK;
 }
 
@@ -443,8 +450,24 @@ mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t b, int32_t item,
   if (item < 0 || item >= bk->spec.n_items || numel != bk->numels[item])
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: %lld elements given, %lld expected", b, item,
                       (long long)numel, item >= 0 && item < bk->spec.n_items ? (long long)bk->numels[item] : -1LL);
-  return p->be.kernels->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT], bk->offsets[item]),
-                             bk->spec.param_dtype, src, src_dtype, numel, 1.0);
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  if (bk->initializing == 1 || !bk->spec.weights_sharded)
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT], bk->offsets[item]), bk->spec.param_dtype,
+                        src, src_dtype, numel, 1.0));
+  if (bk->initializing == 1) return MFSDP_OK;
+  /* direct: this rank's rows of the item, into the persistent shard buffers */
+  int64_t S = bk->spec.shard_size, s0 = (int64_t)bk->spec.shard_rank * S;
+  int64_t a = bk->offsets[item] > s0 ? bk->offsets[item] : s0;
+  int64_t z = bk->offsets[item] + numel < s0 + S ? bk->offsets[item] + numel : s0 + S;
+  if (a >= z) return MFSDP_OK;
+  const void* from = (const char*)src + (a - bk->offsets[item]) * elem_size(src_dtype);
+  if (bk->spec.weights_sharded)
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], a - s0), bk->spec.param_dtype, from,
+                        src_dtype, z - a, 1.0));
+  if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD)
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_MAIN_SHARD], a - s0), bk->spec.main_dtype, from,
+                        src_dtype, z - a, 1.0));
+  return MFSDP_OK;
 }
 
 mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
@@ -453,12 +476,14 @@ mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
   if (!bk->initializing) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_end without init_begin", b);
   const mfsdp_kernel_ops* k = p->be.kernels;
   int64_t S = bk->spec.shard_size, off = (int64_t)bk->spec.shard_rank * S;
-  if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
-                        at(&bk->buf[MFSDP_BUF_WEIGHT], off), bk->spec.param_dtype, S, 1.0));
-  if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD)
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype,
-                        bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype, S, 1.0));
+  if (bk->initializing == 1) {
+    if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
+      MFSDP_CHECK(k->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
+                          at(&bk->buf[MFSDP_BUF_WEIGHT], off), bk->spec.param_dtype, S, 1.0));
+    if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD)
+      MFSDP_CHECK(k->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype,
+                          bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype, S, 1.0));
+  }
   bk->initializing = 0;
   if (bk->spec.weights_sharded) {
     MFSDP_CHECK(release(p, bk, MFSDP_BUF_WEIGHT));

@@ -333,12 +333,11 @@ static PyObject* engine_grad_ready(PyObject* self, PyObject* const* args, Py_ssi
   Py_RETURN_NONE;
 }
 
-static PyObject* engine_init_begin(PyObject* self, PyObject* arg) {
+static PyObject* engine_init_begin(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
-  long b = PyLong_AsLong(arg);
-  if (PyErr_Occurred()) return NULL;
-  mfsdp_status s = mfsdp_pipeline_init_begin(e->pipeline, (int32_t)b);
+  int b, direct = 0;
+  if (!PyArg_ParseTuple(args, "i|p:init_begin", &b, &direct) || !ready(e)) return NULL;
+  mfsdp_status s = mfsdp_pipeline_init_begin(e->pipeline, (int32_t)b, direct);
   if (s != MFSDP_OK) return fail(self, s);
   Py_RETURN_NONE;
 }
@@ -451,7 +450,8 @@ static PyObject* engine_close(PyObject* self, PyObject* unused) {
 }
 
 static PyMethodDef engine_methods[] = {
-    {"init_begin", engine_init_begin, METH_O, "init_begin(bucket): materialise zeroed full weights for set_item."},
+    {"init_begin", engine_init_begin, METH_VARARGS,
+     "init_begin(bucket, direct=False): start loading parameters (direct: write only this rank's rows)."},
     {"set_item", (PyCFunction)(void (*)(void))engine_set_item, METH_FASTCALL,
      "set_item(bucket, item, tensor): copy a parameter's values into the bucket."},
     {"init_end", engine_init_end, METH_O, "init_end(bucket): derive shard and main weights, release temporaries."},

@@ -231,6 +231,7 @@ typedef struct pipe_case {
   int op;            /* mfsdp_reduce_op */
   int per_token;     /* prescale 1 (sum) instead of 1/world */
   int fail_after;    /* inject a collective failure; -1: none */
+  int direct_init;   /* initialise shards directly (meta-device path) */
 } pipe_case;
 
 typedef struct pipe_thread {
@@ -276,7 +277,7 @@ static void* pipe_worker(void* arg) {
   int64_t S = bp->shard_size, first = (int64_t)spec.shard_rank * S;
 
   /* init from float32 values */
-  CHECK_OK(mfsdp_pipeline_init_begin(p, 0));
+  CHECK_OK(mfsdp_pipeline_init_begin(p, 0, c->direct_init));
   for (int i = 0; i < bp->n_items; ++i) {
     int item_param = bp->params[i];
     float* v = malloc((size_t)bp->numels[i] * sizeof *v + 4);
@@ -424,6 +425,9 @@ static void test_pipeline(void) {
         {"no_shard bf16 comm", world, AR, 0, 0, 2, 1, B, F, F, B, SUM, 0, -1},
         {"zero2 bf16 grads fp32 main", world, RSA, 0, 1, 1, 0, B, F, B, B, SUM, 0, -1},
         {"zero3 injected failure", world, RSA, 1, 0, 1, 0, F, F, F, F, SUM, 0, 0},
+        {"zero3 direct init", world, RSA, 1, 0, 1, 0, F, F, F, F, SUM, 0, -1, 1},
+        {"zero3 direct init bf16 + fp32 main", world, RSA, 1, 0, 1, 0, B, F, F, F, SUM, 0, -1, 1},
+        {"zero1 direct init", world, RSI, 0, 1, 1, 0, F, F, F, F, SUM, 0, -1, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) run_pipe_case(&cases[k]);
   }
