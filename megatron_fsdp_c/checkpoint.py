@@ -187,6 +187,7 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     sharded model (and optimizer). Reads into a staged copy first: a missing or unreadable
     checkpoint raises and leaves the live model and optimizer unchanged."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"no checkpoint at '{path}' (no {os.path.join(path, '.metadata')}); nothing was loaded")
@@ -196,7 +197,7 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
     staged = _staged_copy(live)
     try:
         dcp.load(staged, checkpoint_id=path)
-    except Exception as e:  # noqa: BLE001 - re-raised with what the user needs to know
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with what the user needs to know
         raise RuntimeError(f"checkpoint '{path}' could not be read ({type(e).__name__}: {str(e)[:500]}); the model "
                            "and optimizer were left unchanged") from e
     model.load_state_dict(staged["model"])

@@ -193,7 +193,8 @@ class ParamBuffer:
         reset_parameters, the module's rows go straight into this rank's shards, the module's
         full tensors are dropped. No rank ever holds more than its shards plus one module (and,
         while compute parameters are pointed at their buckets, one gathered bucket).
-        Returns the peak bytes measured in each phase."""
+        Returns the peak parameter bytes (weights, main weights, the module being materialised)
+        measured in each phase."""
         record_of = {id(r.param): r for r in self.records}
         for b in range(len(self.plan)):
             self.engine.init_begin(b, True)
@@ -246,11 +247,13 @@ class ParamBuffer:
                 self.engine.reshard([b])
         return peak
 
-    def materialized_bytes(self) -> int:
-        """Bytes of every engine buffer whose storage exists now."""
+    WEIGHT_KINDS = (_C.BUF_WEIGHT, _C.BUF_WEIGHT_SHARD, _C.BUF_MAIN_SHARD)
+
+    def materialized_bytes(self, kinds=WEIGHT_KINDS) -> int:
+        """Bytes of the engine buffers of `kinds` (default: parameters) whose storage exists now."""
         seen, total = set(), 0
         for b in range(len(self.plan)):
-            for kind in range(_C.BUF_EXCHANGE + 1):
+            for kind in kinds:
                 t = self.engine.tensor(b, kind)
                 if t is None:
                     continue
