@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict", "init_optimizer_state"]
+__all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict"]
 
 
 def chunk_of(record):
@@ -98,59 +98,6 @@ def register_model_hooks(model) -> None:
     model.module._register_state_dict_hook(on_save)
     model.module._register_load_state_dict_pre_hook(before_load, with_module=True)
     model.module.register_load_state_dict_post_hook(after_load)
-
-
-def register_optimizer_hooks(model, optimizer) -> None:
-    record_of = {id(r.dist_param): r for r in model.param_buffer.records}
-
-    def on_save(opt, state_dict):
-        index = 0
-        for group in opt.param_groups:
-            for p in group["params"]:
-                r = record_of.get(id(p))
-                state = state_dict["state"].get(index)
-                if r is not None and state:
-                    chunk = chunk_of(r)
-                    for value in state.values():
-                        if isinstance(value, DTensor) and value.shape == r.shape:
-                            attach_chunk(value, chunk)
-                index += 1
-        return state_dict
-
-    optimizer.register_state_dict_post_hook(on_save)
-
-
-@torch.no_grad()
-def init_optimizer_state(optimizer, base_step) -> None:
-    """Creates every optimizer state now, numerically inert (Megatron-FSDP's trick), so that a
-    fresh optimizer has tensors for a checkpoint to load into: zero gradients, lr and weight decay
-    0, one step, step counters back to 0. Empty shards get (empty) states too, so every rank's
-    state has the same structure."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if not params or all(optimizer.state.get(p) for p in params):
-        return
-    saved_grads = [p.grad for p in params]
-    saved_groups = []
-    for g in optimizer.param_groups:
-        saved_groups.append({k: g[k] for k in ("lr", "weight_decay") if k in g})
-        for k in ("lr", "weight_decay"):
-            if k in g:
-                g[k] = torch.zeros_like(g[k]) if isinstance(g[k], torch.Tensor) else 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    try:
-        base_step()
-    finally:
-        for g, saved in zip(optimizer.param_groups, saved_groups):
-            g.update(saved)
-        for p, grad in zip(params, saved_grads):
-            p.grad = grad
-    for state in optimizer.state.values():
-        if "step" in state:
-            if isinstance(state["step"], torch.Tensor):
-                state["step"].zero_()
-            else:
-                state["step"] = 0
 
 
 def _staged_copy(tree):

@@ -9,16 +9,14 @@ Differences from Megatron-FSDP, on purpose:
 from __future__ import annotations
 
 import enum
-import functools
 import importlib
-import inspect
 from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 from ._distributed import make_dist_context
-from .checkpoint import init_optimizer_state, register_optimizer_hooks
+from .optimizer import fully_shard_optimizer, remap_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 
@@ -189,85 +187,12 @@ def fully_shard_model(
     )
 
 
-def _model_of(optimizer) -> MegatronFSDP:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            ref = getattr(p, "_mfsdp_model_ref", None)
-            model = ref() if ref is not None else None
-            if model is not None:
-                return model
-    raise ValueError(
-        "fully_shard_optimizer: the optimizer holds no megatron_fsdp_c parameters; build it on "
-        "model.parameters() of the model fully_shard returned (or use fully_shard(module, optimizer))"
-    )
-
-
-def _remap_optimizer(model: MegatronFSDP, optimizer: torch.optim.Optimizer) -> None:
-    """Points the optimizer's param groups at the distributed parameters, keeping each group's
-    hyperparameters. Existing optimizer state refers to the old tensors and is dropped."""
-    lookup = {}
-    for r in model.param_buffer.records:
-        for p in (r.origin, r.param, r.dist_param):
-            lookup[id(p)] = r.dist_param
-    for gi, group in enumerate(optimizer.param_groups):
-        mapped = []
-        for p in group["params"]:
-            if id(p) not in lookup:
-                raise ValueError(
-                    f"optimizer param group {gi} holds a parameter of shape {tuple(p.shape)} that is not part of the "
-                    "sharded model; build the optimizer on the model's parameters"
-                )
-            mapped.append(lookup[id(p)])
-        group["params"] = mapped
-    if optimizer.state:
-        optimizer.state.clear()
-
-
-def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
-    """Patches `optimizer` in place so that step() syncs gradients first and installs the
-    updated weights after, and zero_grad() also zeroes the gradient buffers. Its states are
-    created now, numerically inert, so that a checkpoint can be loaded into a fresh optimizer,
-    and its state_dict carries the uneven-shard metadata DCP needs."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"fully_shard_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if getattr(optimizer, "_megatron_fsdp_patched", False):
-        return optimizer
-    model = _model_of(optimizer)
-    base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
-
-    @functools.wraps(base_step)
-    def step(*args, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True,
-             **kwargs):
-        if sync_grad_before_optimizer_step and (not model.model_auto_sync or model._grads_pending):
-            model.finish_grad_sync()
-        result = base_step(*args, **kwargs)
-        if install_optimized_model_weights:
-            model.install_optimized_model_weights()
-        return result
-
-    @functools.wraps(base_zero_grad)
-    def zero_grad(*args, zero_grad_buffer: bool = True, **kwargs):
-        base_zero_grad(*args, **kwargs)
-        if zero_grad_buffer:
-            model.zero_grad_buffer()
-
-    step.__signature__ = inspect.signature(step)
-    init_optimizer_state(optimizer, base_step)
-    if preproc_state_dict_for_dcp_ckpt:
-        register_optimizer_hooks(model, optimizer)
-    optimizer.step = step
-    optimizer.zero_grad = zero_grad
-    optimizer._megatron_fsdp_patched = True
-    optimizer._megatron_fsdp_model = model
-    return optimizer
-
-
 def fully_shard(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **kwargs):
     """Shards `module` (fully_shard_model) and, if given, remaps and patches `optimizer`
     (fully_shard_optimizer). Returns (model, optimizer)."""
     preproc = kwargs.pop("preproc_state_dict_for_dcp_ckpt", True)
     model = fully_shard_model(module, **kwargs)
     if optimizer is not None:
-        _remap_optimizer(model, optimizer)
+        remap_optimizer(model, optimizer)
         fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=preproc)
     return model, optimizer
