@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import hashlib
 from typing import Optional
 
 import torch
@@ -60,7 +62,8 @@ def resolve_group(device_mesh, dp_shard_dim: Optional[str], device: torch.device
     )
 
 
-def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport: str = "auto") -> DistContext:
+def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport: str = "auto",
+                      collective_timeout: Optional[float] = None) -> DistContext:
     group, mesh = resolve_group(device_mesh, dp_shard_dim, device)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
@@ -81,7 +84,8 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
         from ._nccl import make_nccl_transport
         t = make_nccl_transport(group, rank, world, device)
     else:
-        t = _C.TorchTransport(gather_group, group, device.index if device.type == "cuda" else -1)
+        timeout = None if collective_timeout is None else datetime.timedelta(seconds=float(collective_timeout))
+        t = _C.TorchTransport(gather_group, group, device.index if device.type == "cuda" else -1, timeout)
     return DistContext(group, gather_group, mesh, rank, world, device, t)
 
 
@@ -89,3 +93,32 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """dist.all_gather_single where it exists (torch >= 2.13), else all_gather_into_tensor."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(output, input, group=group)
+
+
+def check_same_model(records, ctx: DistContext) -> None:
+    """Every rank must shard the same model: one cheap all-reduce of a fingerprint; only on a
+    mismatch are the descriptions gathered, to name the first differing parameter."""
+    if ctx.world == 1:
+        return
+    desc = [(r.name, tuple(r.shape), str(r.param.dtype), bool(r.requires_grad), bool(r.replicated), r.unit)
+            for r in records]
+    digest = int.from_bytes(hashlib.sha256(repr(desc).encode()).digest()[:7], "little")
+    mine = torch.tensor([digest, -digest, len(desc), -len(desc)], dtype=torch.int64, device=ctx.device)
+    seen = mine.clone()
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=ctx.group)
+    if torch.equal(seen, mine):
+        return
+    everyone = [None] * ctx.world
+    dist.all_gather_object(everyone, desc, group=ctx.group)
+    names = ("name", "shape", "dtype", "requires_grad", "replicated (fsdp_no_shard)", "unit")
+    for i in range(max(len(d) for d in everyone)):
+        entries = [d[i] if i < len(d) else None for d in everyone]
+        for r in range(1, ctx.world):
+            if entries[r] != entries[0]:
+                a, b = entries[0], entries[r]
+                what = "is missing" if a is None or b is None else ", ".join(
+                    f"{n} {x!r} vs {y!r}" for n, x, y in zip(names, a, b) if x != y)
+                raise ValueError(
+                    f"the model differs across ranks at parameter #{i} ('{(a or b)[0]}'): rank 0 vs rank {r}: {what}. "
+                    "Every rank must build the same model (same code, config, frozen parameters and fsdp_no_shard "
+                    "marks) before fully_shard")

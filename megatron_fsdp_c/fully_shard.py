@@ -140,6 +140,7 @@ def fully_shard_model(
     reduce_queue_bytes: Optional[int] = None,
     transport: str = "auto",
     init_model_with_meta_device: bool = False,
+    collective_timeout: Optional[float] = None,
     **unsupported,
 ) -> MegatronFSDP:
     """Wraps `module` in a MegatronFSDP that shards it over the data-parallel ranks.
@@ -148,6 +149,8 @@ def fully_shard_model(
     released as one unit; required for zero_dp_strategy 3 ('optim_grads_params', the default).
     device_mesh: None (all ranks), a 1-D DeviceMesh, an N-D mesh with dp_shard_dim, or a
     ProcessGroup. bucket_size: elements per bucket for parameters outside every unit.
+    collective_timeout: seconds to wait for any collective of the engine before raising
+    (a dead or stalled peer); None: the process group's own timeout.
     """
     if unsupported:
         raise TypeError(f"fully_shard got unsupported arguments: {', '.join(sorted(unsupported))}")
@@ -176,7 +179,9 @@ def fully_shard_model(
     units = find_units(module, classes)
     if disable_bucketing:
         bucket_size = None
-    ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport)
+    if collective_timeout is not None and not (isinstance(collective_timeout, (int, float)) and collective_timeout > 0):
+        raise ValueError(f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}")
+    ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport, collective_timeout)
     return MegatronFSDP(
         module, dist_ctx=ctx, zero_dp_strategy=strategy, fsdp_unit_modules=units, mixed_precision_policy=policy,
         sync_model_each_microbatch=sync_model_each_microbatch, overlap_grad_reduce=overlap_grad_reduce,

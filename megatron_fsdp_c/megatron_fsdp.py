@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from . import _C
 from .checkpoint import register_model_hooks
-from ._distributed import DistContext, all_gather_flat
+from ._distributed import DistContext, all_gather_flat, check_same_model
 from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
@@ -63,6 +63,7 @@ class MegatronFSDP(nn.Module):
 
         mark_by_name(module)
         records = collect_params(module, fsdp_unit_modules)
+        check_same_model(records, dist_ctx)
         self.replicated_roots = replicated_roots(module, [r.param for r in records if r.replicated])
         if self.replicated_roots and dist_ctx.rank == 0:
             logger.info("replicated (fsdp_no_shard) subtrees, never gathered: %s", ", ".join(self.replicated_roots))

@@ -171,9 +171,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
                 pass
 
 
-def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 240.0, **kwargs) -> List[Any]:
+def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 240.0, raise_errors: bool = True,
+                 **kwargs) -> List[Any]:
     """Runs fn(rank, world, *args) on `world` spawned processes in one gloo group; returns the
-    per-rank results. Any rank's exception is re-raised here; a hang is killed after timeout_s."""
+    per-rank results. Any rank's exception is re-raised here; a hang is killed after timeout_s.
+    raise_errors=False returns (status, value) per rank instead: 'ok', 'error' (the traceback
+    text) or 'dead' (no result: the exit code)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
@@ -188,18 +191,22 @@ def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 240.0, **kw
             if p.is_alive():
                 p.kill()
                 p.join()
-        results, errors = [], []
+        results, errors, outcomes = [], [], []
         for r in range(world):
             path = os.path.join(out_dir, f"rank{r}.pkl")
             if not os.path.exists(path):
                 errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}{', hung' if r in hung else ''})")
                 results.append(None)
+                outcomes.append(("dead", procs[r].exitcode))
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status == "error":
                 errors.append(value)
             results.append(value)
+            outcomes.append((status, value))
+        if not raise_errors:
+            return outcomes
         if errors:
             raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
         return results

@@ -15,7 +15,11 @@ PyObject* mfsdp_raise(module_state* st, mfsdp_status status) {
   PyObject* type = st ? st->error : PyExc_RuntimeError;
   if (status == MFSDP_ERR_TIMEOUT) type = PyExc_TimeoutError;
   if (status == MFSDP_ERR_OUT_OF_MEMORY) type = PyExc_MemoryError;
-  PyErr_Format(type, "%s (%s)", text[0] ? text : "engine failure", mfsdp_status_name(status));
+  const char* hint = "";
+  if (status == MFSDP_ERR_COMM || status == MFSDP_ERR_TIMEOUT || status == MFSDP_ERR_NCCL)
+    hint = "; a peer rank may have died or stalled (see its log). This model cannot continue: restart the job "
+           "from the last checkpoint";
+  PyErr_Format(type, "%s (%s%s)", text[0] ? text : "engine failure", mfsdp_status_name(status), hint);
   return NULL;
 }
 

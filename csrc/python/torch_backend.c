@@ -95,6 +95,7 @@ typedef struct torch_transport {
   PyObject* ops[2];         /* ReduceOp.SUM, ReduceOp.AVG */
   PyObject* kw_gather;      /* ("group", "async_op") */
   PyObject* kw_reduce;      /* ("op", "group", "async_op") */
+  PyObject* timeout;        /* datetime.timedelta for Work.wait, or NULL: the group's own timeout */
 } torch_transport;
 
 static mfsdp_status issue(PyObject* fn, PyObject* const* args, size_t nargs, PyObject* kwnames, mfsdp_work** work,
@@ -131,10 +132,10 @@ static mfsdp_status tt_all_to_all(void* ctx, const mfsdp_buffer* out, const mfsd
 }
 
 static mfsdp_status tt_wait(void* ctx, mfsdp_work* work) {
-  (void)ctx;
+  torch_transport* t = ctx;
   PyObject* w = (PyObject*)work;
   if (w == NULL) return MFSDP_OK;
-  PyObject* r = PyObject_CallMethod(w, "wait", NULL);
+  PyObject* r = t->timeout ? PyObject_CallMethod(w, "wait", "O", t->timeout) : PyObject_CallMethod(w, "wait", NULL);
   Py_DECREF(w);
   if (r == NULL) return mfsdp_status_from_python(MFSDP_ERR_COMM, "Work.wait");
   Py_DECREF(r);
@@ -151,9 +152,10 @@ static const mfsdp_transport_ops torch_transport_ops = {"torch",       tt_all_ga
                                                         tt_discard};
 
 PyDoc_STRVAR(torch_transport_doc,
-             "TorchTransport(all_gather_group, reduce_group, device=-1)\n\n"
+             "TorchTransport(all_gather_group, reduce_group, device=-1, timeout=None)\n\n"
              "Collectives through torch.distributed (any backend; gloo on CPU), called from C.\n"
-             "all_gather_group and reduce_group are process groups over the same ranks.");
+             "all_gather_group and reduce_group are process groups over the same ranks. timeout: a\n"
+             "datetime.timedelta after which waiting for a collective raises (None: the group's).");
 
 /* torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names. */
 static PyObject* attr_or_fallback(PyObject* module, const char* name, const char* fallback) {
@@ -167,10 +169,12 @@ static PyObject* attr_or_fallback(PyObject* module, const char* name, const char
 
 static int tt_init(PyObject* self, PyObject* args, PyObject* kwds) {
   torch_transport* t = (torch_transport*)self;
-  static char* kwlist[] = {"all_gather_group", "reduce_group", "device", NULL};
-  PyObject *ag, *rg;
+  static char* kwlist[] = {"all_gather_group", "reduce_group", "device", "timeout", NULL};
+  PyObject *ag, *rg, *timeout = Py_None;
   int device = -1;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|i:TorchTransport", kwlist, &ag, &rg, &device)) return -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iO:TorchTransport", kwlist, &ag, &rg, &device, &timeout))
+    return -1;
+  Py_XSETREF(t->timeout, timeout == Py_None ? NULL : Py_NewRef(timeout));
   PyObject* dist = PyImport_ImportModule("torch.distributed");
   if (dist == NULL) return -1;
   PyObject* reduce_op = PyObject_GetAttrString(dist, "ReduceOp");
@@ -209,6 +213,7 @@ static int tt_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(t->reduce_group);
   Py_VISIT(t->ops[0]);
   Py_VISIT(t->ops[1]);
+  Py_VISIT(t->timeout);
   return 0;
 }
 
@@ -224,6 +229,7 @@ static int tt_clear(PyObject* self) {
   Py_CLEAR(t->ops[1]);
   Py_CLEAR(t->kw_gather);
   Py_CLEAR(t->kw_reduce);
+  Py_CLEAR(t->timeout);
   return 0;
 }
 

@@ -1,0 +1,238 @@
+"""Faults and hostile input: ranks that die or stall, models that differ across ranks, Ctrl-C,
+leaks over 100 steps, gradient clipping over shards, misuse of the engine from Python."""
+import copy
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import megatron_fsdp_c as mf
+from megatron_fsdp_c import _C
+from megatron_fsdp_c.testing import GPT, VLM, Block, GPTConfig, batch, image_batch, run_on_ranks
+
+from conftest import get_run
+
+CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- a rank dies or stalls mid-step -------------------------------------------------------------
+
+def fault_worker(rank, world, fault, victim, marker, timeout):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], collective_timeout=timeout)
+
+    def strike(*_):
+        with open(marker, "w") as f:
+            f.write(str(time.time()))
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(2 * timeout)  # stall: alive but silent
+
+    for step in range(4):
+        if step == 2 and rank == victim:
+            fsdp.module.blocks[1].register_forward_hook(strike)
+        x, y = batch(CFG, 2, seed=10 * step + rank)
+        try:
+            fsdp(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        except Exception as e:  # noqa: BLE001 - what the user sees
+            return dict(error=f"{type(e).__name__}: {e}", at=time.time(), step=step)
+    return dict(error=None, at=time.time(), step=4)
+
+
+@pytest.mark.parametrize("fault,world", [("kill", 4), ("stall", 2)])
+def test_peer_failure_raises_a_clear_error_within_the_timeout(fault, world, tmp_path):
+    timeout, victim = 5.0, world - 2
+    marker = str(tmp_path / "struck")
+    outcomes = run_on_ranks(fault_worker, world, fault, victim, marker, timeout, raise_errors=False, timeout_s=90)
+    struck_at = float(open(marker).read())
+    for rank, (status, value) in enumerate(outcomes):
+        if rank == victim:
+            continue
+        assert status == "ok", f"rank {rank}: {value}"
+        assert value["error"] is not None and value["step"] == 2, value
+        waited = value["at"] - struck_at
+        print(f"\n{fault}: rank {rank} raised after {waited:.1f} s: {value['error'][:300]}")
+        assert waited < timeout + 10, waited
+        assert "peer rank may have died or stalled" in value["error"] or "failed collective" in value["error"]
+    if fault == "kill":
+        assert outcomes[victim][0] == "dead"
+
+
+# -- the model must be the same on every rank ---------------------------------------------------
+
+def differing_models(rank, world):
+    torch.manual_seed(0)
+    cfg = CFG if rank == 0 else GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3, tied=True)
+    try:
+        mf.fully_shard(GPT(cfg), fsdp_unit_modules=[Block])
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_model_differing_across_ranks_is_named():
+    for message in get_run(differing_models, 2):
+        assert "differs across ranks" in message and "head.weight" in message, message
+
+
+# -- Ctrl-C ----------------------------------------------------------------------------------------
+
+def test_ctrl_c_leaves_no_processes():
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    proc = subprocess.Popen(torchrun + [os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "100000"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        for line in proc.stdout:
+            if line.strip().startswith("2 ") or time.time() > deadline:
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does to the foreground group
+        proc.wait(timeout=60)
+        time.sleep(1)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)  # nobody left in the process group
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# -- leaks ------------------------------------------------------------------------------------------
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _live_tensors():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def leak_worker(rank, world):
+    out = {}
+    for strategy in (0, 3):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        marks = {}
+        for step in range(100):
+            x, y = batch(CFG, 2, seed=step + rank)
+            fsdp(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step in (19, 99):
+                marks[step] = (_rss_bytes(), _live_tensors())
+        out[strategy] = marks
+    return out
+
+
+def test_no_growth_over_100_steps():
+    for rank, res in enumerate(get_run(leak_worker, 2)):
+        for strategy, marks in res.items():
+            (rss20, t20), (rss100, t100) = marks[19], marks[99]
+            print(f"\nrank {rank} strategy {strategy}: RSS {rss20 / 2**20:.1f} -> {rss100 / 2**20:.1f} MiB, "
+                  f"live tensors {t20} -> {t100}")
+            assert t100 == t20, "tensors accumulate across steps"
+            assert rss100 - rss20 < 8 * 2**20, "resident memory grows"
+
+
+# -- gradient clipping over shards equals DDP's ---------------------------------------------------
+
+def clip_worker(rank, world):
+    out = {}
+    vcfg = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
+    for strategy in range(4):
+        torch.manual_seed(0)
+        model = VLM(vcfg)
+        mf.fsdp_no_shard([model.tower, model.proj])  # Replicate and Shard(0) gradients together
+        ref = DDP(copy.deepcopy(model))
+        fsdp, _ = mf.fully_shard(model, None, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        x, y = batch(vcfg, 2, seed=rank)
+        img = image_batch(2, seed=rank)
+        fsdp(img, x, y).backward()
+        ref(img, x, y).backward()
+        ours = torch.nn.utils.clip_grad_norm_(fsdp.parameters(), 0.05)
+        theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        grads = fsdp.full_grads()
+        worst = max((grads[n] - p.grad).abs().max().item() for n, p in ref.module.named_parameters())
+        out[strategy] = (float(ours.full_tensor() if hasattr(ours, "full_tensor") else ours), float(theirs), worst)
+    return out
+
+
+def test_clip_grad_norm_over_shards_equals_ddp():
+    for rank, res in enumerate(get_run(clip_worker, 2)):
+        for strategy, (ours, theirs, worst) in res.items():
+            assert abs(ours - theirs) <= 1e-6 * theirs, (strategy, ours, theirs)
+            assert worst < 1e-7, (strategy, worst)
+
+
+# -- the engine refuses misuse with exceptions, never a crash ------------------------------------
+
+def misuse_worker(rank, world):
+    torch.manual_seed(0)
+    fsdp, _ = mf.fully_shard(GPT(CFG), fsdp_unit_modules=[Block])
+    engine = fsdp.param_buffer.engine
+    seen = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            seen[name] = "no error"
+        except Exception as e:  # noqa: BLE001
+            seen[name] = f"{type(e).__name__}: {e}"
+
+    attempt("grad outside backward", lambda: engine.grad_ready(0, 0, torch.zeros(4)))
+    engine.begin_backward(False)
+    attempt("grad not a tensor", lambda: engine.grad_ready(0, 0, "grad"))
+    attempt("grad wrong size", lambda: engine.grad_ready(0, 0, torch.zeros(3)))
+    attempt("grad non-contiguous", lambda: engine.grad_ready(0, 0, torch.zeros(4, 4).t()))
+    attempt("grad complex", lambda: engine.grad_ready(0, 0, torch.zeros(4, dtype=torch.complex64)))
+    attempt("bucket out of range", lambda: engine.grad_ready(10_000, 0, torch.zeros(4)))
+    attempt("begin twice", lambda: engine.begin_backward(True))
+    engine.end_backward()
+    attempt("unshard garbage", lambda: engine.unshard(["x"]))
+    attempt("tensor kind out of range", lambda: engine.tensor(0, 99))
+    attempt("engine built by hand, bad spec", lambda: _C.Engine([{"shards": 1}], 1, 0, 1.0, "sum", 1, torch.device("cpu"),
+                                                              fsdp.dist_ctx.transport))
+    attempt("engine with a bad transport", lambda: _C.Engine([], 1, 0, 1.0, "sum", 1, torch.device("cpu"), object()))
+    attempt("unknown reduce op", lambda: _C.Engine([], 1, 0, 1.0, "max", 1, torch.device("cpu"),
+                                                   fsdp.dist_ctx.transport))
+    attempt("still trains", lambda: fsdp(*batch(CFG, 2, seed=rank)).backward())
+    return seen
+
+
+EXPECTED = {
+    "grad outside backward": "outside a backward",
+    "grad not a tensor": "TypeError",
+    "grad wrong size": "elements",
+    "grad non-contiguous": "contiguous",
+    "grad complex": "not supported",
+    "bucket out of range": "out of range",
+    "begin twice": "inside a backward",
+    "unshard garbage": "TypeError",
+    "tensor kind out of range": "IndexError",
+    "engine built by hand, bad spec": "missing",
+    "engine with a bad transport": "TorchTransport",
+    "unknown reduce op": "'sum' or 'avg'",
+    "still trains": "no error",
+}
+
+
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_engine_misuse_raises(case):
+    seen = get_run(misuse_worker, 2)[0]
+    assert EXPECTED[case] in seen[case], seen[case]
