@@ -137,7 +137,7 @@ class ParamBuffer:
                 width = torch.empty((), dtype=dtype_of[spec["comm_dtype"]]).element_size()
                 max_grad_bytes = max(max_grad_bytes, bp["bucket_size"] * width)
         if reduce_queue_bytes is None:
-            reduce_queue_bytes = max(2 * max_grad_bytes, 64 << 20)
+            reduce_queue_bytes = 4 * max_grad_bytes  # a few reductions in flight, never the whole model
         self.specs = specs
         self.engine = _C.Engine(specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
                                 ctx.device, ctx.transport)

@@ -1,0 +1,229 @@
+"""One benchmark configuration, under torchrun: DDP, torch FSDP2 or megatron_fsdp_c (a strategy)
+on the same GPT; rank 0 writes a JSON line of what it measured. Started by benchmarks/run.py,
+one process group per configuration so that peak memory is per configuration."""
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import megatron_fsdp_c as mfsdp
+from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+
+MODELS = {
+    # the training benchmark: a plain GPT of pre-norm blocks
+    "gpt": dict(cfg=GPTConfig(vocab=2048, seq=128, d=256, heads=8, layers=6), batch=8),
+    # the hook-overhead benchmark: many tiny units, where Python hooks dominate
+    "tiny": dict(layers=64, width=32, batch=4),
+}
+
+
+class TinyLayer(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class TinyStack(nn.Module):
+    def __init__(self, layers, width):
+        super().__init__()
+        self.layers = nn.Sequential(*[TinyLayer(width) for _ in range(layers)])
+
+    def forward(self, x, y):
+        return ((self.layers(x) - y) ** 2).mean()
+
+
+def reset_peak_rss():
+    """Linux lets a process reset its resident high-water mark (VmHWM)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def current_rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def storage_bytes(tensors):
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def build(args, device):
+    torch.manual_seed(0)
+    spec = MODELS[args.model]
+    if args.model == "gpt":
+        model = GPT(spec["cfg"]).to(device)
+        unit_cls = Block
+    else:
+        model = TinyStack(spec["layers"], spec["width"]).to(device)
+        unit_cls = TinyLayer
+    return model, unit_cls
+
+
+def make_batch(args, step, rank, device):
+    spec = MODELS[args.model]
+    if args.model == "gpt":
+        return batch(spec["cfg"], spec["batch"], seed=1000 * step + rank, device=device)
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(spec["batch"], spec["width"], generator=g).to(device)
+    return x, torch.randn(spec["batch"], spec["width"], generator=g).to(device)
+
+
+def theoretical_bytes(model_obj, strategy, micro):
+    """Collective bytes per optimisation step implied by the strategy, without padding (the
+    all-gather/reduce-scatter full size S, as nccl-tests report algbw = S / t)."""
+    buf = model_obj.param_buffer
+    elem = {r.name: r.param.element_size() for r in buf.records}
+    unit_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.unit >= 0)
+    root_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.unit < 0)
+    grad_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.requires_grad)
+    if strategy == 0:
+        return {"all_reduce": grad_bytes}
+    if strategy == 1:
+        return {"reduce_scatter": grad_bytes, "all_gather": unit_bytes + root_bytes}
+    if strategy == 2:
+        return {"reduce_scatter": micro * grad_bytes, "all_gather": unit_bytes + root_bytes}
+    return {"reduce_scatter": micro * grad_bytes, "all_gather": micro * (2 * unit_bytes + root_bytes)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--framework", choices=["ddp", "fsdp2", "mfsdp"], required=True)
+    ap.add_argument("--strategy", type=int, default=3)
+    ap.add_argument("--model", choices=list(MODELS), default="gpt")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    torch.set_num_threads(1)
+
+    model, unit_cls = build(args, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    train = args.model == "gpt"
+    sharded = None
+    if args.framework == "ddp":
+        runner = nn.parallel.DistributedDataParallel(model)
+        params = list(runner.parameters())
+    elif args.framework == "fsdp2":
+        from torch.distributed.fsdp import fully_shard as fsdp2
+
+        for m in model.modules():
+            if isinstance(m, unit_cls):
+                fsdp2(m)
+        runner = fsdp2(model)
+        params = list(runner.parameters())
+    else:
+        runner, _ = mfsdp.fully_shard(model, None, fsdp_unit_modules=[unit_cls], zero_dp_strategy=args.strategy)
+        sharded = runner
+        params = list(runner.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4) if train else None
+    if opt is not None and sharded is not None:
+        mfsdp.fully_shard_optimizer(opt)
+
+    def step(i):
+        x, y = make_batch(args, i, rank, device)
+        loss = runner(x, y)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        elif sharded is not None:
+            sharded.zero_grad_buffer()
+        else:
+            runner.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(args.warmup):
+        step(i)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    reset_peak_rss()
+    rss_at_start = current_rss_bytes() if not cuda else 0
+    before = sharded.comm_stats() if sharded is not None else None
+    times = []
+    for i in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(args.warmup + i)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    comm_after = sharded.comm_stats() if sharded is not None else None
+    # Held bytes, taken between backward and the optimizer step, when gradients exist for every
+    # framework: parameters (+ main weights), gradients, optimizer states.
+    x, y = make_batch(args, 10_000, rank, device)
+    runner(x, y).backward()
+    if sharded is not None:
+        report = sharded.memory_report(opt)
+        held = dict(param=report["param_bytes"], grad=report["grad_bytes"], optim=report["optimizer_state_bytes"])
+    else:
+        grads = [p.grad for p in params]
+        states = [v for s in (opt.state.values() if opt else []) for v in s.values() if isinstance(v, torch.Tensor)]
+        held = dict(param=storage_bytes(params), grad=storage_bytes(grads), optim=storage_bytes(states))
+    if opt is not None:
+        opt.zero_grad()
+    result = dict(framework=args.framework, strategy=args.strategy if args.framework == "mfsdp" else None,
+                  model=args.model, world=world, device=device.type, params=n_params,
+                  step_ms=1e3 * statistics.median(times), step_ms_all=[1e3 * t for t in times],
+                  peak_bytes=(torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()),
+                  peak_kind="cuda max_memory_allocated" if cuda else "peak RSS (VmHWM) during timed steps",
+                  transient_bytes=(0 if cuda else peak_rss_bytes() - rss_at_start),
+                  held=held)
+    if args.model == "tiny":
+        result["units"] = MODELS["tiny"]["layers"]
+    if sharded is not None:
+        per_step = {k: (comm_after[k] - before[k]) / args.steps for k in comm_after}
+        result["comm_per_step"] = per_step
+        if train:
+            result["comm_theory"] = theoretical_bytes(sharded, args.strategy, 1)
+    if rank == 0:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The benchmark: DDP, torch FSDP2 and megatron_fsdp_c (every strategy) on the same GPT, in one
+invocation, under torchrun; CPU (gloo) at 2 and 4 ranks, or the GPU(s) when CUDA is present.
+
+    python benchmarks/run.py [--worlds 2,4] [--steps 20] [--out bench_out]
+
+Writes bench_out/results.md (tables: step time and its ratios to DDP and FSDP2, memory held per
+rank, peak memory, collective bytes against the theoretical volume, hook overhead per unit on a
+model of many tiny layers) and bench_out/results.png, and prints the markdown.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+NAMES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world, out, framework, model, steps, strategy=3):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+           "--master_port", str(free_port()), str(HERE / "bench_worker.py"), "--framework", framework,
+           "--model", model, "--steps", str(steps), "--strategy", str(strategy), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    label = framework if framework != "mfsdp" else f"megatron_fsdp_c {NAMES[strategy]}"
+    print(f"[bench] world {world}: {model} {label}", flush=True)
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        print(done.stdout[-3000:])
+        raise SystemExit(f"benchmark run failed: {' '.join(cmd)}")
+
+
+def label(r):
+    return r["framework"].upper() if r["framework"] != "mfsdp" else f"megatron_fsdp_c {NAMES[r['strategy']]}"
+
+
+def mib(x):
+    return f"{x / 2**20:.2f}"
+
+
+def machine():
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return (f"{datetime.date.today().isoformat()}, {gpu or cpu} ({os.cpu_count()} cores), torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def tables(results):
+    lines = []
+    gpt = [r for r in results if r["model"] == "gpt"]
+    for world in sorted({r["world"] for r in gpt}):
+        rows = [r for r in gpt if r["world"] == world]
+        ddp = next(r for r in rows if r["framework"] == "ddp")
+        fsdp2 = next((r for r in rows if r["framework"] == "fsdp2"), None)
+        lines += [f"### Training step, {world} ranks ({rows[0]['device']}, GPT {rows[0]['params'] / 1e6:.2f}M params)",
+                  "", "| configuration | step ms | x DDP | x FSDP2 | params MiB | grads MiB | optimizer MiB | held MiB "
+                      "| peak MiB | transient MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            held = r["held"]
+            total = held["param"] + held["grad"] + held["optim"]
+            vs_fsdp2 = f"{r['step_ms'] / fsdp2['step_ms']:.2f}" if fsdp2 else "-"
+            lines.append(f"| {label(r)} | {r['step_ms']:.1f} | {r['step_ms'] / ddp['step_ms']:.2f} | {vs_fsdp2} | "
+                         f"{mib(held['param'])} | {mib(held['grad'])} | {mib(held['optim'])} | {mib(total)} | "
+                         f"{mib(r['peak_bytes'])} | {mib(r.get('transient_bytes', 0))} |")
+        lines.append("")
+        comm = [r for r in rows if r.get("comm_theory")]
+        if comm:
+            lines += [f"### Collective bytes per step, {world} ranks (measured by the transport / theoretical)", "",
+                      "| strategy | all-gather | reduce-scatter | all-reduce |", "|---|---|---|---|"]
+            keys = {"all_gather": "all_gather_bytes", "reduce_scatter": "reduce_scatter_bytes",
+                    "all_reduce": "all_reduce_bytes"}
+            for r in comm:
+                cells = []
+                for k, measured_key in keys.items():
+                    theory = r["comm_theory"].get(k, 0)
+                    measured = r["comm_per_step"][measured_key]
+                    cells.append(f"{mib(measured)} / {mib(theory)} MiB = {measured / theory:.3f}" if theory else
+                                 (f"{mib(measured)} MiB" if measured else "0"))
+                lines.append(f"| {NAMES[r['strategy']]} | " + " | ".join(cells) + " |")
+            lines.append("")
+    for world in sorted({r["world"] for r in results if r["model"] == "tiny"}):
+        tiny = [r for r in results if r["model"] == "tiny" and r["world"] == world]
+        ddp = next(r for r in tiny if r["framework"] == "ddp")
+        units = tiny[0]["units"]
+        what = "no communication: hooks and bookkeeping only" if world == 1 else "with communication"
+        lines += [f"### Hook overhead: {units} tiny units (LayerNorm + Linear 32x32), forward + backward, "
+                  f"{world} rank{'s' if world > 1 else ''} ({what})", "",
+                  "| configuration | fwd+bwd ms | overhead vs DDP ms | per unit us |", "|---|---|---|---|"]
+        for r in tiny:
+            extra = r["step_ms"] - ddp["step_ms"]
+            lines.append(f"| {label(r)} | {r['step_ms']:.2f} | {extra:.2f} | {1e3 * extra / units:.1f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] matplotlib not installed: no plot")
+        return False
+    gpt = [r for r in results if r["model"] == "gpt"]
+    worlds = sorted({r["world"] for r in gpt})
+    fig, axes = plt.subplots(len(worlds), 3, figsize=(16, 4.2 * len(worlds)), squeeze=False)
+    for row, world in zip(axes, worlds):
+        rs = [r for r in gpt if r["world"] == world]
+        names = [label(r).replace("megatron_fsdp_c ", "mfsdp_c\n") for r in rs]
+        colors = ["#888888" if r["framework"] == "ddp" else "#d62728" if r["framework"] == "fsdp2" else "#1f77b4"
+                  for r in rs]
+        row[0].bar(names, [r["step_ms"] for r in rs], color=colors)
+        row[0].set_title(f"step time, {world} ranks (ms)")
+        row[1].bar(names, [r["peak_bytes"] / 2**20 for r in rs], color=colors)
+        row[1].set_title(f"peak memory per rank (MiB, {rs[0]['peak_kind']})", fontsize=9)
+        bottom = [0.0] * len(rs)
+        for key, color in (("param", "#4c72b0"), ("grad", "#55a868"), ("optim", "#c44e52")):
+            vals = [r["held"][key] / 2**20 for r in rs]
+            row[2].bar(names, vals, bottom=bottom, label=key, color=color)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        row[2].set_title(f"held per rank: params / grads / optimizer (MiB), {world} ranks")
+        row[2].legend()
+        for ax in row:
+            ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", default=None, help="comma-separated rank counts (default: 2,4 on CPU, GPUs on GPU)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw = out_dir / "results.jsonl"
+    raw.unlink(missing_ok=True)
+    cuda = torch.cuda.is_available()
+    worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else (
+        [torch.cuda.device_count()] if cuda else [2, 4])
+    for world in worlds:
+        launch(world, raw, "ddp", "gpt", args.steps)
+        launch(world, raw, "fsdp2", "gpt", args.steps)
+        for strategy in range(4):
+            launch(world, raw, "mfsdp", "gpt", args.steps, strategy)
+    # Hook overhead: at 1 rank nobody communicates (the hooks and bookkeeping alone), then with
+    # communication at the first benchmarked world size.
+    for hook_world in sorted({1, worlds[0]}):
+        launch(hook_world, raw, "ddp", "tiny", args.steps)
+        launch(hook_world, raw, "fsdp2", "tiny", args.steps)
+        launch(hook_world, raw, "mfsdp", "tiny", args.steps, 3)
+        launch(hook_world, raw, "mfsdp", "tiny", args.steps, 0)
+    results = [json.loads(line) for line in raw.read_text().splitlines()]
+    text = f"## Benchmark ({machine()})\n\nCommand: `python benchmarks/run.py --steps {args.steps}`" \
+           f"{' --worlds ' + args.worlds if args.worlds else ''}\n\n" + tables(results)
+    (out_dir / "results.md").write_text(text)
+    has_plot = plot(results, out_dir / "results.png")
+    print(text)
+    print(f"[bench] wrote {out_dir / 'results.md'}" + (f" and {out_dir / 'results.png'}" if has_plot else ""))
+
+
+if __name__ == "__main__":
+    main()
