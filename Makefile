@@ -11,7 +11,7 @@ TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -
 	             -fsanitize=address,undefined -fno-sanitize-recover=undefined
 FUZZ_SECONDS ?= 20
 
-.PHONY: setup example test ctest fuzz pytest bench clean
+.PHONY: setup example test ctest cuda-check pytest bench clean
 
 $(VENV)/.ready: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -40,10 +40,18 @@ ctest: csrc/tests/bin/test_core csrc/tests/bin/fuzz_layout
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 csrc/tests/bin/test_core
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 csrc/tests/bin/fuzz_layout $(FUZZ_SECONDS)
 
+# The CUDA kernels and the NCCL transport must compile and link wherever nvcc is, GPU or not.
+cuda-check: $(VENV)/.ready
+	@if command -v nvcc >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q nvidia-nccl-cu13 && \
+	  MFSDP_CUDA=1 $(PY) setup.py -q build_ext --build-temp build/cuda/tmp --build-lib build/cuda/lib && \
+	  echo "cuda-check: CUDA kernels + NCCL transport compiled and linked (build/cuda/lib)"; \
+	else echo "cuda-check: nvcc not found, CUDA build skipped"; fi
+
 pytest: setup
 	$(PY) -m pytest -q tests
 
-test: ctest pytest
+test: ctest cuda-check pytest
 
 bench: setup
 	$(VENV)/bin/python benchmarks/run.py

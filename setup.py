@@ -18,7 +18,7 @@ ROOT = Path(__file__).parent.resolve()
 CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c"]
 COMM = ["csrc/comm/pipeline.c"]
 GLUE = ["csrc/python/module.c", "csrc/python/torch_backend.c", "csrc/python/engine.c"]
-CUDA_C = ["csrc/cuda/nccl_transport.c", "csrc/cuda/nccl_glue.c"]
+CUDA_C = ["csrc/cuda/nccl_transport.c", "csrc/cuda/nccl_glue.c"]  # C, compiled by the C compiler
 CUDA_CU = ["csrc/cuda/kernels.cu"]
 CPU_ONLY = ["csrc/cuda/cuda_absent.c"]
 
@@ -36,7 +36,11 @@ def find_cuda():
         if want in ("1", "yes", "on", "true"):
             sys.exit("MFSDP_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
         return None
-    cuda_home = Path(nvcc).resolve().parent.parent
+    cuda_home = Path(nvcc).resolve().parent.parent  # nvcc may be a wrapper script: look for the headers
+    for candidate in (os.environ.get("CUDA_HOME"), cuda_home, "/usr/local/cuda"):
+        if candidate and (Path(candidate) / "include/cuda_runtime.h").exists():
+            cuda_home = Path(candidate)
+            break
     nccl_inc = nccl_lib = None
     try:  # the nvidia-nccl-cu13 wheel (pulled in by CUDA builds of torch, or installed by hand)
         import nvidia.nccl as nccl_pkg  # noqa: F401

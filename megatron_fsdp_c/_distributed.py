@@ -80,11 +80,11 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
                                       backend=dist.get_backend(group))
     use_nccl = transport == "nccl" or (transport == "auto" and device.type == "cuda"
                                        and getattr(_C, "NcclTransport", None) is not None)
+    timeout = None if collective_timeout is None else datetime.timedelta(seconds=float(collective_timeout))
     if use_nccl:
         from ._nccl import make_nccl_transport
-        t = make_nccl_transport(group, rank, world, device)
+        t = make_nccl_transport(group, rank, world, device, timeout)
     else:
-        timeout = None if collective_timeout is None else datetime.timedelta(seconds=float(collective_timeout))
         t = _C.TorchTransport(gather_group, group, device.index if device.type == "cuda" else -1, timeout)
     return DistContext(group, gather_group, mesh, rank, world, device, t)
 

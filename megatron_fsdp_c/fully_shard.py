@@ -141,6 +141,7 @@ def fully_shard_model(
     transport: str = "auto",
     init_model_with_meta_device: bool = False,
     collective_timeout: Optional[float] = None,
+    single_rank_collectives: bool = False,
     **unsupported,
 ) -> MegatronFSDP:
     """Wraps `module` in a MegatronFSDP that shards it over the data-parallel ranks.
@@ -151,6 +152,8 @@ def fully_shard_model(
     ProcessGroup. bucket_size: elements per bucket for parameters outside every unit.
     collective_timeout: seconds to wait for any collective of the engine before raising
     (a dead or stalled peer); None: the process group's own timeout.
+    single_rank_collectives: on one rank, still release ZeRO-3 weights and issue every
+    collective (a one-rank all-gather is a copy): tests a transport on a single GPU.
     """
     if unsupported:
         raise TypeError(f"fully_shard got unsupported arguments: {', '.join(sorted(unsupported))}")
@@ -188,7 +191,7 @@ def fully_shard_model(
         overlap_param_gather=overlap_param_gather, average_in_collective=average_in_collective,
         calculate_per_token_loss=calculate_per_token_loss, report_nan_in_param_grad=report_nan_in_param_grad,
         bucket_size=bucket_size, reduce_queue_bytes=reduce_queue_bytes,
-        init_model_with_meta_device=init_model_with_meta_device,
+        init_model_with_meta_device=init_model_with_meta_device, single_rank_collectives=single_rank_collectives,
     )
 
 

@@ -112,7 +112,9 @@ class ParamBuffer:
     """Builds the plan and the engine for one model and keeps the parameter records."""
 
     def __init__(self, records: List[ParamRecord], strategy: int, policy: MixedPrecisionPolicy, ctx: DistContext,
-                 *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str):
+                 *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str,
+                 single_rank_collectives: bool = False):
+        self.single_rank_collectives = single_rank_collectives
         self.records = records
         self.strategy = strategy
         self.ctx = ctx
@@ -140,7 +142,7 @@ class ParamBuffer:
             reduce_queue_bytes = 4 * max_grad_bytes  # a few reductions in flight, never the whole model
         self.specs = specs
         self.engine = _C.Engine(specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
-                                ctx.device, ctx.transport)
+                                ctx.device, ctx.transport, single_rank_collectives)
         self.bucket_units = [bp["unit"] for bp in self.plan]
 
     def _bucket_spec(self, bp: dict, dtype: torch.dtype, policy: MixedPrecisionPolicy) -> dict:
@@ -162,7 +164,8 @@ class ParamBuffer:
             shards=bp["shards"], shard_rank=bp["shard_rank"], shard_size=bp["shard_size"],
             offsets=bp["offsets"], numels=bp["numels"], n_items=bp["n_items"],
             param_dtype=codes[dtype], main_dtype=codes[main], grad_dtype=codes[grad], comm_dtype=codes[comm],
-            weights_sharded=int(sharded and self.strategy == 3),
+            weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
+                                and self.strategy == 3),
             weights_regather=int(sharded and self.strategy in (1, 2)),
             grad_mode=grad_mode,
         )

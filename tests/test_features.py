@@ -78,6 +78,26 @@ def test_feature_matches_ddp(name, strategy):
             assert all(s == "empty" for s in facts["released"]), facts
 
 
+# -- one rank, every collective still issued (how the NCCL transport is tested on one GPU) ------
+
+def single_rank_collectives(rank, world):
+    out = {}
+    for strategy in STRATEGIES:
+        result = train_pair(rank, world, strategy, "adamw", micro=2, single_rank_collectives=True)
+        stats = result.pop("model").comm_stats()
+        out[strategy] = (result, stats)
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_single_rank_collectives_match_ddp(strategy):
+    result, stats = get_run(single_rank_collectives, 1)[0][strategy]
+    assert stats["reduce_scatters"] + stats["all_reduces"] > 0
+    if strategy == 3:
+        assert stats["all_gathers"] > 0
+    assert_match(result)
+
+
 # -- per-token loss: gradients are summed over ranks, not averaged ------------------------------
 
 def per_token_grads(rank, world):

@@ -86,6 +86,7 @@ typedef struct mfsdp_pipeline_config {
   double grad_prescale;    /* gradients are multiplied by this before the sum: 1/dp_world or 1 */
   int32_t reduce_op;       /* mfsdp_reduce_op */
   int64_t reduce_queue_bytes; /* in-flight gradient reductions beyond this are completed */
+  int32_t force_comm;      /* issue collectives even on one rank (tests a transport on one GPU) */
 } mfsdp_pipeline_config;
 
 typedef struct mfsdp_backend {
@@ -138,8 +139,10 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
 
 /* Gradients. */
 mfsdp_status mfsdp_pipeline_begin_backward(mfsdp_pipeline* p, int sync);
+/* keepalive: a memory handle retained until the gradient has been packed (may be NULL when the
+ * caller keeps `src` alive until end_backward). */
 mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t bucket, int32_t item, const void* src,
-                                       int32_t src_dtype, int64_t numel);
+                                       int32_t src_dtype, int64_t numel, void* keepalive);
 mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p);
 /* Reduce whatever no_shard / ZeRO-1 gradients are not yet reduced (exactly once per step),
  * finish every in-flight reduction, and fill OPT_GRAD. */

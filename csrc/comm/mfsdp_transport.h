@@ -56,6 +56,9 @@ typedef struct mfsdp_memory_ops {
   mfsdp_status (*materialize)(void* ctx, mfsdp_buffer* owner); /* storage back to full size; sets data */
   mfsdp_status (*release)(void* ctx, mfsdp_buffer* owner);     /* storage to 0 bytes; data = NULL */
   void (*destroy)(void* ctx, mfsdp_buffer* buf);               /* drop the handle */
+  /* Keep the memory behind a caller's handle (e.g. an autograd gradient) alive / let it go. */
+  void (*retain)(void* ctx, void* handle);
+  void (*drop)(void* ctx, void* handle);
 } mfsdp_memory_ops;
 
 #ifdef __cplusplus

@@ -21,6 +21,13 @@
  * divided by world * f (f = the factor the reduction applies); a reduce-scattered slice sits on
  * one rank only, so it is divided by f and the stale local values around it are zeroed.
  *
+ * [Note: one pack per bucket]
+ * Gradients arrive one parameter at a time. Rather than one copy (one kernel launch on a GPU)
+ * per parameter, the pipeline keeps each gradient alive (memory ops retain/drop) until its
+ * bucket is complete, then packs them all with one `pack` call: scaled copies into the
+ * temporary comm bucket (ZeRO-2/3) or adds into the persistent local sum (no_shard/ZeRO-1).
+ * Buckets left incomplete are packed at the end of backward.
+ *
  * [Note: exchange reduction]
  * A reduce-scatter in bf16 sums in bf16: every partial sum on the ring is rounded to 8 bits.
  * When the communication dtype is narrower than the main gradients, the pipeline sends the same
@@ -49,6 +56,9 @@ typedef struct bucket {
   mfsdp_work* reduce_work;
   int32_t n_ready;
   uint8_t* ready;
+  mfsdp_pack_item* pending; /* gradients of this backward not yet packed (see [Note: one pack per bucket]) */
+  void** pending_handles;   /* what keeps each pending gradient's memory alive */
+  int32_t n_pending;
   int64_t* holes; /* [start, end) pairs of GRAD not covered by any item */
   int32_t n_holes;
   int8_t initializing;
@@ -264,7 +274,7 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
       (!mfsdp_dtype_is_float(s->main_dtype) || !mfsdp_dtype_is_float(s->grad_dtype) ||
        !mfsdp_dtype_is_float(s->comm_dtype) || !mfsdp_dtype_is_float(s->param_dtype)))
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: gradients need floating dtypes", i);
-  if (s->weights_sharded && s->shards == 1)
+  if (s->weights_sharded && s->shards == 1 && !cfg->force_comm)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: sharded weights need more than one shard", i);
   if ((s->grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE || s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) &&
       s->shards != cfg->dp_world)
@@ -307,7 +317,9 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->offsets = malloc((size_t)(items ? items : 1) * sizeof *bk->offsets);
     bk->numels = malloc((size_t)(items ? items : 1) * sizeof *bk->numels);
     bk->ready = calloc((size_t)(items ? items : 1), 1);
-    if (!bk->offsets || !bk->numels || !bk->ready) {
+    bk->pending = calloc((size_t)(items ? items : 1), sizeof *bk->pending);
+    bk->pending_handles = calloc((size_t)(items ? items : 1), sizeof *bk->pending_handles);
+    if (!bk->offsets || !bk->numels || !bk->ready || !bk->pending || !bk->pending_handles) {
       st = MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "bucket %d tables", i);
       goto fail;
     }
@@ -348,6 +360,10 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
     free(bk->offsets);
     free(bk->numels);
     free(bk->ready);
+    for (int32_t k = 0; bk->pending_handles && k < bk->n_pending; ++k)
+      if (bk->pending_handles[k]) p->be.memory->drop(p->be.memory_ctx, bk->pending_handles[k]);
+    free(bk->pending);
+    free(bk->pending_handles);
     free(bk->holes);
   }
   free(p->b);
@@ -409,6 +425,7 @@ static mfsdp_status check_bucket(const mfsdp_pipeline* p, int32_t b) {
 }
 
 static int communicates(const mfsdp_pipeline* p, const bucket* bk) {
+  if (p->cfg.force_comm) return 1; /* single-rank collectives: exercises a transport on one device */
   return p->cfg.dp_world > 1 && (bk->spec.shards > 1 || bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE);
 }
 
@@ -764,8 +781,36 @@ mfsdp_status mfsdp_pipeline_begin_backward(mfsdp_pipeline* p, int sync) {
   return MFSDP_OK;
 }
 
+/* Packs the bucket's pending gradients (see [Note: one pack per bucket]). */
+static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
+  if (bk->n_pending == 0) return MFSDP_OK;
+  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+  int accumulate = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE;
+  if (!accumulate) {
+    if (bk->gstate == MFSDP_G_CLEAN) {
+      MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
+      MFSDP_CHECK(zero_holes(p, bk));
+    }
+  } else {
+    int32_t id = (int32_t)(bk - p->b);
+    if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(complete_until(p, id));
+    if (bk->gstate == MFSDP_G_REDUCED) MFSDP_CHECK(rebase(p, bk));
+  }
+  double alpha = accumulate ? 1.0 : p->cfg.grad_prescale;
+  mfsdp_status st = p->be.kernels->pack(p->be.kernels_ctx, g->data, g->dtype, bk->pending, bk->n_pending, alpha,
+                                        accumulate);
+  for (int32_t k = 0; k < bk->n_pending; ++k) {
+    if (bk->pending_handles[k]) p->be.memory->drop(p->be.memory_ctx, bk->pending_handles[k]);
+    bk->pending_handles[k] = NULL;
+  }
+  bk->n_pending = 0;
+  MFSDP_CHECK(st);
+  bk->gstate = MFSDP_G_DIRTY;
+  return MFSDP_OK;
+}
+
 mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t b, int32_t item, const void* src, int32_t src_dtype,
-                                       int64_t numel) {
+                                       int64_t numel, void* keepalive) {
   MFSDP_CHECK(healthy(p));
   MFSDP_CHECK(check_bucket(p, b));
   bucket* bk = &p->b[b];
@@ -777,28 +822,21 @@ mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t b, int32_t ite
                       item, (long long)numel, item >= 0 && item < bk->spec.n_items ? (long long)bk->numels[item] : -1LL);
   if (bk->ready[item])
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d item %d: gradient reported twice in one backward", b, item);
-  const mfsdp_kernel_ops* k = p->be.kernels;
-  void* kc = p->be.kernels_ctx;
-  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
-  if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
-    if (bk->gstate == MFSDP_G_REDUCING)
-      return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: gradient arrived after its reduction started", b);
-    if (bk->gstate == MFSDP_G_CLEAN) {
-      MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
-      MFSDP_CHECK(zero_holes(p, bk));
-      bk->gstate = MFSDP_G_DIRTY;
-    }
-    MFSDP_CHECK(k->copy(kc, at(g, bk->offsets[item]), g->dtype, src, src_dtype, numel, p->cfg.grad_prescale));
-  } else {
-    if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(complete_until(p, b));
-    if (bk->gstate == MFSDP_G_REDUCED) MFSDP_CHECK(rebase(p, bk));
-    MFSDP_CHECK(k->accumulate(kc, at(g, bk->offsets[item]), g->dtype, src, src_dtype, numel, 1.0));
-    bk->gstate = MFSDP_G_DIRTY;
-  }
+  if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && bk->gstate == MFSDP_G_REDUCING)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: gradient arrived after its reduction started", b);
+  if (!mfsdp_dtype_is_float(src_dtype))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: gradient of dtype %s", b, item,
+                      mfsdp_dtype_name(src_dtype));
+  if (keepalive) p->be.memory->retain(p->be.memory_ctx, keepalive);
+  bk->pending[bk->n_pending] = (mfsdp_pack_item){src, src_dtype, bk->offsets[item], numel};
+  bk->pending_handles[bk->n_pending] = keepalive;
+  bk->n_pending++;
   bk->ready[item] = 1;
   bk->n_ready++;
-  if (bk->n_ready == bk->spec.n_items && (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync))
-    MFSDP_CHECK(launch_reduce(p, b));
+  if (bk->n_ready == bk->spec.n_items) {
+    MFSDP_CHECK(flush_pending(p, bk));
+    if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync) MFSDP_CHECK(launch_reduce(p, b));
+  }
   return MFSDP_OK;
 }
 
@@ -806,6 +844,7 @@ mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p) {
   MFSDP_CHECK(healthy(p));
   if (!p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "end_backward without begin_backward");
   const mfsdp_kernel_ops* k = p->be.kernels;
+  for (int32_t i = 0; i < p->n; ++i) MFSDP_CHECK(flush_pending(p, &p->b[i])); /* incomplete buckets */
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && bk->gstate != MFSDP_G_REDUCING) {

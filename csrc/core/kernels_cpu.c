@@ -146,6 +146,17 @@ mfsdp_status mfsdp_cpu_count_nonfinite(const void* x, int dtype, int64_t n, int6
   return MFSDP_OK;
 }
 
+mfsdp_status mfsdp_cpu_pack(void* dst_base, int dst_dtype, const mfsdp_pack_item* items, int32_t n_items, double alpha,
+                            int accumulate) {
+  int64_t elem = mfsdp_dtype_size(dst_dtype);
+  for (int32_t i = 0; i < n_items; ++i) {
+    void* dst = (char*)dst_base + items[i].dst_offset * elem;
+    MFSDP_CHECK(accumulate ? mfsdp_cpu_accumulate(dst, dst_dtype, items[i].src, items[i].src_dtype, items[i].n, alpha)
+                           : mfsdp_cpu_copy(dst, dst_dtype, items[i].src, items[i].src_dtype, items[i].n, alpha));
+  }
+  return MFSDP_OK;
+}
+
 static mfsdp_status op_copy(void* ctx, void* dst, int dt, const void* src, int st, int64_t n, double a) {
   (void)ctx;
   return mfsdp_cpu_copy(dst, dt, src, st, n, a);
@@ -167,4 +178,11 @@ static mfsdp_status op_count_nonfinite(void* ctx, const void* x, int dt, int64_t
   return mfsdp_cpu_count_nonfinite(x, dt, n, count);
 }
 
-const mfsdp_kernel_ops mfsdp_cpu_kernels = {op_copy, op_accumulate, op_scale, op_fill_zero, op_count_nonfinite};
+static mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items, int32_t n, double alpha,
+                            int accumulate) {
+  (void)ctx;
+  return mfsdp_cpu_pack(dst, dt, items, n, alpha, accumulate);
+}
+
+const mfsdp_kernel_ops mfsdp_cpu_kernels = {op_copy,      op_accumulate,      op_scale,
+                                            op_fill_zero, op_count_nonfinite, op_pack};

@@ -16,6 +16,14 @@
 extern "C" {
 #endif
 
+/* One tensor of a multi-tensor pack: n elements of src (src_dtype) go to dst_base + dst_offset. */
+typedef struct mfsdp_pack_item {
+  const void* src;
+  int32_t src_dtype;
+  int64_t dst_offset;
+  int64_t n;
+} mfsdp_pack_item;
+
 typedef struct mfsdp_kernel_ops {
   /* dst[i] = alpha * src[i], cast to dst_dtype (alpha == 1: a plain cast copy). */
   mfsdp_status (*copy)(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n,
@@ -28,6 +36,9 @@ typedef struct mfsdp_kernel_ops {
   mfsdp_status (*fill_zero)(void* ctx, void* x, int dtype, int64_t n);
   /* *count = number of NaN/Inf elements (synchronous). */
   mfsdp_status (*count_nonfinite)(void* ctx, const void* x, int dtype, int64_t n, int64_t* count);
+  /* Many tensors into one buffer in one call (one launch on a GPU): copy with alpha, or add. */
+  mfsdp_status (*pack)(void* ctx, void* dst_base, int dst_dtype, const mfsdp_pack_item* items, int32_t n_items,
+                       double alpha, int accumulate);
 } mfsdp_kernel_ops;
 
 extern const mfsdp_kernel_ops mfsdp_cpu_kernels;
@@ -38,6 +49,8 @@ mfsdp_status mfsdp_cpu_accumulate(void* dst, int dst_dtype, const void* src, int
 mfsdp_status mfsdp_cpu_scale(void* x, int dtype, int64_t n, double alpha);
 mfsdp_status mfsdp_cpu_fill_zero(void* x, int dtype, int64_t n);
 mfsdp_status mfsdp_cpu_count_nonfinite(const void* x, int dtype, int64_t n, int64_t* count);
+mfsdp_status mfsdp_cpu_pack(void* dst_base, int dst_dtype, const mfsdp_pack_item* items, int32_t n_items, double alpha,
+                            int accumulate);
 
 #ifdef __cplusplus
 }

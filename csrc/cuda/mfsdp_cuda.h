@@ -14,8 +14,23 @@ extern "C" {
 
 /* NULL when built without CUDA. */
 extern const mfsdp_kernel_ops* const mfsdp_cuda_kernels;
-/* Kernel context for a device: launches go to torch's current stream on it. */
+/* Kernel context for a device (NULL without CUDA). */
 void* mfsdp_cuda_kernel_context(int device);
+
+#ifdef MFSDP_WITH_CUDA
+/* Launches of a context go to this stream: torch's current stream, set by the glue per call. */
+void mfsdp_cuda_set_stream(void* ctx, void* stream);
+void* mfsdp_cuda_get_stream(void* ctx);
+/* One launch packing (or accumulating) many tensors into a bucket: item i's numels[i]
+ * elements of srcs[i] go to dst_base + offsets[i]. All three tables live in device memory. */
+mfsdp_status mfsdp_cuda_pack(void* ctx, void* dst_base, int dst_dtype, const void* const* srcs_device,
+                             const int64_t* offsets_device, const int64_t* numels_device, int32_t n_items,
+                             int64_t max_numel, int src_dtype, double alpha, int accumulate);
+mfsdp_status mfsdp_cuda_copy(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n,
+                             double alpha);
+mfsdp_status mfsdp_cuda_accumulate(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n,
+                                   double alpha);
+#endif
 
 #ifdef __cplusplus
 }

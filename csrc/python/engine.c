@@ -13,12 +13,32 @@ typedef struct engine_object {
   torch_memory memory;
   PyObject* transport;
   PyObject* device;
+  PyObject* current_stream; /* torch.cuda.current_stream, CUDA engines only */
+  void* kernels_ctx;
   int busy;
 } engine_object;
 
 static module_state* engine_state(PyObject* self) { return mfsdp_state_of_type(Py_TYPE(self)); }
 
 static PyObject* fail(PyObject* self, mfsdp_status s) { return mfsdp_raise(engine_state(self), s); }
+
+/* CUDA engines launch on torch's current stream: read it at every call (cheap, and it may
+ * change between calls under torch.cuda.stream(...)). */
+static int refresh_stream(engine_object* e) {
+#ifdef MFSDP_WITH_CUDA
+  if (e->current_stream == NULL) return 1;
+  PyObject* stream = PyObject_CallFunction(e->current_stream, "i", e->memory.device_index);
+  PyObject* handle = stream ? PyObject_GetAttrString(stream, "cuda_stream") : NULL;
+  Py_XDECREF(stream);
+  if (handle == NULL) return 0;
+  mfsdp_cuda_set_stream(e->kernels_ctx, (void*)(intptr_t)PyLong_AsLongLong(handle));
+  Py_DECREF(handle);
+  return !PyErr_Occurred();
+#else
+  (void)e;
+  return 1;
+#endif
+}
 
 static int ready(engine_object* e) {
   if (e->pipeline == NULL) {
@@ -29,7 +49,7 @@ static int ready(engine_object* e) {
     PyErr_SetString(PyExc_RuntimeError, "Engine re-entered from another thread or a callback; calls must not overlap");
     return 0;
   }
-  return 1;
+  return refresh_stream(e);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -102,10 +122,10 @@ PyDoc_STRVAR(engine_doc,
 static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   engine_object* e = (engine_object*)self;
   module_state* st = engine_state(self);
-  static char* kwlist[] = {"buckets", "dp_world",  "dp_rank", "grad_prescale", "reduce_op", "reduce_queue_bytes",
-                           "device",  "transport", NULL};
+  static char* kwlist[] = {"buckets", "dp_world",  "dp_rank",    "grad_prescale", "reduce_op", "reduce_queue_bytes",
+                           "device",  "transport", "force_comm", NULL};
   PyObject *specs_obj, *device, *transport;
-  int dp_world, dp_rank;
+  int dp_world, dp_rank, force_comm = 0;
   double prescale;
   const char* op;
   long long queue_bytes;
@@ -113,8 +133,8 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     PyErr_SetString(PyExc_RuntimeError, "Engine is already initialised");
     return -1;
   }
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiidsLOO:Engine", kwlist, &specs_obj, &dp_world, &dp_rank, &prescale,
-                                   &op, &queue_bytes, &device, &transport))
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiidsLOO|p:Engine", kwlist, &specs_obj, &dp_world, &dp_rank,
+                                   &prescale, &op, &queue_bytes, &device, &transport, &force_comm))
     return -1;
   if (!PyObject_TypeCheck(transport, st->torch_transport_type) &&
       !(st->nccl_transport_type && PyObject_TypeCheck(transport, st->nccl_transport_type))) {
@@ -151,7 +171,12 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     }
     kernels = mfsdp_cuda_kernels;
     kernels_ctx = mfsdp_cuda_kernel_context(device_index);
+    PyObject* cuda = PyObject_GetAttrString(st->torch, "cuda");
+    Py_XSETREF(e->current_stream, cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL);
+    Py_XDECREF(cuda);
+    if (e->current_stream == NULL) return -1;
   }
+  e->kernels_ctx = kernels_ctx;
 
   PyObject* fast = PySequence_Fast(specs_obj, "Engine: buckets must be a sequence of dicts");
   if (fast == NULL) return -1;
@@ -171,7 +196,7 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   e->memory = (torch_memory){st, e->device, device_index};
   transport_object* t = (transport_object*)transport;
   mfsdp_backend be = {&mfsdp_torch_memory_ops, &e->memory, t->ops, t->ctx, kernels, kernels_ctx};
-  mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes};
+  mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes, force_comm};
   mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, (int32_t)n, &e->pipeline);
   if (s != MFSDP_OK) {
     fail(self, s);
@@ -199,6 +224,7 @@ static int engine_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(self));
   Py_VISIT(e->transport);
   Py_VISIT(e->device);
+  Py_VISIT(e->current_stream);
   return 0;
 }
 
@@ -207,6 +233,7 @@ static int engine_clear(PyObject* self) {
   engine_close_pipeline(e);
   Py_CLEAR(e->transport);
   Py_CLEAR(e->device);
+  Py_CLEAR(e->current_stream);
   return 0;
 }
 
@@ -327,7 +354,7 @@ static PyObject* engine_grad_ready(PyObject* self, PyObject* const* args, Py_ssi
   if (mfsdp_tensor_view(engine_state(self), args[2], "grad_ready", &v) < 0 || !device_matches(e, &v, "grad_ready"))
     return NULL;
   e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_grad_ready(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel);
+  mfsdp_status s = mfsdp_pipeline_grad_ready(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel, args[2]);
   e->busy = 0;
   if (s != MFSDP_OK) return fail(self, s);
   Py_RETURN_NONE;

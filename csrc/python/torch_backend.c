@@ -78,8 +78,18 @@ static void mem_destroy(void* ctx, mfsdp_buffer* b) {
   Py_XDECREF(t);
 }
 
+static void mem_retain(void* ctx, void* handle) {
+  (void)ctx;
+  Py_XINCREF((PyObject*)handle);
+}
+
+static void mem_drop(void* ctx, void* handle) {
+  (void)ctx;
+  Py_XDECREF((PyObject*)handle);
+}
+
 const mfsdp_memory_ops mfsdp_torch_memory_ops = {mem_create, mem_create_view, mem_materialize, mem_release,
-                                                 mem_destroy};
+                                                 mem_destroy, mem_retain,      mem_drop};
 
 /* ------------------------------------------------------------------------------------------ */
 /* transport */

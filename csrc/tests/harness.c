@@ -80,8 +80,14 @@ static void heap_destroy(void* ctx, mfsdp_buffer* buf) {
   buf->data = NULL;
 }
 
-const mfsdp_memory_ops heap_memory_ops = {heap_create, heap_create_view, heap_materialize, heap_release,
-                                          heap_destroy};
+/* Gradients in the tests are freed by the caller after end_backward: nothing to keep. */
+static void heap_retain(void* ctx, void* handle) {
+  (void)ctx;
+  (void)handle;
+}
+
+const mfsdp_memory_ops heap_memory_ops = {heap_create,  heap_create_view, heap_materialize, heap_release,
+                                          heap_destroy, heap_retain,      heap_retain};
 
 /* ---- thread transport ---- */
 

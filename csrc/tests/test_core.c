@@ -269,7 +269,7 @@ static void* pipe_worker(void* arg) {
   loop_rank lr = {t->world, r};
   mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, &lr, &mfsdp_cpu_kernels, NULL};
   double prescale = c->per_token || c->op == MFSDP_REDUCE_AVG ? 1.0 : 1.0 / W;
-  mfsdp_pipeline_config cfg = {W, r, prescale, c->op, 1 << 20};
+  mfsdp_pipeline_config cfg = {W, r, prescale, c->op, 1 << 20, 0};
   mfsdp_pipeline* p = NULL;
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
   if (p == NULL) goto out;
@@ -329,15 +329,17 @@ static void* pipe_worker(void* arg) {
   for (int mb = 0; mb < c->micro; ++mb) {
     int last = mb == c->micro - 1;
     CHECK_OK(mfsdp_pipeline_begin_backward(p, c->sync_each || last));
+    float* grads[N_ITEMS] = {0}; /* alive until packed: the pipeline packs a bucket at once */
     for (int i = bp->n_items - 1; i >= 0; --i) {
-      float* g = malloc((size_t)bp->numels[i] * sizeof *g + 4);
+      float* g = grads[i] = malloc((size_t)bp->numels[i] * sizeof *g + 4);
       for (int64_t j = 0; j < bp->numels[i]; ++j) g[j] = (float)grad_value(r, mb, bp->params[i], j);
-      CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, bp->numels[i]));
-      if (i == 0) CHECK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, bp->numels[i]) == MFSDP_ERR_INVALID_STATE,
-                        "a gradient reported twice is refused");
-      free(g);
+      CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, bp->numels[i], NULL));
+      if (i == 0)
+        CHECK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, bp->numels[i], NULL) == MFSDP_ERR_INVALID_STATE,
+              "a gradient reported twice is refused");
     }
     CHECK_OK(mfsdp_pipeline_end_backward(p));
+    for (int i = 0; i < bp->n_items; ++i) free(grads[i]);
   }
   CHECK_OK(mfsdp_pipeline_sync_grads(p));
   const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_OPT_GRAD);
@@ -434,7 +436,7 @@ static void test_pipeline(void) {
 }
 
 static void test_pipeline_misuse(void) {
-  mfsdp_pipeline_config cfg = {2, 0, 0.5, MFSDP_REDUCE_SUM, 1 << 20};
+  mfsdp_pipeline_config cfg = {2, 0, 0.5, MFSDP_REDUCE_SUM, 1 << 20, 0};
   mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, NULL, &mfsdp_cpu_kernels, NULL};
   int64_t offsets[1] = {0}, numels[1] = {8};
   mfsdp_bucket_spec bad = {2, 0, 2, 1, offsets, numels, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
@@ -447,11 +449,11 @@ static void test_pipeline_misuse(void) {
   cfg.dp_world = 1;
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &ok, 1, &p));
   float g[8] = {0};
-  CHECK(mfsdp_pipeline_grad_ready(p, 0, 0, g, MFSDP_F32, 8) == MFSDP_ERR_INVALID_STATE, "grad outside backward");
+  CHECK(mfsdp_pipeline_grad_ready(p, 0, 0, g, MFSDP_F32, 8, NULL) == MFSDP_ERR_INVALID_STATE, "grad outside backward");
   CHECK(mfsdp_pipeline_end_backward(p) == MFSDP_ERR_INVALID_STATE, "end without begin");
   CHECK_OK(mfsdp_pipeline_begin_backward(p, 1));
-  CHECK(mfsdp_pipeline_grad_ready(p, 0, 0, g, MFSDP_F32, 7) == MFSDP_ERR_INVALID_ARGUMENT, "wrong numel");
-  CHECK(mfsdp_pipeline_grad_ready(p, 3, 0, g, MFSDP_F32, 8) == MFSDP_ERR_INVALID_ARGUMENT, "bad bucket");
+  CHECK(mfsdp_pipeline_grad_ready(p, 0, 0, g, MFSDP_F32, 7, NULL) == MFSDP_ERR_INVALID_ARGUMENT, "wrong numel");
+  CHECK(mfsdp_pipeline_grad_ready(p, 3, 0, g, MFSDP_F32, 8, NULL) == MFSDP_ERR_INVALID_ARGUMENT, "bad bucket");
   CHECK(mfsdp_pipeline_sync_grads(p) == MFSDP_ERR_INVALID_STATE, "sync inside backward");
   CHECK_OK(mfsdp_pipeline_end_backward(p));
   mfsdp_pipeline_destroy(p);

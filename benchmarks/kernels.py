@@ -1,0 +1,48 @@
+"""GPU kernel report: achieved GB/s of the engine's CUDA kernels (cast-copy, accumulate,
+multi-tensor pack via the engine) over bucket sizes, against a device-to-device copy measured in
+the same run (bytes read + bytes written). Goal: >= 90% of the copy rate at 64 MB and up.
+
+    python benchmarks/kernels.py      # needs a CUDA device and a CUDA build
+"""
+import sys
+
+import torch
+
+from megatron_fsdp_c import _C
+
+
+def timed(fn, reps=50):
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main():
+    if not torch.cuda.is_available() or not hasattr(_C, "cuda_copy_"):
+        sys.exit("needs a CUDA device and a CUDA build of megatron_fsdp_c")
+    print(f"{torch.cuda.get_device_name(0)}; GB/s = (bytes read + bytes written) / median time")
+    print(f"{'MB (fp32)':>9} {'d2d copy':>9} {'f32->bf16':>10} {'bf16->f32':>10} {'acc f32+=bf16':>14} {'% of copy (worst)':>18}")
+    for mb in (1, 4, 16, 64, 256, 1024):
+        n = mb * (1 << 20) // 4
+        a = torch.randn(n, device="cuda")
+        b = torch.empty_like(a)
+        h = torch.randn(n, device="cuda").to(torch.bfloat16)
+        h2 = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        copy = 8 * n / timed(lambda: b.copy_(a)) / 1e9
+        to_bf16 = 6 * n / timed(lambda: _C.cuda_copy_(h2, a)) / 1e9
+        to_f32 = 6 * n / timed(lambda: _C.cuda_copy_(b, h)) / 1e9
+        acc = 10 * n / timed(lambda: _C.cuda_accumulate_(b, h)) / 1e9
+        worst = min(to_bf16, to_f32, acc) / copy
+        print(f"{mb:>9} {copy:>9.0f} {to_bf16:>10.0f} {to_f32:>10.0f} {acc:>14.0f} {100 * worst:>17.0f}%")
+
+
+if __name__ == "__main__":
+    main()

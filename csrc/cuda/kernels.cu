@@ -1,0 +1,372 @@
+/* kernels.cu: the engine's element-wise kernels over device memory (see mfsdp_kernels.h).
+ *
+ * Same arithmetic as kernels_cpu.c: loads widen to float (double when either side is double),
+ * one rounding on store, through the shared conversions of mfsdp_dtype.h, so CPU and GPU round
+ * identically. One dispatch point (dispatch_pair below) instantiates a kernel per (dst, src)
+ * dtype pair. Kernels read and write 16 bytes per access where both pointers allow it (bucket
+ * shards are 16-byte aligned by the layout), with a scalar path for the rest, over a grid-stride
+ * loop sized to the device. A bucket's many parameters are packed by one launch: the item table
+ * (offsets, sizes) is uploaded once per bucket, only the source addresses each time.
+ * Launches go to the stream in the kernel context (torch's current stream, set by the glue). */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <type_traits>
+
+#include "../core/mfsdp_dtype.h"
+#include "mfsdp_cuda.h"
+
+extern "C" mfsdp_status mfsdp_cuda_pack(void* ctx, void* dst_base, int dst_dtype, const void* const* srcs_device,
+                                        const int64_t* offsets_device, const int64_t* numels_device, int32_t n_items,
+                                        int64_t max_numel, int src_dtype, double alpha, int accumulate);
+
+namespace {
+
+template <int DT>
+struct Elem;
+template <>
+struct Elem<MFSDP_F32> {
+  using T = float;
+  using Acc = float;
+  static __device__ __forceinline__ float load(T v) { return v; }
+  static __device__ __forceinline__ T store(float v) { return v; }
+};
+template <>
+struct Elem<MFSDP_F64> {
+  using T = double;
+  using Acc = double;
+  static __device__ __forceinline__ double load(T v) { return v; }
+  static __device__ __forceinline__ T store(double v) { return v; }
+};
+template <>
+struct Elem<MFSDP_BF16> {
+  using T = uint16_t;
+  using Acc = float;
+  static __device__ __forceinline__ float load(T v) { return mfsdp_bf16_to_f32(v); }
+  static __device__ __forceinline__ T store(float v) { return mfsdp_f32_to_bf16(v); }
+};
+template <>
+struct Elem<MFSDP_F16> {
+  using T = uint16_t;
+  using Acc = float;
+  static __device__ __forceinline__ float load(T v) { return mfsdp_f16_to_f32(v); }
+  static __device__ __forceinline__ T store(float v) { return mfsdp_f32_to_f16(v); }
+};
+
+constexpr int kVec = 8;  // elements per thread per iteration: 16 bytes of a 2-byte type
+constexpr int kThreads = 256;
+
+template <int DT, int ST>
+struct Pair {
+  using D = Elem<DT>;
+  using S = Elem<ST>;
+  using Acc = typename std::conditional<sizeof(typename D::Acc) >= sizeof(typename S::Acc), typename D::Acc,
+                                        typename S::Acc>::type;
+  /* out = alpha * in (copy) or out + alpha * in (accumulate), rounded once into D. */
+  static __device__ __forceinline__ typename D::T apply(typename D::T out, typename S::T in, Acc alpha, bool accumulate,
+                                                       bool scaled) {
+    Acc v = static_cast<Acc>(S::load(in));
+    if (scaled) v = alpha * v;
+    if (accumulate) v = static_cast<Acc>(D::load(out)) + v;
+    return D::store(v);
+  }
+};
+
+template <typename T>
+struct alignas(16) Chunk {
+  T v[kVec];
+};
+
+/* dst[i] = op(dst[i], src[i]) over n elements; vectorised when `aligned`. */
+template <int DT, int ST>
+__global__ void __launch_bounds__(kThreads) binary_kernel(void* __restrict__ dst, const void* __restrict__ src,
+                                                          int64_t n, double alpha, bool accumulate, bool aligned) {
+  using P = Pair<DT, ST>;
+  using DTy = typename P::D::T;
+  using STy = typename P::S::T;
+  DTy* d = static_cast<DTy*>(dst);
+  const STy* s = static_cast<const STy*>(src);
+  const typename P::Acc a = static_cast<typename P::Acc>(alpha);
+  const bool scaled = alpha != 1.0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t body = aligned ? (n / kVec) : 0;
+  for (int64_t c = first; c < body; c += stride) {
+    Chunk<STy> in = reinterpret_cast<const Chunk<STy>*>(s)[c];
+    Chunk<DTy> out;
+    if (accumulate) out = reinterpret_cast<const Chunk<DTy>*>(d)[c];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) out.v[k] = P::apply(out.v[k], in.v[k], a, accumulate, scaled);
+    reinterpret_cast<Chunk<DTy>*>(d)[c] = out;
+  }
+  for (int64_t i = body * kVec + first; i < n; i += stride) d[i] = P::apply(accumulate ? d[i] : DTy(), s[i], a, accumulate, scaled);
+}
+
+/* One launch over a bucket's items: blockIdx.y is the item, x strides over its elements. */
+template <int DT, int ST>
+__global__ void __launch_bounds__(kThreads) pack_kernel(void* __restrict__ dst_base, const void* const* __restrict__ srcs,
+                                                        const int64_t* __restrict__ offsets,
+                                                        const int64_t* __restrict__ numels, double alpha,
+                                                        bool accumulate) {
+  using P = Pair<DT, ST>;
+  using DTy = typename P::D::T;
+  using STy = typename P::S::T;
+  const int item = blockIdx.y;
+  DTy* d = static_cast<DTy*>(dst_base) + offsets[item];
+  const STy* s = static_cast<const STy*>(srcs[item]);
+  const int64_t n = numels[item];
+  const typename P::Acc a = static_cast<typename P::Acc>(alpha);
+  const bool scaled = alpha != 1.0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    d[i] = P::apply(accumulate ? d[i] : DTy(), s[i], a, accumulate, scaled);
+}
+
+template <int DT>
+__global__ void count_nonfinite_kernel(const void* __restrict__ x, int64_t n, unsigned long long* count) {
+  using E = Elem<DT>;
+  const typename E::T* v = static_cast<const typename E::T*>(x);
+  unsigned long long local = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    double f = static_cast<double>(E::load(v[i]));
+    local += !(f - f == 0.0);  // NaN and Inf fail this
+  }
+  if (local) atomicAdd(count, local);
+}
+
+mfsdp_status cuda_fail(cudaError_t e, const char* file, int line, const char* what) {
+  return mfsdp_set_error(MFSDP_ERR_CUDA, file, line, what, "%s (%s)", cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+#define CUDA_CHECK(call)                                                           \
+  do {                                                                             \
+    cudaError_t e_ = (call);                                                       \
+    if (e_ != cudaSuccess) return cuda_fail(e_, __FILE__, __LINE__, #call);        \
+  } while (0)
+
+struct cuda_ctx {
+  int device;
+  int sms;
+  cudaStream_t stream;
+  void* table;          /* device copy of a pack table: srcs | offsets | numels */
+  size_t table_bytes;
+  void* host_table;     /* pageable staging (cudaMemcpyAsync copies it out before returning) */
+  size_t host_bytes;
+};
+
+cuda_ctx g_ctx[64];  // one per device ordinal; the stream is set by the glue before engine calls
+
+int blocks_for(const cuda_ctx* c, int64_t work) {
+  int64_t want = (work + kThreads - 1) / kThreads;
+  int64_t cap = static_cast<int64_t>(c->sms > 0 ? c->sms : 80) * 8;
+  if (want < 1) want = 1;
+  return static_cast<int>(want < cap ? want : cap);
+}
+
+bool aligned16(const void* a, const void* b) {
+  return (reinterpret_cast<uintptr_t>(a) % 16 == 0) && (reinterpret_cast<uintptr_t>(b) % 16 == 0);
+}
+
+/* The one dtype dispatch point: calls f.template run<DT, ST>(). */
+template <typename F>
+mfsdp_status dispatch_pair(int dt, int st, F&& f) {
+#define MFSDP_CASE(D, S) \
+  if (dt == D && st == S) return f.template run<D, S>();
+#define MFSDP_ROW(D) MFSDP_CASE(D, MFSDP_F32) MFSDP_CASE(D, MFSDP_BF16) MFSDP_CASE(D, MFSDP_F16) MFSDP_CASE(D, MFSDP_F64)
+  MFSDP_ROW(MFSDP_F32)
+  MFSDP_ROW(MFSDP_BF16)
+  MFSDP_ROW(MFSDP_F16)
+  MFSDP_ROW(MFSDP_F64)
+#undef MFSDP_ROW
+#undef MFSDP_CASE
+  return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "no CUDA kernel for %s <- %s", mfsdp_dtype_name(dt), mfsdp_dtype_name(st));
+}
+
+struct BinaryLaunch {
+  cuda_ctx* c;
+  void* dst;
+  const void* src;
+  int64_t n;
+  double alpha;
+  bool accumulate;
+  template <int D, int S>
+  mfsdp_status run() {
+    bool vec = aligned16(dst, src);
+    int blocks = blocks_for(c, vec ? (n + kVec - 1) / kVec : n);
+    binary_kernel<D, S><<<blocks, kThreads, 0, c->stream>>>(dst, src, n, alpha, accumulate, vec);
+    CUDA_CHECK(cudaGetLastError());
+    return MFSDP_OK;
+  }
+};
+
+struct PackLaunch {
+  cuda_ctx* c;
+  void* dst;
+  const void* const* srcs;
+  const int64_t* offsets;
+  const int64_t* numels;
+  int32_t n_items;
+  int64_t max_numel;
+  double alpha;
+  bool accumulate;
+  template <int D, int S>
+  mfsdp_status run() {
+    dim3 grid(blocks_for(c, max_numel), n_items);
+    pack_kernel<D, S><<<grid, kThreads, 0, c->stream>>>(dst, srcs, offsets, numels, alpha, accumulate);
+    CUDA_CHECK(cudaGetLastError());
+    return MFSDP_OK;
+  }
+};
+
+mfsdp_status check(const void* a, const void* b, int64_t n) {
+  if (n < 0) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "negative element count %lld", (long long)n);
+  if (n > 0 && (!a || !b)) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "null device buffer for %lld elements", (long long)n);
+  return MFSDP_OK;
+}
+
+mfsdp_status op_copy(void* ctx, void* dst, int dt, const void* src, int st, int64_t n, double alpha) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  MFSDP_CHECK(check(dst, src, n));
+  if (n == 0) return MFSDP_OK;
+  if (dt == st && alpha == 1.0 && mfsdp_dtype_valid(dt)) {
+    if (dst != src) CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)(n * mfsdp_dtype_size(dt)), cudaMemcpyDeviceToDevice, c->stream));
+    return MFSDP_OK;
+  }
+  return dispatch_pair(dt, st, BinaryLaunch{c, dst, src, n, alpha, false});
+}
+
+mfsdp_status op_accumulate(void* ctx, void* dst, int dt, const void* src, int st, int64_t n, double alpha) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  MFSDP_CHECK(check(dst, src, n));
+  if (n == 0) return MFSDP_OK;
+  return dispatch_pair(dt, st, BinaryLaunch{c, dst, src, n, alpha, true});
+}
+
+mfsdp_status op_scale(void* ctx, void* x, int dt, int64_t n, double alpha) {
+  if (alpha == 1.0 || n == 0) return MFSDP_OK;
+  return op_copy(ctx, x, dt, x, dt, n, alpha);
+}
+
+mfsdp_status op_fill_zero(void* ctx, void* x, int dt, int64_t n) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  MFSDP_CHECK(check(x, x, n));
+  if (n > 0) CUDA_CHECK(cudaMemsetAsync(x, 0, (size_t)(n * mfsdp_dtype_size(dt)), c->stream));
+  return MFSDP_OK;
+}
+
+mfsdp_status op_count_nonfinite(void* ctx, const void* x, int dt, int64_t n, int64_t* count) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  MFSDP_CHECK(check(x, count, n));
+  *count = 0;
+  if (n == 0 || !mfsdp_dtype_is_float(dt)) return MFSDP_OK;
+  unsigned long long* dev = nullptr;
+  unsigned long long host = 0;
+  CUDA_CHECK(cudaMallocAsync(&dev, sizeof *dev, c->stream));
+  CUDA_CHECK(cudaMemsetAsync(dev, 0, sizeof *dev, c->stream));
+  int blocks = blocks_for(c, n);
+  switch (dt) {
+    case MFSDP_F32: count_nonfinite_kernel<MFSDP_F32><<<blocks, kThreads, 0, c->stream>>>(x, n, dev); break;
+    case MFSDP_BF16: count_nonfinite_kernel<MFSDP_BF16><<<blocks, kThreads, 0, c->stream>>>(x, n, dev); break;
+    case MFSDP_F16: count_nonfinite_kernel<MFSDP_F16><<<blocks, kThreads, 0, c->stream>>>(x, n, dev); break;
+    default: count_nonfinite_kernel<MFSDP_F64><<<blocks, kThreads, 0, c->stream>>>(x, n, dev); break;
+  }
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaMemcpyAsync(&host, dev, sizeof host, cudaMemcpyDeviceToHost, c->stream));
+  CUDA_CHECK(cudaFreeAsync(dev, c->stream));
+  CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  *count = (int64_t)host;
+  return MFSDP_OK;
+}
+
+/* A bucket's gradients in one launch per source dtype: the table goes up in one copy. */
+mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items, int32_t n, double alpha,
+                     int accumulate) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  for (int32_t first = 0; first < n;) {
+    int32_t last = first;
+    while (last < n && items[last].src_dtype == items[first].src_dtype) ++last;
+    int32_t m = last - first;
+    size_t bytes = (size_t)m * (sizeof(void*) + 2 * sizeof(int64_t));
+    if (bytes > c->host_bytes) {
+      void* grown = realloc(c->host_table, bytes);
+      if (!grown) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "pack table of %d items", m);
+      c->host_table = grown;
+      c->host_bytes = bytes;
+    }
+    if (bytes > c->table_bytes) {
+      if (c->table) CUDA_CHECK(cudaFreeAsync(c->table, c->stream));
+      c->table = nullptr;
+      c->table_bytes = 0;
+      CUDA_CHECK(cudaMallocAsync(&c->table, bytes, c->stream));
+      c->table_bytes = bytes;
+    }
+    const void** srcs = static_cast<const void**>(c->host_table);
+    int64_t* offsets = reinterpret_cast<int64_t*>(srcs + m);
+    int64_t* numels = offsets + m;
+    int64_t max_numel = 0;
+    for (int32_t i = 0; i < m; ++i) {
+      srcs[i] = items[first + i].src;
+      offsets[i] = items[first + i].dst_offset;
+      numels[i] = items[first + i].n;
+      if (numels[i] > max_numel) max_numel = numels[i];
+    }
+    CUDA_CHECK(cudaMemcpyAsync(c->table, c->host_table, bytes, cudaMemcpyHostToDevice, c->stream));
+    const void* const* dev_srcs = static_cast<const void* const*>(c->table);
+    const int64_t* dev_offsets = reinterpret_cast<const int64_t*>(dev_srcs + m);
+    MFSDP_CHECK(mfsdp_cuda_pack(ctx, dst, dt, dev_srcs, dev_offsets, dev_offsets + m, m, max_numel,
+                                items[first].src_dtype, alpha, accumulate));
+    first = last;
+  }
+  return MFSDP_OK;
+}
+
+const mfsdp_kernel_ops cuda_ops = {op_copy, op_accumulate, op_scale, op_fill_zero, op_count_nonfinite, op_pack};
+
+}  // namespace
+
+extern "C" {
+
+const mfsdp_kernel_ops* const mfsdp_cuda_kernels = &cuda_ops;
+
+void* mfsdp_cuda_kernel_context(int device) {
+  if (device < 0 || device >= 64) return nullptr;
+  cuda_ctx* c = &g_ctx[device];
+  if (c->sms == 0) {
+    c->device = device;
+    if (cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      c->sms = 80;
+    }
+  }
+  return c;
+}
+
+void mfsdp_cuda_set_stream(void* ctx, void* stream) {
+  if (ctx) static_cast<cuda_ctx*>(ctx)->stream = static_cast<cudaStream_t>(stream);
+}
+
+void* mfsdp_cuda_get_stream(void* ctx) { return ctx ? static_cast<cuda_ctx*>(ctx)->stream : nullptr; }
+
+mfsdp_status mfsdp_cuda_pack(void* ctx, void* dst_base, int dst_dtype, const void* const* srcs_device,
+                             const int64_t* offsets_device, const int64_t* numels_device, int32_t n_items,
+                             int64_t max_numel, int src_dtype, double alpha, int accumulate) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  if (n_items <= 0) return MFSDP_OK;
+  if (n_items > 65535) return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "%d items in one pack launch (max 65535)", n_items);
+  return dispatch_pair(dst_dtype, src_dtype,
+                       PackLaunch{c, dst_base, srcs_device, offsets_device, numels_device, n_items, max_numel, alpha,
+                                  accumulate != 0});
+}
+
+mfsdp_status mfsdp_cuda_copy(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n, double alpha) {
+  return op_copy(ctx, dst, dst_dtype, src, src_dtype, n, alpha);
+}
+
+mfsdp_status mfsdp_cuda_accumulate(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n,
+                                   double alpha) {
+  return op_accumulate(ctx, dst, dst_dtype, src, src_dtype, n, alpha);
+}
+
+}  // extern "C"

@@ -1,0 +1,176 @@
+/* nccl_glue.c: the CUDA half of megatron_fsdp_c._C (CUDA builds only): NcclTransport, NCCL
+ * unique ids, and the CUDA kernels as functions on CUDA tensors (for tests and benchmarks). */
+#include "../python/glue.h"
+#include "mfsdp_cuda.h"
+#include "mfsdp_nccl.h"
+
+typedef struct nccl_object {
+  transport_object head;
+  mfsdp_nccl* nccl;
+} nccl_object;
+
+PyDoc_STRVAR(nccl_doc,
+             "NcclTransport(gather_id, reduce_id, rank, world, device, timeout=None)\n\n"
+             "Our own NCCL communicators (one for all-gathers, one for reductions) and streams.\n"
+             "The ids come from nccl_unique_id() on rank 0, broadcast to all ranks. timeout:\n"
+             "seconds after which an unfinished collective aborts the communicators and raises.");
+
+static int nccl_init(PyObject* self, PyObject* args, PyObject* kwds) {
+  nccl_object* o = (nccl_object*)self;
+  static char* kwlist[] = {"gather_id", "reduce_id", "rank", "world", "device", "timeout", NULL};
+  Py_buffer a, b;
+  int rank, world, device;
+  PyObject* timeout = Py_None;
+  if (o->nccl) {
+    PyErr_SetString(PyExc_RuntimeError, "NcclTransport is already initialised");
+    return -1;
+  }
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*y*iii|O:NcclTransport", kwlist, &a, &b, &rank, &world, &device,
+                                   &timeout))
+    return -1;
+  int rc = -1;
+  double seconds = timeout == Py_None ? 0.0 : PyFloat_AsDouble(timeout);
+  if (PyErr_Occurred()) goto exit;
+  if (a.len != (Py_ssize_t)sizeof(ncclUniqueId) || b.len != (Py_ssize_t)sizeof(ncclUniqueId)) {
+    PyErr_Format(PyExc_ValueError, "NcclTransport: unique ids must be %zu bytes (from nccl_unique_id())",
+                 sizeof(ncclUniqueId));
+    goto exit;
+  }
+  ncclUniqueId ids[2];
+  memcpy(&ids[0], a.buf, sizeof ids[0]);
+  memcpy(&ids[1], b.buf, sizeof ids[1]);
+  mfsdp_status st;
+  mfsdp_nccl* t = NULL;
+  Py_BEGIN_ALLOW_THREADS /* communicator init waits for every rank */
+  st = mfsdp_nccl_create(ids, rank, world, device, seconds, &t);
+  Py_END_ALLOW_THREADS
+  if (st != MFSDP_OK) {
+    mfsdp_raise(mfsdp_state_of_type(Py_TYPE(self)), st);
+    goto exit;
+  }
+  o->nccl = t;
+  o->head.ops = &mfsdp_nccl_ops;
+  o->head.ctx = t;
+  o->head.device = device;
+  rc = 0;
+exit:
+  PyBuffer_Release(&a);
+  PyBuffer_Release(&b);
+  return rc;
+}
+
+static PyObject* nccl_failure(PyObject* self, void* closure) {
+  (void)closure;
+  nccl_object* o = (nccl_object*)self;
+  const char* why = o->nccl ? mfsdp_nccl_failure(o->nccl) : NULL;
+  if (why == NULL) Py_RETURN_NONE;
+  return PyUnicode_FromString(why);
+}
+
+static void nccl_dealloc(PyObject* self) {
+  PyTypeObject* tp = Py_TYPE(self);
+  nccl_object* o = (nccl_object*)self;
+  mfsdp_nccl* t = o->nccl;
+  o->nccl = NULL;
+  if (t) {
+    Py_BEGIN_ALLOW_THREADS
+    mfsdp_nccl_destroy(t);
+    Py_END_ALLOW_THREADS
+  }
+  tp->tp_free(self);
+  Py_DECREF(tp);
+}
+
+static PyGetSetDef nccl_getset[] = {
+    {"failure", nccl_failure, NULL, "Why the transport stopped (timeout, NCCL error), or None.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot nccl_slots[] = {
+    {Py_tp_doc, (void*)nccl_doc},
+    {Py_tp_init, nccl_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, nccl_dealloc},
+    {Py_tp_getset, nccl_getset},
+    {0, NULL},
+};
+
+static PyType_Spec nccl_spec = {
+    .name = "megatron_fsdp_c._C.NcclTransport",
+    .basicsize = sizeof(nccl_object),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = nccl_slots,
+};
+
+static PyObject* py_nccl_unique_id(PyObject* module, PyObject* unused) {
+  (void)unused;
+  ncclUniqueId id;
+  ncclResult_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = ncclGetUniqueId(&id);
+  Py_END_ALLOW_THREADS
+  if (r != ncclSuccess) {
+    mfsdp_set_error(MFSDP_ERR_NCCL, __FILE__, __LINE__, __func__, "ncclGetUniqueId: %s", ncclGetErrorString(r));
+    return mfsdp_raise((module_state*)PyModule_GetState(module), MFSDP_ERR_NCCL);
+  }
+  return PyBytes_FromStringAndSize((const char*)&id, sizeof id);
+}
+
+/* Kernels on CUDA tensors, on torch's current stream: what the engine runs, for tests/benchmarks. */
+static int cuda_pair(PyObject* module, PyObject* dst, PyObject* src, tensor_view* d, tensor_view* s, void** ctx) {
+  module_state* st = PyModule_GetState(module);
+  if (mfsdp_tensor_view(st, dst, "cuda kernel", d) < 0 || mfsdp_tensor_view(st, src, "cuda kernel", s) < 0) return -1;
+  if (d->device < 0 || d->device != s->device || d->numel != s->numel) {
+    PyErr_SetString(PyExc_ValueError, "cuda kernel: both tensors must be on the same CUDA device, same size");
+    return -1;
+  }
+  PyObject* cuda = PyObject_GetAttrString(st->torch, "cuda");
+  PyObject* stream = cuda ? PyObject_CallMethod(cuda, "current_stream", "i", d->device) : NULL;
+  PyObject* handle = stream ? PyObject_GetAttrString(stream, "cuda_stream") : NULL;
+  Py_XDECREF(cuda);
+  Py_XDECREF(stream);
+  if (handle == NULL) return -1;
+  *ctx = mfsdp_cuda_kernel_context(d->device);
+  mfsdp_cuda_set_stream(*ctx, (void*)(intptr_t)PyLong_AsLongLong(handle));
+  Py_DECREF(handle);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject* py_cuda_copy(PyObject* module, PyObject* args) {
+  PyObject *dst, *src;
+  double alpha = 1.0;
+  tensor_view d, s;
+  void* ctx;
+  if (!PyArg_ParseTuple(args, "OO|d:cuda_copy_", &dst, &src, &alpha) || cuda_pair(module, dst, src, &d, &s, &ctx) < 0)
+    return NULL;
+  mfsdp_status stt = mfsdp_cuda_copy(ctx, d.data, d.dtype, s.data, s.dtype, d.numel, alpha);
+  if (stt != MFSDP_OK) return mfsdp_raise(PyModule_GetState(module), stt);
+  Py_RETURN_NONE;
+}
+
+static PyObject* py_cuda_accumulate(PyObject* module, PyObject* args) {
+  PyObject *dst, *src;
+  double alpha = 1.0;
+  tensor_view d, s;
+  void* ctx;
+  if (!PyArg_ParseTuple(args, "OO|d:cuda_accumulate_", &dst, &src, &alpha) ||
+      cuda_pair(module, dst, src, &d, &s, &ctx) < 0)
+    return NULL;
+  mfsdp_status stt = mfsdp_cuda_accumulate(ctx, d.data, d.dtype, s.data, s.dtype, d.numel, alpha);
+  if (stt != MFSDP_OK) return mfsdp_raise(PyModule_GetState(module), stt);
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef cuda_methods[] = {
+    {"nccl_unique_id", py_nccl_unique_id, METH_NOARGS, "nccl_unique_id() -> bytes: a new NCCL unique id."},
+    {"cuda_copy_", py_cuda_copy, METH_VARARGS, "cuda_copy_(dst, src, alpha=1.0): the CUDA cast-copy kernel."},
+    {"cuda_accumulate_", py_cuda_accumulate, METH_VARARGS,
+     "cuda_accumulate_(dst, src, alpha=1.0): the CUDA accumulate kernel."},
+    {NULL, NULL, 0, NULL},
+};
+
+int mfsdp_register_nccl(PyObject* module, module_state* st) {
+  st->nccl_transport_type = (PyTypeObject*)PyType_FromModuleAndSpec(module, &nccl_spec, NULL);
+  if (st->nccl_transport_type == NULL || PyModule_AddType(module, st->nccl_transport_type) < 0) return -1;
+  return PyModule_AddFunctions(module, cuda_methods);
+}
