@@ -55,6 +55,7 @@ typedef struct bucket {
   int32_t gstate;
   mfsdp_work* reduce_work;
   int32_t n_ready;
+  int8_t launched; /* its reduction was issued in this backward (it may have completed since) */
   uint8_t* ready;
   mfsdp_pack_item* pending; /* gradients of this backward not yet packed (see [Note: one pack per bucket]) */
   void** pending_handles;   /* what keeps each pending gradient's memory alive */
@@ -742,6 +743,7 @@ static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
   if (st != MFSDP_OK) return comm_failed(p, st);
   bk->reduce_work = work;
   bk->gstate = MFSDP_G_REDUCING;
+  bk->launched = 1;
   p->queue[(p->q_head + p->q_len) % p->n] = id;
   p->q_len++;
   p->q_bytes += reduce_bytes(bk);
@@ -774,6 +776,7 @@ mfsdp_status mfsdp_pipeline_begin_backward(mfsdp_pipeline* p, int sync) {
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     bk->n_ready = 0;
+    bk->launched = 0;
     if (bk->spec.n_items) memset(bk->ready, 0, (size_t)bk->spec.n_items);
   }
   p->in_backward = 1;
@@ -847,7 +850,7 @@ mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p) {
   for (int32_t i = 0; i < p->n; ++i) MFSDP_CHECK(flush_pending(p, &p->b[i])); /* incomplete buckets */
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
-    if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && bk->gstate != MFSDP_G_REDUCING) {
+    if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && !bk->launched) {
       /* Parameters unused in this backward contribute zeros (see [Note: collective order]). */
       MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
       const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
