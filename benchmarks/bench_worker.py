@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp_c as mfsdp
-from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch, init_distributed
 
 MODELS = {
     # the training benchmark: a plain GPT of pre-norm blocks
@@ -129,12 +129,8 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank, world, device = init_distributed()
+    cuda = device.type == "cuda"
     torch.set_num_threads(1)
 
     model, unit_cls = build(args, device)

@@ -139,7 +139,7 @@ def plot(results, path):
         row[2].set_title(f"held per rank: params / grads / optimizer (MiB), {world} ranks")
         row[2].legend()
         for ax in row:
-            ax.tick_params(axis="x", labelsize=7)
+            ax.tick_params(axis="x", labelsize=7, labelrotation=25)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True

@@ -8,7 +8,6 @@ Runs on CPU with gloo (or on GPUs with NCCL when CUDA is available).
 """
 import argparse
 import copy
-import os
 import time
 
 import torch
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mfsdp
-from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch, init_distributed
 
 
 def main():
@@ -30,12 +29,7 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     args = ap.parse_args()
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank, world, device = init_distributed()
 
     cfg = GPTConfig(vocab=512, seq=64, d=args.d, heads=4, layers=args.layers)
     torch.manual_seed(0)

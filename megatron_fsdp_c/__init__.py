@@ -3,7 +3,7 @@
 A mirror of NVIDIA Megatron-FSDP's API (fully_shard, MixedPrecisionPolicy, the MegatronFSDP
 wrapper) whose layout planner, kernels and collective pipeline are C (megatron_fsdp_c._C).
 """
-from . import _C
+from . import _C  # noqa: F401 - the engine, importable as megatron_fsdp_c._C
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .fully_shard import ShardingStrategy, fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP

@@ -8,14 +8,14 @@ import pickle
 import socket
 import tempfile
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "run_on_ranks"]
+__all__ = ["GPTConfig", "GPT", "Block", "VLM", "init_distributed", "run_on_ranks"]
 
 
 @dataclasses.dataclass
@@ -131,6 +131,19 @@ def batch(cfg: GPTConfig, batch_size: int, seed: int, device="cpu"):
         rule = (5 * seq[:, t] + 3) % cfg.vocab
         seq[:, t + 1] = torch.where(noise[:, t], random_tokens[:, t], rule)
     return seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+
+def init_distributed():
+    """Under torchrun: NCCL on the local GPU when CUDA is available, else gloo on the CPU.
+    Returns (rank, world, device)."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 # ------------------------------------------------------------------------------------------

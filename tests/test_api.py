@@ -3,7 +3,6 @@ param groups kept, sync()/set_model_auto_sync, what the modules hold between pas
 import copy
 import traceback
 
-import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -23,7 +23,6 @@ one bf16 ulp of the loss, 2^-8 = 3.9e-3: the two runs agree to the precision of 
 dtype. Skipping the gradient reduction altogether is shown to exceed it below.
 """
 import copy
-import math
 import traceback
 
 import pytest
