@@ -30,7 +30,7 @@ from ._distributed import DistContext, all_gather_flat, check_same_model
 from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
-from .param_buffer import ParamBuffer, collect_params
+from .param_buffer import ParamBuffer, StorageTally, collect_params
 
 __all__ = ["MegatronFSDP"]
 
@@ -282,19 +282,7 @@ class MegatronFSDP(nn.Module):
         """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state,
         and temporary buffers currently materialised (full weights / gradient buckets)."""
         buf = self.param_buffer
-        seen = set()
-
-        def nbytes(t) -> int:
-            if t is None:
-                return 0
-            t = t._local_tensor if hasattr(t, "_local_tensor") else t
-            s = t.untyped_storage()
-            key = (s.data_ptr(), s.nbytes())
-            if s.nbytes() == 0 or key in seen:
-                return 0
-            seen.add(key)
-            return s.nbytes()
-
+        nbytes = StorageTally()
         persistent, temporary = {"param": 0, "grad": 0}, 0
         for b, spec in enumerate(buf.specs):
             t = lambda kind: buf.engine.tensor(b, kind)  # noqa: E731
@@ -310,7 +298,7 @@ class MegatronFSDP(nn.Module):
             else:
                 persistent["grad"] += nbytes(grad_full)
             persistent["grad"] += nbytes(t(_C.BUF_GRAD_SHARD)) + nbytes(t(_C.BUF_OPT_GRAD))
-            temporary += nbytes(t(_C.BUF_COMM))
+            temporary += nbytes(t(_C.BUF_COMM)) + nbytes(t(_C.BUF_EXCHANGE))
         optim = 0
         if optimizer is not None:
             for state in optimizer.state.values():

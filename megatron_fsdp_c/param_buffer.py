@@ -94,6 +94,24 @@ def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]
     return list(records.values())
 
 
+class StorageTally:
+    """Counts bytes of storage, each storage once: views, aliases and DTensor local tensors
+    share their owner's bytes; released (0-byte) storage counts nothing."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def __call__(self, t) -> int:
+        if t is None:
+            return 0
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t
+        s = t.untyped_storage()
+        if s.nbytes() == 0 or s.data_ptr() in self.seen:
+            return 0
+        self.seen.add(s.data_ptr())
+        return s.nbytes()
+
+
 def _row_size(shape: torch.Size) -> int:
     if len(shape) < 2 or shape[0] == 0:
         return 1
@@ -254,17 +272,8 @@ class ParamBuffer:
 
     def materialized_bytes(self, kinds=WEIGHT_KINDS) -> int:
         """Bytes of the engine buffers of `kinds` (default: parameters) whose storage exists now."""
-        seen, total = set(), 0
-        for b in range(len(self.plan)):
-            for kind in kinds:
-                t = self.engine.tensor(b, kind)
-                if t is None:
-                    continue
-                st = t.untyped_storage()
-                if st.nbytes() and st.data_ptr() not in seen:
-                    seen.add(st.data_ptr())
-                    total += st.nbytes()
-        return total
+        tally = StorageTally()
+        return sum(tally(self.engine.tensor(b, kind)) for b in range(len(self.plan)) for kind in kinds)
 
     def build_dist_params(self, owner) -> None:
         mesh = self.ctx.mesh
