@@ -9,6 +9,15 @@ CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/c
 TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror \
 	             -Wno-unused-parameter -Wno-missing-field-initializers -pthread -D_POSIX_C_SOURCE=200809L \
 	             -fsanitize=address,undefined -fno-sanitize-recover=undefined
+TEST_HARNESS_C := csrc/tests/harness.c csrc/tests/pipeline_cases.c
+TEST_HARNESS := $(TEST_HARNESS_C) csrc/tests/harness.h csrc/tests/pipeline_cases.h
+# The emulated device (csrc/tests/emu): the shipped kernels.cu and nccl_transport.c, compiled
+# for the host against an emulated CUDA runtime and NCCL.
+CXX ?= g++
+EMU_FLAGS := -O1 -g -fno-omit-frame-pointer -Wall -Wextra -Werror -Wno-unused-parameter -pthread \
+	           -fsanitize=address,undefined -fno-sanitize-recover=undefined -DMFSDP_WITH_CUDA -Icsrc/tests/emu
+EMU_DEPS := csrc/tests/emu/cuda_runtime.h csrc/tests/emu/nccl.h csrc/tests/emu/emu_runtime.cpp \
+	          csrc/tests/emu/host_kernels.py csrc/cuda/kernels.cu csrc/cuda/nccl_transport.c csrc/tests/test_emu.c
 FUZZ_SECONDS ?= 20
 
 .PHONY: setup example test ctest cuda-check pytest bench clean
@@ -28,16 +37,26 @@ setup: $(VENV)/.built
 example: setup
 	$(VENV)/bin/torchrun --nproc_per_node 2 examples/train_gpt.py
 
-csrc/tests/bin/test_core: $(CORE_SRC) csrc/tests/test_core.c csrc/tests/harness.c csrc/tests/harness.h $(wildcard csrc/*/*.h)
+csrc/tests/bin/test_core: $(CORE_SRC) $(TEST_HARNESS) csrc/tests/test_core.c $(wildcard csrc/*/*.h)
 	@mkdir -p csrc/tests/bin
-	$(CC) $(TEST_CFLAGS) -o $@ csrc/tests/test_core.c csrc/tests/harness.c $(CORE_SRC) -lm
+	$(CC) $(TEST_CFLAGS) -o $@ csrc/tests/test_core.c $(TEST_HARNESS_C) $(CORE_SRC) -lm
 
-csrc/tests/bin/fuzz_layout: $(CORE_SRC) csrc/tests/fuzz_layout.c csrc/tests/harness.c csrc/tests/harness.h $(wildcard csrc/*/*.h)
+csrc/tests/bin/fuzz_layout: $(CORE_SRC) csrc/tests/fuzz_layout.c $(TEST_HARNESS) $(wildcard csrc/*/*.h)
 	@mkdir -p csrc/tests/bin
-	$(CC) $(TEST_CFLAGS) -o $@ csrc/tests/fuzz_layout.c csrc/tests/harness.c $(CORE_SRC) -lm
+	$(CC) $(TEST_CFLAGS) -o $@ csrc/tests/fuzz_layout.c $(TEST_HARNESS_C) $(CORE_SRC) -lm
 
-ctest: csrc/tests/bin/test_core csrc/tests/bin/fuzz_layout
+csrc/tests/bin/test_emu: $(CORE_SRC) $(TEST_HARNESS) $(EMU_DEPS) $(wildcard csrc/*/*.h)
+	@mkdir -p csrc/tests/bin/emu
+	$(PYTHON) csrc/tests/emu/host_kernels.py csrc/cuda/kernels.cu csrc/tests/bin/emu/kernels_host.cpp
+	$(CXX) -std=c++17 $(EMU_FLAGS) -Wno-unknown-pragmas -Icsrc/cuda -c csrc/tests/bin/emu/kernels_host.cpp -o csrc/tests/bin/emu/kernels.o
+	$(CXX) -std=c++17 $(EMU_FLAGS) -c csrc/tests/emu/emu_runtime.cpp -o csrc/tests/bin/emu/emu_runtime.o
+	for f in csrc/cuda/nccl_transport.c csrc/tests/test_emu.c $(TEST_HARNESS_C) $(CORE_SRC); do \
+	  $(CC) $(TEST_CFLAGS) -DMFSDP_WITH_CUDA -Icsrc/tests/emu -c $$f -o csrc/tests/bin/emu/$$(basename $$f .c).o || exit 1; done
+	$(CXX) $(EMU_FLAGS) -o $@ csrc/tests/bin/emu/*.o -lm
+
+ctest: csrc/tests/bin/test_core csrc/tests/bin/fuzz_layout csrc/tests/bin/test_emu
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 csrc/tests/bin/test_core
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 csrc/tests/bin/test_emu
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 csrc/tests/bin/fuzz_layout $(FUZZ_SECONDS)
 
 # The CUDA kernels and the NCCL transport must compile and link wherever nvcc is, GPU or not.

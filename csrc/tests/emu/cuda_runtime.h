@@ -1,0 +1,100 @@
+/* cuda_runtime.h (emulated): the subset of the CUDA runtime that csrc/cuda uses, on the host.
+ *
+ * Only for csrc/tests/test_emu.c, on machines without a GPU. "Device" memory is host memory;
+ * every stream is a worker thread running its queue in order; events and cross-stream waits
+ * behave as in CUDA (recorded work completes asynchronously, waits block the waiting stream,
+ * not the host); a kernel launch queues the kernel body, run once per (block, thread) in turn.
+ * What it proves: the host logic of kernels.cu and nccl_transport.c (indexing, vector heads
+ * and tails, stream ordering, event lifetimes, the watchdog). What it cannot: real GPU timing,
+ * memory models or NCCL itself -- those wait for a lent GPU (benchmarks/gpu_check.sh). */
+#ifndef MFSDP_EMU_CUDA_RUNTIME_H
+#define MFSDP_EMU_CUDA_RUNTIME_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum cudaError {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
+} cudaError_t;
+
+typedef struct emu_stream* cudaStream_t;
+typedef struct emu_event* cudaEvent_t;
+
+typedef enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4
+} cudaMemcpyKind;
+
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+#define cudaStreamNonBlocking 0x01
+#define cudaEventDisableTiming 0x02
+
+const char* cudaGetErrorString(cudaError_t e);
+const char* cudaGetErrorName(cudaError_t e);
+cudaError_t cudaGetLastError(void);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device);
+cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest);
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, int priority);
+cudaError_t cudaStreamDestroy(cudaStream_t s);
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
+cudaError_t cudaEventQuery(cudaEvent_t e);
+cudaError_t cudaEventDestroy(cudaEvent_t e);
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags);
+cudaError_t cudaMallocAsync(void* p, size_t bytes, cudaStream_t s); /* void** in CUDA */
+cudaError_t cudaFreeAsync(void* p, cudaStream_t s);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s);
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s);
+
+/* Emulator controls for the tests. */
+int emu_streams_alive(void);          /* streams created and not destroyed */
+void emu_set_multiprocessors(int n);  /* what cudaDevAttrMultiProcessorCount reports (default 2) */
+/* Queues a host function on a stream: the tests' stand-in for torch freeing into its
+ * stream-ordered caching allocator. */
+void emu_stream_host_fn(cudaStream_t s, void (*fn)(void*), void* arg);
+
+#ifdef __cplusplus
+}  // extern "C"
+
+/* ---- kernels compiled for the host (csrc/tests/emu/host_kernels.py rewrites the launches) ---- */
+#include <functional>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+extern thread_local dim3 blockIdx, threadIdx, blockDim, gridDim;
+
+/* Runs `body` once per (block, thread) of the grid, in order, on stream s's worker. */
+cudaError_t emu_launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t s, std::function<void()> body);
+
+/* The body runs one thread at a time: a plain add is atomic. */
+template <typename T>
+inline T atomicAdd(T* p, T v) {
+  T old = *p;
+  *p = old + v;
+  return old;
+}
+#endif
+
+#endif

@@ -1,0 +1,599 @@
+// emu_runtime.cpp: the emulated CUDA runtime and NCCL of cuda_runtime.h / nccl.h (see there).
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../../core/mfsdp_dtype.h"
+#include "cuda_runtime.h"
+#include "nccl.h"
+
+thread_local dim3 blockIdx, threadIdx, blockDim, gridDim;
+
+namespace {
+
+thread_local cudaError_t g_last_error = cudaSuccess;
+std::atomic<int> g_streams_alive{0};
+std::atomic<int> g_multiprocessors{2};
+std::atomic<long> g_collectives{0};
+
+cudaError_t fail(cudaError_t e) {
+  g_last_error = e;
+  return e;
+}
+
+}  // namespace
+
+/* A stream: one worker thread running queued operations in order. */
+struct emu_stream {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> queue;
+  bool busy = false, stop = false;
+  std::thread worker;
+
+  emu_stream() : worker([this] { run(); }) { ++g_streams_alive; }
+  ~emu_stream() {
+    {
+      std::lock_guard<std::mutex> g(m);
+      stop = true;
+    }
+    cv.notify_all();
+    worker.join();
+    --g_streams_alive;
+  }
+  void run() {
+    std::unique_lock<std::mutex> g(m);
+    for (;;) {
+      cv.wait(g, [this] { return stop || !queue.empty(); });
+      if (queue.empty()) return; /* stop, and everything queued has run (CUDA finishes work too) */
+      std::function<void()> op = std::move(queue.front());
+      queue.pop_front();
+      busy = true;
+      g.unlock();
+      op();
+      g.lock();
+      busy = false;
+      cv.notify_all();
+    }
+  }
+  void push(std::function<void()> op) {
+    {
+      std::lock_guard<std::mutex> g(m);
+      queue.push_back(std::move(op));
+    }
+    cv.notify_all();
+  }
+  void synchronize() {
+    std::unique_lock<std::mutex> g(m);
+    cv.wait(g, [this] { return queue.empty() && !busy; });
+  }
+};
+
+namespace {
+
+/* The legacy default stream (handle 0). */
+emu_stream* resolve(cudaStream_t s) {
+  if (s) return s;
+  static emu_stream* legacy = new emu_stream();  // made on first use, lives for the process
+  return legacy;
+}
+
+}  // namespace
+
+/* An event: how many records were issued, how many have passed on their streams. The state is
+ * shared with queued operations, so destroying a pending event is safe (as in CUDA). */
+struct emu_event_state {
+  std::mutex m;
+  std::condition_variable cv;
+  uint64_t recorded = 0, completed = 0;
+};
+struct emu_event {
+  std::shared_ptr<emu_event_state> s = std::make_shared<emu_event_state>();
+};
+
+extern "C" {
+
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+  }
+  return "unknown error";
+}
+
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+  }
+  return "cudaErrorUnknown";
+}
+
+cudaError_t cudaGetLastError(void) {
+  cudaError_t e = g_last_error;
+  g_last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaSetDevice(int device) { return device < 0 ? fail(cudaErrorInvalidDevice) : cudaSuccess; }
+
+cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
+  if (value == nullptr || device < 0) return fail(cudaErrorInvalidValue);
+  *value = attr == cudaDevAttrMultiProcessorCount ? g_multiprocessors.load() : 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  if (least) *least = 0;
+  if (greatest) *greatest = -5;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, int priority) {
+  (void)flags;
+  (void)priority;
+  if (s == nullptr) return fail(cudaErrorInvalidValue);
+  *s = new emu_stream();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  if (s == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  delete s;  // CUDA lets queued work finish first; so does the worker
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  resolve(s)->synchronize();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
+  (void)flags;
+  if (e == nullptr) return fail(cudaErrorInvalidValue);
+  *e = new emu_event();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  std::shared_ptr<emu_event_state> st = e->s;
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> g(st->m);
+    seq = ++st->recorded;
+  }
+  resolve(s)->push([st, seq] {
+    std::lock_guard<std::mutex> g(st->m);
+    if (st->completed < seq) st->completed = seq;
+    st->cv.notify_all();
+  });
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  std::lock_guard<std::mutex> g(e->s->m);
+  return e->s->completed >= e->s->recorded ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  delete e;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
+  (void)flags;
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  std::shared_ptr<emu_event_state> st = e->s;
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> g(st->m);
+    target = st->recorded;  // the latest record at the time of the call, as in CUDA
+  }
+  resolve(s)->push([st, target] {
+    std::unique_lock<std::mutex> g(st->m);
+    st->cv.wait(g, [&] { return st->completed >= target; });
+  });
+  return cudaSuccess;
+}
+
+cudaError_t cudaMallocAsync(void* p, size_t bytes, cudaStream_t s) {
+  (void)s;
+  if (p == nullptr) return fail(cudaErrorInvalidValue);
+  void* mem = malloc(bytes ? bytes : 1);
+  if (mem == nullptr) return fail(cudaErrorMemoryAllocation);
+  *static_cast<void**>(p) = mem;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeAsync(void* p, cudaStream_t s) {
+  resolve(s)->push([p] { free(p); });  // stream-ordered: earlier work on s may still use it
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s) {
+  if (bytes && (dst == nullptr || src == nullptr)) return fail(cudaErrorInvalidValue);
+  emu_stream* q = resolve(s);
+  if (kind == cudaMemcpyHostToDevice) {
+    /* CUDA stages pageable host memory before returning: the caller may reuse it at once */
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+    q->push([=] { memcpy(dst, staged->data(), bytes); });
+  } else if (kind == cudaMemcpyDeviceToHost) {
+    q->synchronize(); /* to pageable memory: returns once the copy is done */
+    memcpy(dst, src, bytes);
+  } else {
+    q->push([=] { memmove(dst, src, bytes); });
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
+  if (bytes && p == nullptr) return fail(cudaErrorInvalidValue);
+  resolve(s)->push([=] { memset(p, value, bytes); });
+  return cudaSuccess;
+}
+
+int emu_streams_alive(void) { return g_streams_alive.load(); }
+void emu_set_multiprocessors(int n) { g_multiprocessors = n; }
+void emu_stream_host_fn(cudaStream_t s, void (*fn)(void*), void* arg) { resolve(s)->push([=] { fn(arg); }); }
+
+}  // extern "C"
+
+cudaError_t emu_launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t s, std::function<void()> body) {
+  (void)shared_bytes;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || block.x == 0 || block.x * block.y * block.z > 1024 ||
+      grid.y > 65535 || grid.z > 65535)
+    return fail(cudaErrorInvalidValue);  // CUDA's launch limits, reported by cudaGetLastError
+  resolve(s)->push([=] {
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned z = 0; z < grid.z; ++z)
+      for (unsigned y = 0; y < grid.y; ++y)
+        for (unsigned x = 0; x < grid.x; ++x)
+          for (unsigned tz = 0; tz < block.z; ++tz)
+            for (unsigned ty = 0; ty < block.y; ++ty)
+              for (unsigned tx = 0; tx < block.x; ++tx) {
+                blockIdx = dim3(x, y, z);
+                threadIdx = dim3(tx, ty, tz);
+                body();
+              }
+  });
+  return cudaSuccess;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* NCCL: a clique is the ranks of one unique id; its members meet in a two-phase barrier. */
+
+namespace {
+
+struct clique {
+  int n;
+  std::mutex m;
+  std::condition_variable cv;
+  int joined = 0, arrived = 0;
+  uint64_t generation = 0;
+  bool broken = false;
+  /* what each rank posted for the current collective */
+  std::vector<const void*> send;
+  std::vector<std::vector<std::pair<const void*, size_t>>> sends_to;  // [rank][peer]: p2p
+  explicit clique(int n_) : n(n_), send(n_), sends_to(n_, std::vector<std::pair<const void*, size_t>>(n_)) {}
+
+  /* false: the clique broke (a rank aborted) before everyone arrived */
+  bool barrier() {
+    std::unique_lock<std::mutex> g(m);
+    if (broken) return false;
+    uint64_t gen = generation;
+    if (++arrived == n) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+      return true;
+    }
+    cv.wait(g, [&] { return generation != gen || broken; });
+    return generation != gen;
+  }
+  void do_break() {
+    std::lock_guard<std::mutex> g(m);
+    broken = true;
+    cv.notify_all();
+  }
+};
+
+std::mutex g_registry_lock;
+std::map<std::string, std::weak_ptr<clique>> g_registry;
+std::atomic<uint64_t> g_next_id{1};
+
+struct comm_state {
+  std::shared_ptr<clique> c;
+  int rank;
+  std::atomic<int> error{ncclSuccess};
+};
+
+size_t type_size(ncclDataType_t t) {
+  switch (t) {
+    case ncclInt8:
+    case ncclUint8: return 1;
+    case ncclFloat16:
+    case ncclBfloat16: return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32: return 4;
+    default: return 8;
+  }
+}
+
+double load(const void* p, ncclDataType_t t, size_t i) {
+  switch (t) {
+    case ncclFloat32: return static_cast<const float*>(p)[i];
+    case ncclFloat64: return static_cast<const double*>(p)[i];
+    case ncclBfloat16: return mfsdp_bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case ncclFloat16: return mfsdp_f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case ncclInt32: return static_cast<const int32_t*>(p)[i];
+    case ncclInt64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+    default: return static_cast<const uint8_t*>(p)[i];
+  }
+}
+
+void store(void* p, ncclDataType_t t, size_t i, double v) {
+  switch (t) {
+    case ncclFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case ncclFloat64: static_cast<double*>(p)[i] = v; break;
+    case ncclBfloat16: static_cast<uint16_t*>(p)[i] = mfsdp_f32_to_bf16(static_cast<float>(v)); break;
+    case ncclFloat16: static_cast<uint16_t*>(p)[i] = mfsdp_f32_to_f16(static_cast<float>(v)); break;
+    case ncclInt32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
+    case ncclInt64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
+    default: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
+  }
+}
+
+/* A p2p operation collected between ncclGroupStart and ncclGroupEnd. */
+struct p2p_op {
+  bool is_send;
+  void* buf;
+  size_t bytes;
+  int peer;
+  ncclComm_t comm;
+  cudaStream_t stream;
+};
+thread_local int g_group_depth = 0;
+thread_local std::vector<p2p_op> g_group_p2p;
+thread_local std::vector<std::shared_ptr<clique>> g_group_inits;
+
+ncclResult_t wait_joined(const std::shared_ptr<clique>& c) {
+  std::unique_lock<std::mutex> g(c->m);
+  c->cv.wait(g, [&] { return c->joined == c->n || c->broken; });
+  return c->broken ? ncclRemoteError : ncclSuccess;
+}
+
+}  // namespace
+
+struct emu_comm {
+  std::shared_ptr<comm_state> s = std::make_shared<comm_state>();
+};
+
+namespace {
+
+/* Queues a collective on s: post, meet, compute this rank's part, meet again (so nobody
+ * reuses a buffer a peer still reads). A broken meeting leaves the output untouched and
+ * records ncclRemoteError (the rank that aborted sees its own abort instead). */
+ncclResult_t enqueue(ncclComm_t comm, cudaStream_t s, const void* send,
+                     std::function<void(clique&, int)> part) {
+  if (comm == nullptr) return ncclInvalidArgument;
+  std::shared_ptr<comm_state> st = comm->s;
+  ++g_collectives;
+  resolve(s)->push([st, send, part] {
+    clique& c = *st->c;
+    c.send[st->rank] = send;
+    if (!c.barrier()) {
+      int ok = ncclSuccess;
+      st->error.compare_exchange_strong(ok, ncclRemoteError);
+      return;
+    }
+    part(c, st->rank);
+    if (!c.barrier()) {
+      int ok = ncclSuccess;
+      st->error.compare_exchange_strong(ok, ncclRemoteError);
+    }
+  });
+  return ncclSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+  if (id == nullptr) return ncclInvalidArgument;
+  memset(id, 0, sizeof *id);
+  snprintf(id->internal, sizeof id->internal, "emu-clique-%llu", (unsigned long long)g_next_id++);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  if (comm == nullptr || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+  std::shared_ptr<clique> c;
+  {
+    std::lock_guard<std::mutex> g(g_registry_lock);
+    std::string key(id.internal, strnlen(id.internal, sizeof id.internal));
+    c = g_registry[key].lock();
+    if (!c) {
+      c = std::make_shared<clique>(nranks);
+      g_registry[key] = c;
+    }
+  }
+  if (c->n != nranks) return ncclInvalidUsage;
+  {
+    std::lock_guard<std::mutex> g(c->m);
+    ++c->joined;
+    c->cv.notify_all();
+  }
+  emu_comm* out = new emu_comm();
+  out->s->c = c;
+  out->s->rank = rank;
+  *comm = out;
+  if (g_group_depth > 0) {  // in a group: the meeting happens at ncclGroupEnd
+    g_group_inits.push_back(c);
+    return ncclSuccess;
+  }
+  return wait_joined(c);
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  delete comm;  // queued collectives keep the shared state
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  if (comm == nullptr) return ncclSuccess;
+  comm->s->error = ncclInvalidUsage;  // its own collectives report the abort, not a remote error
+  comm->s->c->do_break();
+  delete comm;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* error) {
+  if (comm == nullptr || error == nullptr) return ncclInvalidArgument;
+  *error = static_cast<ncclResult_t>(comm->s->error.load());
+  return ncclSuccess;
+}
+
+const char* ncclGetErrorString(ncclResult_t r) {
+  switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+  }
+  return "unknown result code";
+}
+
+const char* ncclGetLastError(ncclComm_t comm) {
+  (void)comm;
+  return "(emulated NCCL)";
+}
+
+ncclResult_t ncclGroupStart(void) {
+  ++g_group_depth;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd(void) {
+  if (g_group_depth == 0) return ncclInvalidUsage;
+  if (--g_group_depth > 0) return ncclSuccess;
+  ncclResult_t result = ncclSuccess;
+  std::vector<std::shared_ptr<clique>> inits;
+  inits.swap(g_group_inits);
+  for (auto& c : inits)
+    if (wait_joined(c) != ncclSuccess) result = ncclRemoteError;
+  std::vector<p2p_op> ops;
+  ops.swap(g_group_p2p);
+  if (ops.empty()) return result;
+  /* One exchange per (communicator, stream), as NCCL fuses a group's sends and receives. */
+  ncclComm_t comm = ops[0].comm;
+  cudaStream_t stream = ops[0].stream;
+  for (const p2p_op& op : ops)
+    if (op.comm != comm || op.stream != stream) return ncclInvalidUsage;  // not needed by the engine
+  int n = comm->s->c->n;
+  std::vector<std::pair<const void*, size_t>> mine(n);
+  std::vector<std::pair<void*, size_t>> recvs(n);
+  for (const p2p_op& op : ops) {
+    if (op.is_send)
+      mine[op.peer] = {op.buf, op.bytes};
+    else
+      recvs[op.peer] = {op.buf, op.bytes};
+  }
+  std::shared_ptr<comm_state> st = comm->s;
+  ++g_collectives;
+  resolve(stream)->push([st, mine, recvs] {
+    clique& c = *st->c;
+    c.sends_to[st->rank] = mine;
+    bool ok = c.barrier();
+    if (ok) {
+      for (int peer = 0; peer < c.n; ++peer) {
+        const auto& from = c.sends_to[peer][st->rank];
+        if (recvs[peer].first && from.first) memcpy(recvs[peer].first, from.first, std::min(from.second, recvs[peer].second));
+      }
+      ok = c.barrier();
+    }
+    if (!ok) {
+      int none = ncclSuccess;
+      st->error.compare_exchange_strong(none, ncclRemoteError);
+    }
+  });
+  return result;
+}
+
+ncclResult_t ncclSend(const void* buf, size_t count, ncclDataType_t dtype, int peer, ncclComm_t comm, cudaStream_t s) {
+  if (comm == nullptr || g_group_depth == 0 || peer < 0 || peer >= comm->s->c->n) return ncclInvalidUsage;
+  g_group_p2p.push_back({true, const_cast<void*>(buf), count * type_size(dtype), peer, comm, s});
+  return ncclSuccess;
+}
+
+ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t dtype, int peer, ncclComm_t comm, cudaStream_t s) {
+  if (comm == nullptr || g_group_depth == 0 || peer < 0 || peer >= comm->s->c->n) return ncclInvalidUsage;
+  g_group_p2p.push_back({false, buf, count * type_size(dtype), peer, comm, s});
+  return ncclSuccess;
+}
+
+ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataType_t dtype, ncclComm_t comm,
+                           cudaStream_t s) {
+  size_t bytes = count * type_size(dtype);
+  return enqueue(comm, s, send, [=](clique& c, int rank) {
+    (void)rank;
+    for (int k = 0; k < c.n; ++k) {
+      char* dst = static_cast<char*>(recv) + k * bytes;
+      if (dst != c.send[k]) memcpy(dst, c.send[k], bytes);
+    }
+  });
+}
+
+static ncclResult_t reduce_into(ncclComm_t comm, cudaStream_t s, const void* send, void* recv, size_t count,
+                                size_t first, ncclDataType_t dtype, ncclRedOp_t op) {
+  if (op != ncclSum && op != ncclAvg) return ncclInvalidArgument;
+  return enqueue(comm, s, send, [=](clique& c, int rank) {
+    std::vector<double> acc(count, 0.0);
+    for (int k = 0; k < c.n; ++k)
+      for (size_t i = 0; i < count; ++i) acc[i] += load(c.send[k], dtype, first * static_cast<size_t>(rank) + i);
+    if (!c.barrier()) return;  // everyone has read before anyone writes: recv may alias send
+    for (size_t i = 0; i < count; ++i) store(recv, dtype, i, op == ncclAvg ? acc[i] / c.n : acc[i]);
+  });
+}
+
+ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, ncclDataType_t dtype, ncclRedOp_t op,
+                               ncclComm_t comm, cudaStream_t s) {
+  return reduce_into(comm, s, send, recv, count, count, dtype, op);
+}
+
+ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t dtype, ncclRedOp_t op,
+                           ncclComm_t comm, cudaStream_t s) {
+  return reduce_into(comm, s, send, recv, count, 0, dtype, op);
+}
+
+long emu_nccl_collectives(void) { return g_collectives.load(); }
+
+}  // extern "C"

@@ -1,0 +1,269 @@
+/* pipeline_cases.c: see pipeline_cases.h. */
+#include "pipeline_cases.h"
+
+#include <math.h>
+
+/* ---- the loop rig: heap memory, thread transport, CPU kernels ---- */
+
+static void* loop_rig_world_create(int n) {
+  loop_world* w = malloc(sizeof *w);
+  loop_world_init(w, n);
+  return w;
+}
+
+static void loop_rig_world_destroy(void* world) {
+  loop_world_destroy(world);
+  free(world);
+}
+
+static int loop_rig_rank_setup(void* world, int rank, mfsdp_backend* be, void** state) {
+  loop_rank* lr = malloc(sizeof *lr);
+  *lr = (loop_rank){world, rank};
+  *be = (mfsdp_backend){&heap_memory_ops, NULL, &loop_transport_ops, lr, &mfsdp_cpu_kernels, NULL};
+  *state = lr;
+  return 0;
+}
+
+static void loop_rig_rank_sync(void* state) { (void)state; } /* everything ran synchronously */
+
+static void loop_rig_inject_failure(void* world, int after) {
+  loop_world* w = world;
+  w->fail_after = w->calls + after;
+}
+
+const pipe_rig loop_rig = {"threads", loop_rig_world_create, loop_rig_world_destroy, loop_rig_rank_setup,
+                           loop_rig_rank_sync, free, loop_rig_inject_failure};
+
+/* ---- the cases ---- */
+
+typedef struct pipe_case {
+  const char* name;
+  int world, grad_mode, weights_sharded, regather, micro, sync_each;
+  int param_dtype, main_dtype, grad_dtype, comm_dtype;
+  int op;            /* mfsdp_reduce_op */
+  int per_token;     /* prescale 1 (sum) instead of 1/world */
+  int fail_after;    /* inject a collective failure; -1: none */
+  int direct_init;   /* initialise shards directly (meta-device path) */
+} pipe_case;
+
+typedef struct pipe_thread {
+  const pipe_case* c;
+  const pipe_rig* rig;
+  void* world;
+  int rank;
+  int force_comm;
+  int failures;
+} pipe_thread;
+
+static const int64_t SHAPES[][2] = {{12, 4}, {5, 1}, {6, 2}, {3, 1}, {8, 8}};
+#define N_ITEMS 5
+
+static double init_value(int item, int64_t j) { return 0.25 * item + 0.001 * (double)j; }
+static double grad_value(int rank, int mb, int item, int64_t j) {
+  return 0.5 * (rank + 1) + 0.125 * mb - 0.01 * item + 0.0001 * (double)j;
+}
+
+static double tolerance(int dtype) { return dtype == MFSDP_BF16 ? 2e-2 : dtype == MFSDP_F16 ? 2e-3 : 1e-5; }
+
+static void* pipe_worker(void* arg) {
+  pipe_thread* t = arg;
+  const pipe_case* c = t->c;
+  int before = test_failures;
+  int W = c->world, r = t->rank;
+  mfsdp_param_info infos[N_ITEMS];
+  for (int i = 0; i < N_ITEMS; ++i)
+    infos[i] = (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0};
+  int shard_world = c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
+  mfsdp_plan plan;
+  CHECK_OK(mfsdp_plan_build(infos, N_ITEMS, shard_world, 0, 16, &plan));
+  mfsdp_bucket_plan* bp = &plan.buckets[0];
+  mfsdp_bucket_spec spec = {bp->world, bp->world > 1 ? r : 0, bp->shard_size, bp->n_items, bp->offsets, bp->numels,
+                            c->param_dtype, c->main_dtype, c->grad_dtype, c->comm_dtype,
+                            c->weights_sharded && (W > 1 || t->force_comm), c->regather && (W > 1 || t->force_comm),
+                            c->grad_mode};
+  mfsdp_backend be;
+  void* dev = NULL;
+  mfsdp_pipeline* p = NULL;
+  if (t->rig->rank_setup(t->world, r, &be, &dev) != 0) {
+    CHECK(0, "%s rank %d: rig %s setup failed: %s", c->name, r, t->rig->name, mfsdp_last_error());
+    goto out;
+  }
+  double prescale = c->per_token || c->op == MFSDP_REDUCE_AVG ? 1.0 : 1.0 / W;
+  mfsdp_pipeline_config cfg = {W, r, prescale, c->op, 1 << 20, t->force_comm};
+  CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
+  if (p == NULL) goto done;
+  int pdt = c->param_dtype;
+  int64_t S = bp->shard_size, first = (int64_t)spec.shard_rank * S;
+
+  /* init from float32 values */
+  CHECK_OK(mfsdp_pipeline_init_begin(p, 0, c->direct_init));
+  for (int i = 0; i < bp->n_items; ++i) {
+    int item_param = bp->params[i];
+    float* v = malloc((size_t)bp->numels[i] * sizeof *v + 4);
+    for (int64_t j = 0; j < bp->numels[i]; ++j) v[j] = (float)init_value(item_param, j);
+    CHECK_OK(mfsdp_pipeline_set_item(p, 0, i, v, MFSDP_F32, bp->numels[i]));
+    t->rig->rank_sync(dev); /* the copy may still read v */
+    free(v);
+  }
+  CHECK_OK(mfsdp_pipeline_init_end(p, 0));
+  const mfsdp_buffer* weight = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT);
+  if (spec.weights_sharded)
+    CHECK(weight->data == NULL && mfsdp_pipeline_weight_state(p, 0) == MFSDP_W_EMPTY, "ZeRO-3 releases weights");
+
+  /* gather: every item whole, padding zero */
+  int32_t ids[1] = {0};
+  CHECK_OK(mfsdp_pipeline_unshard(p, ids, 1));
+  CHECK_OK(mfsdp_pipeline_wait_unshard(p, ids, 1));
+  t->rig->rank_sync(dev);
+  int wrong = 0;
+  for (int i = 0; i < bp->n_items; ++i) {
+    for (int64_t j = 0; j < bp->numels[i]; ++j) {
+      double rounded[1]; /* the float32 source value rounded to the parameter dtype */
+      store_from_double(rounded, pdt, 0, (float)init_value(bp->params[i], j));
+      wrong += load_as_double(weight->data, pdt, bp->offsets[i] + j) != load_as_double(rounded, pdt, 0);
+    }
+  }
+  double pad_sum = 0;
+  for (int64_t k = 0; k < bp->bucket_size; ++k) pad_sum += fabs(load_as_double(weight->data, pdt, k));
+  double item_sum = 0;
+  for (int i = 0; i < bp->n_items; ++i)
+    for (int64_t j = 0; j < bp->numels[i]; ++j) item_sum += fabs(load_as_double(weight->data, pdt, bp->offsets[i] + j));
+  CHECK(wrong == 0, "%s rank %d: %d gathered weights wrong", c->name, r, wrong);
+  CHECK(fabs(pad_sum - item_sum) < 1e-9, "%s rank %d: padding is not zero", c->name, r);
+  CHECK_OK(mfsdp_pipeline_reshard(p, ids, 1));
+
+  if (c->fail_after >= 0) { /* the next collective fails on every rank: all refuse afterwards */
+    t->rig->inject_failure(t->world, c->fail_after);
+    mfsdp_status s1 = mfsdp_pipeline_unshard(p, ids, 1);
+    if (!spec.weights_sharded && !spec.weights_regather) s1 = MFSDP_ERR_COMM; /* nothing to gather: skip */
+    if (spec.weights_sharded) {
+      CHECK(s1 == MFSDP_ERR_COMM, "%s: injected failure surfaces (%s)", c->name, mfsdp_status_name(s1));
+      mfsdp_status s2 = mfsdp_pipeline_unshard(p, ids, 1);
+      CHECK(s2 == MFSDP_ERR_INVALID_STATE && strstr(mfsdp_last_error(), "injected"),
+            "%s: broken pipeline refuses with the cause: %s", c->name, mfsdp_last_error());
+      CHECK(mfsdp_pipeline_broken(p)[0] != '\0', "broken text kept");
+    }
+    goto done;
+  }
+
+  /* gradients: several microbatches, items in reverse order (as autograd delivers them) */
+  for (int mb = 0; mb < c->micro; ++mb) {
+    int last = mb == c->micro - 1;
+    CHECK_OK(mfsdp_pipeline_begin_backward(p, c->sync_each || last));
+    float* grads[N_ITEMS] = {0}; /* alive until packed: the pipeline packs a bucket at once */
+    for (int i = bp->n_items - 1; i >= 0; --i) {
+      float* g = grads[i] = malloc((size_t)bp->numels[i] * sizeof *g + 4);
+      for (int64_t j = 0; j < bp->numels[i]; ++j) g[j] = (float)grad_value(r, mb, bp->params[i], j);
+      CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, bp->numels[i], NULL));
+      if (i == 0)
+        CHECK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, bp->numels[i], NULL) == MFSDP_ERR_INVALID_STATE,
+              "a gradient reported twice is refused");
+    }
+    CHECK_OK(mfsdp_pipeline_end_backward(p));
+    t->rig->rank_sync(dev); /* packs may still read the gradients */
+    for (int i = 0; i < bp->n_items; ++i) free(grads[i]);
+  }
+  CHECK_OK(mfsdp_pipeline_sync_grads(p));
+  t->rig->rank_sync(dev);
+  const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_OPT_GRAD);
+  double scale = c->op == MFSDP_REDUCE_AVG ? 1.0 / W : prescale;
+  double tol = tolerance(c->comm_dtype) + tolerance(c->grad_dtype);
+  wrong = 0;
+  for (int i = 0; i < bp->n_items; ++i) {
+    for (int64_t j = 0; j < bp->numels[i]; ++j) {
+      int64_t pos = bp->offsets[i] + j;
+      if (pos < first || pos >= first + S) continue;
+      double want = 0;
+      for (int mb = 0; mb < c->micro; ++mb)
+        for (int k = 0; k < W; ++k) want += grad_value(k, mb, bp->params[i], j) * scale;
+      double got = load_as_double(og->data, c->main_dtype, pos - first);
+      if (fabs(got - want) > tol * (fabs(want) + 1e-3)) {
+        if (wrong < 3) fprintf(stderr, "  %s rank %d item %d elem %lld: got %g want %g\n", c->name, r, i, (long long)j, got, want);
+        wrong++;
+      }
+    }
+  }
+  CHECK(wrong == 0, "%s rank %d: %d reduced gradients wrong", c->name, r, wrong);
+
+  /* optimizer step: main += 1 on this rank's shard, install, gather: everyone sees +1 */
+  const mfsdp_buffer* main = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_MAIN_SHARD);
+  for (int64_t k = 0; k < S; ++k)
+    store_from_double(main->data, c->main_dtype, k, load_as_double(main->data, c->main_dtype, k) + 1.0);
+  CHECK_OK(mfsdp_pipeline_install_main_weights(p, 0));
+  CHECK_OK(mfsdp_pipeline_unshard(p, ids, 1));
+  CHECK_OK(mfsdp_pipeline_wait_unshard(p, ids, 1));
+  t->rig->rank_sync(dev);
+  wrong = 0;
+  for (int i = 0; i < bp->n_items; ++i)
+    for (int64_t j = 0; j < bp->numels[i]; ++j) {
+      double want = init_value(bp->params[i], j) + 1.0;
+      double got = load_as_double(weight->data, pdt, bp->offsets[i] + j);
+      wrong += fabs(got - want) > tolerance(pdt) * 2 * (fabs(want) + 1e-3);
+    }
+  CHECK(wrong == 0, "%s rank %d: %d weights not updated after install + gather", c->name, r, wrong);
+  CHECK_OK(mfsdp_pipeline_zero_grads(p));
+  t->rig->rank_sync(dev);
+  const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD);
+  double gsum = 0;
+  for (int64_t k = 0; k < S; ++k) gsum += fabs(load_as_double(gs->data, c->grad_dtype, k));
+  CHECK(gsum == 0.0, "%s: zero_grads leaves %g", c->name, gsum);
+  mfsdp_comm_stats st;
+  mfsdp_pipeline_stats(p, -1, &st);
+  if (W == 1 && !t->force_comm)
+    CHECK(st.all_gathers + st.reduce_scatters + st.all_reduces == 0, "world 1 never communicates");
+  if (W > 1 || t->force_comm)
+    CHECK(st.reduce_scatters + st.all_reduces > 0 && (st.all_gathers > 0) == (spec.weights_sharded || (spec.weights_regather && spec.shards > 1)),
+          "%s world %d: collectives went through %s (ag %lld rs %lld ar %lld)", c->name, W, t->rig->name,
+          (long long)st.all_gathers, (long long)st.reduce_scatters, (long long)st.all_reduces);
+done:
+  if (p) t->rig->rank_sync(dev); /* nothing in flight reads what destroy frees */
+  mfsdp_pipeline_destroy(p);
+  t->rig->rank_teardown(dev);
+out:
+  mfsdp_plan_free(&plan);
+  t->failures = test_failures - before;
+  return NULL;
+}
+
+static void run_pipe_case(const pipe_case* c, const pipe_rig* rig, int force_comm) {
+  if (c->fail_after >= 0 && rig->inject_failure == NULL) return;
+  void* world = rig->world_create(c->world);
+  pthread_t threads[LOOP_MAX_WORLD];
+  pipe_thread args[LOOP_MAX_WORLD];
+  for (int r = 0; r < c->world; ++r) {
+    args[r] = (pipe_thread){c, rig, world, r, force_comm, 0};
+    pthread_create(&threads[r], NULL, pipe_worker, &args[r]);
+  }
+  for (int r = 0; r < c->world; ++r) pthread_join(threads[r], NULL);
+  rig->world_destroy(world);
+}
+
+void run_pipeline_cases(const pipe_rig* rig, int max_world, int force_comm) {
+  const int F = MFSDP_F32, B = MFSDP_BF16, H = MFSDP_F16;
+  const int SUM = MFSDP_REDUCE_SUM, AVG = MFSDP_REDUCE_AVG;
+  const int AR = MFSDP_GRAD_ALL_REDUCE, RSI = MFSDP_GRAD_SCATTER_IN_PLACE, RSA = MFSDP_GRAD_SCATTER_ACCUMULATE;
+  for (int world = 1; world <= max_world; ++world) {
+    pipe_case cases[] = {
+        /* name, world, grad_mode, sharded, regather, micro, sync_each, param, main, grad, comm, op, per_token, fail */
+        {"zero3", world, RSA, 1, 0, 1, 0, F, F, F, F, SUM, 0, -1},
+        {"zero3 x3 microbatches", world, RSA, 1, 0, 3, 0, F, F, F, F, SUM, 0, -1},
+        {"zero2 avg", world, RSA, 0, 1, 2, 0, F, F, F, F, AVG, 0, -1},
+        {"zero1 once per step", world, RSI, 0, 1, 3, 0, F, F, F, F, SUM, 0, -1},
+        {"zero1 sync every microbatch", world, RSI, 0, 1, 3, 1, F, F, F, F, SUM, 0, -1},
+        {"zero1 per-token sync every microbatch", world, RSI, 0, 1, 3, 1, F, F, F, F, SUM, 1, -1},
+        {"no_shard sync every microbatch", world, AR, 0, 0, 3, 1, F, F, F, F, SUM, 0, -1},
+        {"no_shard per-token sync every microbatch", world, AR, 0, 0, 3, 1, F, F, F, F, SUM, 1, -1},
+        {"zero3 bf16 compute fp32 main", world, RSA, 1, 0, 2, 0, B, F, F, F, SUM, 0, -1},
+        {"zero3 bf16 comm", world, RSA, 1, 0, 2, 0, B, F, F, B, SUM, 0, -1},
+        {"zero1 fp16 comm fp32 grads", world, RSI, 0, 1, 2, 1, H, F, F, H, SUM, 0, -1},
+        {"no_shard bf16 comm", world, AR, 0, 0, 2, 1, B, F, F, B, SUM, 0, -1},
+        {"zero2 bf16 grads fp32 main", world, RSA, 0, 1, 1, 0, B, F, B, B, SUM, 0, -1},
+        {"zero3 injected failure", world, RSA, 1, 0, 1, 0, F, F, F, F, SUM, 0, 0},
+        {"zero3 direct init", world, RSA, 1, 0, 1, 0, F, F, F, F, SUM, 0, -1, 1},
+        {"zero3 direct init bf16 + fp32 main", world, RSA, 1, 0, 1, 0, B, F, F, F, SUM, 0, -1, 1},
+        {"zero1 direct init", world, RSI, 0, 1, 1, 0, F, F, F, F, SUM, 0, -1, 1},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) run_pipe_case(&cases[k], rig, force_comm);
+  }
+}
+
