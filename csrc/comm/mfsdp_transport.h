@@ -1,7 +1,7 @@
 /* mfsdp_transport.h: what the pipeline needs from the outside world: memory and collectives.
  *
  * Two implementations: the torch.distributed transport (csrc/python/torch_backend.c: any
- * torch backend, gloo on CPU) and the native NCCL transport (csrc/comm/transport_nccl.c, our
+ * torch backend, gloo on CPU) and the native NCCL transport (csrc/cuda/nccl_transport.c, our
  * own communicators and streams). Memory is always torch's: buffers are torch tensors whose
  * storage is resized between 0 and full size, so views held by parameters and autograd stay
  * valid while the memory itself comes and goes (see [Note: storage resize] in pipeline.c). */
@@ -45,6 +45,10 @@ typedef struct mfsdp_transport_ops {
   mfsdp_status (*wait)(void* ctx, mfsdp_work* work);
   /* Frees a work without waiting for it: teardown after an error. */
   void (*discard)(void* ctx, mfsdp_work* work);
+  /* Optional (NULL: no grouping). Collectives issued between group_start and group_end go out
+   * as one launch (ncclGroupStart/End); their works may be waited on only after group_end. */
+  mfsdp_status (*group_start)(void* ctx);
+  mfsdp_status (*group_end)(void* ctx);
 } mfsdp_transport_ops;
 
 typedef struct mfsdp_memory_ops {

@@ -528,17 +528,26 @@ static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
 
 mfsdp_status mfsdp_pipeline_unshard(mfsdp_pipeline* p, const int32_t* ids, int32_t n) {
   MFSDP_CHECK(healthy(p));
-  for (int32_t i = 0; i < n; ++i) {
-    MFSDP_CHECK(check_bucket(p, ids[i]));
+  for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(check_bucket(p, ids[i]));
+  /* A unit's gathers go out as one group (one NCCL launch for all its buckets). */
+  const mfsdp_transport_ops* t = p->be.transport;
+  int group = n > 1 && t->group_start != NULL;
+  if (group) MFSDP_CHECK(comm_failed(p, t->group_start(p->be.transport_ctx)));
+  mfsdp_status st = MFSDP_OK;
+  for (int32_t i = 0; i < n && st == MFSDP_OK; ++i) {
     bucket* bk = &p->b[ids[i]];
     if (bk->wstate == MFSDP_W_EMPTY) {
-      MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_WEIGHT));
-      MFSDP_CHECK(start_gather(p, bk));
+      st = materialize(p, bk, MFSDP_BUF_WEIGHT);
+      if (st == MFSDP_OK) st = start_gather(p, bk);
     } else if (bk->wstate == MFSDP_W_STALE) {
-      MFSDP_CHECK(start_gather(p, bk));
+      st = start_gather(p, bk);
     }
   }
-  return MFSDP_OK;
+  if (group) { /* always closed, even after an error: NCCL groups must balance */
+    mfsdp_status end = t->group_end(p->be.transport_ctx);
+    if (st == MFSDP_OK && end != MFSDP_OK) st = comm_failed(p, end);
+  }
+  return st;
 }
 
 mfsdp_status mfsdp_pipeline_wait_unshard(mfsdp_pipeline* p, const int32_t* ids, int32_t n) {

@@ -8,11 +8,17 @@
  * the host. Buffers are released by the caching allocator on the consumer stream after that
  * wait, so reuse is stream-ordered (no record_stream).
  *
+ * Calls between group_start and group_end form one NCCL group (a unit's buckets in one launch).
+ * NCCL launches a group's kernels at ncclGroupEnd, so the events of its works are recorded
+ * there, not at each call: recorded earlier they would complete before the collective ran.
+ *
  * [Note: collective timeout]
  * A watchdog thread polls the events of outstanding collectives and NCCL's asynchronous error.
  * A collective older than the timeout, or an NCCL error, aborts both communicators (the only way
  * to unblock a kernel waiting for a dead peer) and marks the transport failed: the next call
- * from the engine returns MFSDP_ERR_TIMEOUT / MFSDP_ERR_NCCL with the reason, never a hang. */
+ * from the engine returns MFSDP_ERR_TIMEOUT / MFSDP_ERR_NCCL with the reason, never a hang.
+ * Communicators are not thread-safe: the engine enqueues and the watchdog aborts under
+ * comm_lock, and the engine checks `failed` under it, so it never touches an aborted one. */
 #define _POSIX_C_SOURCE 200809L
 #include "mfsdp_nccl.h"
 
@@ -25,6 +31,7 @@
 #include "mfsdp_cuda.h"
 
 #define MAX_OUTSTANDING 4096
+#define MAX_GROUP 256
 
 /* Owned jointly by the engine (until wait/discard) and the watchdog's outstanding list (until
  * the event completes): the last of the two to let go frees it, under the transport's lock. */
@@ -32,6 +39,7 @@ struct mfsdp_work {
   cudaEvent_t done;
   double issued;
   int refs;
+  int recorded; /* 0 while its group has not been launched */
 };
 
 static void unref(mfsdp_work* w) { /* call with the lock held */
@@ -48,12 +56,17 @@ struct mfsdp_nccl {
   double timeout_s;
   void* kernels_ctx; /* holds torch's current stream */
   pthread_t watchdog;
-  pthread_mutex_t lock;
+  pthread_mutex_t lock;      /* the outstanding list, work references, `running` */
+  pthread_mutex_t comm_lock; /* the communicators: enqueue (engine) vs abort (watchdog) */
   int running;
-  volatile int failed; /* 0, MFSDP_ERR_TIMEOUT or MFSDP_ERR_NCCL */
+  _Atomic int failed; /* 0, MFSDP_ERR_TIMEOUT or MFSDP_ERR_NCCL; reason is written first */
   char reason[256];
   mfsdp_work* outstanding[MAX_OUTSTANDING];
   int n_outstanding;
+  int group_depth; /* engine thread only */
+  mfsdp_work* group_works[MAX_GROUP];
+  int group_lanes[MAX_GROUP];
+  int n_group;
 };
 
 static double now_s(void) {
@@ -67,13 +80,6 @@ static double now_s(void) {
     cudaError_t e_ = (call);                                                                        \
     if (e_ != cudaSuccess)                                                                          \
       return MFSDP_FAIL(MFSDP_ERR_CUDA, "%s: %s (%s)", #call, cudaGetErrorString(e_), cudaGetErrorName(e_)); \
-  } while (0)
-
-#define NCCL_TRY(call)                                                                                        \
-  do {                                                                                                        \
-    ncclResult_t r_ = (call);                                                                                 \
-    if (r_ != ncclSuccess)                                                                                    \
-      return MFSDP_FAIL(MFSDP_ERR_NCCL, "%s: %s (%s)", #call, ncclGetErrorString(r_), ncclGetLastError(NULL)); \
   } while (0)
 
 static ncclDataType_t nccl_dtype(int dtype) {
@@ -123,19 +129,25 @@ static void* watchdog_main(void* arg) {
       if (t->timeout_s > 0 && now - w->issued > t->timeout_s) stale = 1;
       ++i;
     }
+    pthread_mutex_unlock(&t->lock);
     ncclResult_t async = ncclSuccess;
-    for (int lane = 0; lane < 2 && async == ncclSuccess; ++lane)
-      if (t->comm[lane]) ncclCommGetAsyncError(t->comm[lane], &async);
+    if (!t->failed && pthread_mutex_trylock(&t->comm_lock) == 0) { /* busy: poll next round */
+      for (int lane = 0; lane < 2 && async == ncclSuccess; ++lane)
+        if (t->comm[lane]) ncclCommGetAsyncError(t->comm[lane], &async);
+      pthread_mutex_unlock(&t->comm_lock);
+    }
     if (!t->failed && (stale || (async != ncclSuccess && async != ncclInProgress))) {
+      snprintf(t->reason, sizeof t->reason, "%s",
+               stale ? "a collective did not finish within the timeout; communicators aborted (a peer rank died "
+                       "or stalled?)"
+                     : ncclGetErrorString(async));
+      pthread_mutex_lock(&t->comm_lock);
       t->failed = stale ? MFSDP_ERR_TIMEOUT : MFSDP_ERR_NCCL;
-      snprintf(t->reason, sizeof t->reason, "%s", stale ? "a collective did not finish within the timeout; "
-                                                         "communicators aborted (a peer rank died or stalled?)"
-                                                       : ncclGetErrorString(async));
       for (int lane = 0; lane < 2; ++lane)
         if (t->comm[lane]) ncclCommAbort(t->comm[lane]);
       t->comm[0] = t->comm[1] = NULL;
+      pthread_mutex_unlock(&t->comm_lock);
     }
-    pthread_mutex_unlock(&t->lock);
     struct timespec nap = {0, 50 * 1000 * 1000};
     nanosleep(&nap, NULL);
   }
@@ -153,6 +165,7 @@ mfsdp_status mfsdp_nccl_create(const ncclUniqueId* ids, int rank, int world, int
   t->timeout_s = timeout_s;
   t->kernels_ctx = mfsdp_cuda_kernel_context(device);
   pthread_mutex_init(&t->lock, NULL);
+  pthread_mutex_init(&t->comm_lock, NULL);
   mfsdp_status st = MFSDP_OK;
   cudaError_t ce = cudaSetDevice(device);
   if (ce != cudaSuccess) {
@@ -201,54 +214,106 @@ void mfsdp_nccl_destroy(mfsdp_nccl* t) {
     if (t->stream[lane]) cudaStreamDestroy(t->stream[lane]);
   }
   for (int i = 0; i < t->n_outstanding; ++i) unref(t->outstanding[i]);
+  for (int i = 0; i < t->n_group; ++i) unref(t->group_works[i]); /* a group never ended */
   pthread_mutex_destroy(&t->lock);
+  pthread_mutex_destroy(&t->comm_lock);
   free(t);
 }
 
 const char* mfsdp_nccl_failure(const mfsdp_nccl* t) { return t->failed ? t->reason : NULL; }
 
-/* Orders `lane` after the producer (torch's current stream) and returns the new work. */
+/* Orders `lane` after the producer (torch's current stream). On success the caller holds
+ * comm_lock and must hand it to finish(). */
 static mfsdp_status begin(mfsdp_nccl* t, int lane, cudaStream_t* stream) {
-  MFSDP_CHECK(healthy(t));
   CUDA_TRY(cudaSetDevice(t->device));
+  pthread_mutex_lock(&t->comm_lock);
+  mfsdp_status st = healthy(t);
+  if (st != MFSDP_OK) {
+    pthread_mutex_unlock(&t->comm_lock);
+    return st;
+  }
+  if (t->group_depth > 0 && t->n_group == MAX_GROUP) {
+    pthread_mutex_unlock(&t->comm_lock);
+    return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "more than %d collectives in one group", MAX_GROUP);
+  }
   cudaStream_t producer = (cudaStream_t)mfsdp_cuda_get_stream(t->kernels_ctx);
   cudaEvent_t ready;
-  CUDA_TRY(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-  cudaError_t e1 = cudaEventRecord(ready, producer);
-  cudaError_t e2 = e1 == cudaSuccess ? cudaStreamWaitEvent(t->stream[lane], ready, 0) : e1;
-  cudaEventDestroy(ready);
-  if (e2 != cudaSuccess) return MFSDP_FAIL(MFSDP_ERR_CUDA, "ordering the NCCL stream: %s", cudaGetErrorString(e2));
+  cudaError_t e = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
+  if (e == cudaSuccess) {
+    e = cudaEventRecord(ready, producer);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(t->stream[lane], ready, 0);
+    cudaEventDestroy(ready);
+  }
+  if (e != cudaSuccess) {
+    pthread_mutex_unlock(&t->comm_lock);
+    return MFSDP_FAIL(MFSDP_ERR_CUDA, "ordering the NCCL stream after the producer: %s (%s)", cudaGetErrorString(e),
+                      cudaGetErrorName(e));
+  }
   *stream = t->stream[lane];
   return MFSDP_OK;
 }
 
-static mfsdp_status finish(mfsdp_nccl* t, int lane, mfsdp_work** work) {
-  mfsdp_work* w = calloc(1, sizeof *w);
-  if (w == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "work");
-  cudaError_t e = cudaEventCreateWithFlags(&w->done, cudaEventDisableTiming);
-  if (e == cudaSuccess) e = cudaEventRecord(w->done, t->stream[lane]);
-  if (e != cudaSuccess) {
-    free(w);
-    return MFSDP_FAIL(MFSDP_ERR_CUDA, "recording a collective's event: %s", cudaGetErrorString(e));
-  }
+/* Marks the end of a work on its lane and hands it to the watchdog. */
+static mfsdp_status record(mfsdp_nccl* t, int lane, mfsdp_work* w) {
+  cudaError_t e = cudaEventRecord(w->done, t->stream[lane]);
+  if (e != cudaSuccess)
+    return MFSDP_FAIL(MFSDP_ERR_CUDA, "recording a collective's event: %s (%s)", cudaGetErrorString(e),
+                      cudaGetErrorName(e));
   w->issued = now_s();
-  w->refs = 1;
   pthread_mutex_lock(&t->lock);
+  w->recorded = 1;
   if (t->n_outstanding < MAX_OUTSTANDING) {
     t->outstanding[t->n_outstanding++] = w;
     w->refs++;
   }
   pthread_mutex_unlock(&t->lock);
-  *work = w;
   return MFSDP_OK;
+}
+
+/* Releases comm_lock taken by begin(); turns the NCCL result into a work (recorded now, or at
+ * group_end inside a group). */
+static mfsdp_status finish(mfsdp_nccl* t, int lane, ncclResult_t r, const char* what, int line, mfsdp_work** work) {
+  *work = NULL;
+  mfsdp_status st = MFSDP_OK;
+  mfsdp_work* w = NULL;
+  if (r != ncclSuccess) {
+    st = mfsdp_set_error(MFSDP_ERR_NCCL, __FILE__, line, what, "%s (%s)", ncclGetErrorString(r),
+                         ncclGetLastError(NULL));
+  } else if ((w = calloc(1, sizeof *w)) == NULL) {
+    st = MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "work");
+  } else {
+    w->refs = 1;
+    cudaError_t e = cudaEventCreateWithFlags(&w->done, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      free(w);
+      w = NULL;
+      st = MFSDP_FAIL(MFSDP_ERR_CUDA, "creating a collective's event: %s (%s)", cudaGetErrorString(e),
+                      cudaGetErrorName(e));
+    } else if (t->group_depth > 0) {
+      w->refs++; /* the group list's reference, dropped at group_end */
+      t->group_works[t->n_group] = w;
+      t->group_lanes[t->n_group++] = lane;
+    } else {
+      st = record(t, lane, w);
+    }
+  }
+  pthread_mutex_unlock(&t->comm_lock);
+  if (st != MFSDP_OK && w != NULL && t->group_depth == 0) {
+    pthread_mutex_lock(&t->lock);
+    unref(w);
+    pthread_mutex_unlock(&t->lock);
+    w = NULL;
+  }
+  *work = w;
+  return st;
 }
 
 static mfsdp_status nt_all_gather(void* ctx, const mfsdp_buffer* full, const mfsdp_buffer* shard, mfsdp_work** work) {
   mfsdp_nccl* t = ctx;
   cudaStream_t s;
   MFSDP_CHECK(begin(t, 0, &s));
-  NCCL_TRY(ncclAllGather(shard->data, full->data, nccl_count(shard), nccl_dtype(shard->dtype), t->comm[0], s));
-  return finish(t, 0, work);
+  ncclResult_t r = ncclAllGather(shard->data, full->data, nccl_count(shard), nccl_dtype(shard->dtype), t->comm[0], s);
+  return finish(t, 0, r, "ncclAllGather", __LINE__, work);
 }
 
 static mfsdp_status nt_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
@@ -256,18 +321,18 @@ static mfsdp_status nt_reduce_scatter(void* ctx, const mfsdp_buffer* shard, cons
   mfsdp_nccl* t = ctx;
   cudaStream_t s;
   MFSDP_CHECK(begin(t, 1, &s));
-  NCCL_TRY(ncclReduceScatter(full->data, shard->data, (size_t)shard->numel, nccl_dtype(shard->dtype),
-                             op == MFSDP_REDUCE_AVG ? ncclAvg : ncclSum, t->comm[1], s));
-  return finish(t, 1, work);
+  ncclResult_t r = ncclReduceScatter(full->data, shard->data, (size_t)shard->numel, nccl_dtype(shard->dtype),
+                                     op == MFSDP_REDUCE_AVG ? ncclAvg : ncclSum, t->comm[1], s);
+  return finish(t, 1, r, "ncclReduceScatter", __LINE__, work);
 }
 
 static mfsdp_status nt_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, mfsdp_work** work) {
   mfsdp_nccl* t = ctx;
   cudaStream_t s;
   MFSDP_CHECK(begin(t, 1, &s));
-  NCCL_TRY(ncclAllReduce(buf->data, buf->data, (size_t)buf->numel, nccl_dtype(buf->dtype),
-                         op == MFSDP_REDUCE_AVG ? ncclAvg : ncclSum, t->comm[1], s));
-  return finish(t, 1, work);
+  ncclResult_t r = ncclAllReduce(buf->data, buf->data, (size_t)buf->numel, nccl_dtype(buf->dtype),
+                                 op == MFSDP_REDUCE_AVG ? ncclAvg : ncclSum, t->comm[1], s);
+  return finish(t, 1, r, "ncclAllReduce", __LINE__, work);
 }
 
 static mfsdp_status nt_all_to_all(void* ctx, const mfsdp_buffer* out, const mfsdp_buffer* in, mfsdp_work** work) {
@@ -275,25 +340,50 @@ static mfsdp_status nt_all_to_all(void* ctx, const mfsdp_buffer* out, const mfsd
   cudaStream_t s;
   MFSDP_CHECK(begin(t, 1, &s));
   size_t block = (size_t)(in->numel / t->world), bytes = block * (size_t)mfsdp_dtype_size(in->dtype);
-  NCCL_TRY(ncclGroupStart());
-  for (int r = 0; r < t->world; ++r) {
-    NCCL_TRY(ncclSend((const char*)in->data + r * bytes, block, nccl_dtype(in->dtype), r, t->comm[1], s));
-    NCCL_TRY(ncclRecv((char*)out->data + r * bytes, block, nccl_dtype(out->dtype), r, t->comm[1], s));
+  ncclResult_t r = ncclGroupStart();
+  if (r == ncclSuccess) {
+    for (int peer = 0; peer < t->world && r == ncclSuccess; ++peer) {
+      r = ncclSend((const char*)in->data + peer * bytes, block, nccl_dtype(in->dtype), peer, t->comm[1], s);
+      if (r == ncclSuccess)
+        r = ncclRecv((char*)out->data + peer * bytes, block, nccl_dtype(out->dtype), peer, t->comm[1], s);
+    }
+    ncclResult_t end = ncclGroupEnd(); /* balanced even after a failed call */
+    if (r == ncclSuccess) r = end;
   }
-  NCCL_TRY(ncclGroupEnd());
-  return finish(t, 1, work);
+  return finish(t, 1, r, "ncclSend/ncclRecv (all-to-all)", __LINE__, work);
 }
 
-static mfsdp_status nt_wait(void* ctx, mfsdp_work* w) {
+static mfsdp_status nt_group_start(void* ctx) {
   mfsdp_nccl* t = ctx;
-  if (w == NULL) return MFSDP_OK;
-  cudaStream_t consumer = (cudaStream_t)mfsdp_cuda_get_stream(t->kernels_ctx);
-  cudaError_t e = cudaStreamWaitEvent(consumer, w->done, 0);
-  pthread_mutex_lock(&t->lock);
-  unref(w);
-  pthread_mutex_unlock(&t->lock);
-  if (e != cudaSuccess) return MFSDP_FAIL(MFSDP_ERR_CUDA, "waiting for a collective: %s", cudaGetErrorString(e));
-  return healthy(t);
+  if (t->group_depth++ > 0) return MFSDP_OK; /* nested: one group */
+  ncclResult_t r = ncclGroupStart();
+  if (r != ncclSuccess) {
+    t->group_depth--;
+    return MFSDP_FAIL(MFSDP_ERR_NCCL, "ncclGroupStart: %s", ncclGetErrorString(r));
+  }
+  return MFSDP_OK;
+}
+
+/* Launches the group, then records each work's event after its collective. */
+static mfsdp_status nt_group_end(void* ctx) {
+  mfsdp_nccl* t = ctx;
+  if (t->group_depth == 0) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "group_end without group_start");
+  if (--t->group_depth > 0) return MFSDP_OK;
+  pthread_mutex_lock(&t->comm_lock);
+  ncclResult_t r = ncclGroupEnd();
+  pthread_mutex_unlock(&t->comm_lock);
+  mfsdp_status st = MFSDP_OK;
+  if (r != ncclSuccess)
+    st = MFSDP_FAIL(MFSDP_ERR_NCCL, "ncclGroupEnd: %s (%s)", ncclGetErrorString(r), ncclGetLastError(NULL));
+  for (int i = 0; i < t->n_group; ++i) {
+    mfsdp_work* w = t->group_works[i];
+    if (st == MFSDP_OK) st = record(t, t->group_lanes[i], w);
+    pthread_mutex_lock(&t->lock);
+    unref(w); /* the engine still holds its own reference */
+    pthread_mutex_unlock(&t->lock);
+  }
+  t->n_group = 0;
+  return st;
 }
 
 static void nt_discard(void* ctx, mfsdp_work* w) {
@@ -304,6 +394,22 @@ static void nt_discard(void* ctx, mfsdp_work* w) {
   pthread_mutex_unlock(&t->lock);
 }
 
-const mfsdp_transport_ops mfsdp_nccl_ops = {"nccl",        nt_all_gather, nt_reduce_scatter,
-                                            nt_all_reduce, nt_all_to_all, nt_wait,
-                                            nt_discard};
+static mfsdp_status nt_wait(void* ctx, mfsdp_work* w) {
+  mfsdp_nccl* t = ctx;
+  if (w == NULL) return MFSDP_OK;
+  if (!w->recorded) { /* its group never launched (group_end failed or was not called) */
+    nt_discard(ctx, w);
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "waited for a collective whose group was not launched");
+  }
+  cudaStream_t consumer = (cudaStream_t)mfsdp_cuda_get_stream(t->kernels_ctx);
+  cudaError_t e = cudaStreamWaitEvent(consumer, w->done, 0);
+  pthread_mutex_lock(&t->lock);
+  unref(w);
+  pthread_mutex_unlock(&t->lock);
+  if (e != cudaSuccess) return MFSDP_FAIL(MFSDP_ERR_CUDA, "waiting for a collective: %s", cudaGetErrorString(e));
+  return healthy(t);
+}
+
+const mfsdp_transport_ops mfsdp_nccl_ops = {"nccl",        nt_all_gather, nt_reduce_scatter, nt_all_reduce,
+                                            nt_all_to_all, nt_wait,       nt_discard,        nt_group_start,
+                                            nt_group_end};

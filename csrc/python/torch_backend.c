@@ -159,7 +159,7 @@ static void tt_discard(void* ctx, mfsdp_work* work) {
 
 static const mfsdp_transport_ops torch_transport_ops = {"torch",       tt_all_gather, tt_reduce_scatter,
                                                         tt_all_reduce, tt_all_to_all, tt_wait,
-                                                        tt_discard};
+                                                        tt_discard,    NULL,          NULL};
 
 PyDoc_STRVAR(torch_transport_doc,
              "TorchTransport(all_gather_group, reduce_group, device=-1, timeout=None)\n\n"

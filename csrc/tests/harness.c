@@ -203,4 +203,4 @@ static void loop_discard(void* ctx, mfsdp_work* work) {
 
 const mfsdp_transport_ops loop_transport_ops = {"threads",       loop_all_gather, loop_reduce_scatter,
                                                 loop_all_reduce, loop_all_to_all, loop_wait,
-                                                loop_discard};
+                                                loop_discard,    NULL,            NULL};

@@ -26,6 +26,7 @@ thread_local cudaError_t g_last_error = cudaSuccess;
 std::atomic<int> g_streams_alive{0};
 std::atomic<int> g_multiprocessors{2};
 std::atomic<long> g_collectives{0};
+std::atomic<long> g_grouped{0}; /* collectives launched by a group of more than one */
 
 cudaError_t fail(cudaError_t e) {
   g_last_error = e;
@@ -378,6 +379,8 @@ struct p2p_op {
 };
 thread_local int g_group_depth = 0;
 thread_local std::vector<p2p_op> g_group_p2p;
+/* NCCL launches a group's collectives at ncclGroupEnd: until then they wait here. */
+thread_local std::vector<std::pair<cudaStream_t, std::function<void()>>> g_group_collectives;
 thread_local std::vector<std::shared_ptr<clique>> g_group_inits;
 
 ncclResult_t wait_joined(const std::shared_ptr<clique>& c) {
@@ -402,7 +405,7 @@ ncclResult_t enqueue(ncclComm_t comm, cudaStream_t s, const void* send,
   if (comm == nullptr) return ncclInvalidArgument;
   std::shared_ptr<comm_state> st = comm->s;
   ++g_collectives;
-  resolve(s)->push([st, send, part] {
+  std::function<void()> op = [st, send, part] {
     clique& c = *st->c;
     c.send[st->rank] = send;
     if (!c.barrier()) {
@@ -415,7 +418,11 @@ ncclResult_t enqueue(ncclComm_t comm, cudaStream_t s, const void* send,
       int ok = ncclSuccess;
       st->error.compare_exchange_strong(ok, ncclRemoteError);
     }
-  });
+  };
+  if (g_group_depth > 0)
+    g_group_collectives.emplace_back(s, std::move(op));
+  else
+    resolve(s)->push(std::move(op));
   return ncclSuccess;
 }
 
@@ -510,6 +517,10 @@ ncclResult_t ncclGroupEnd(void) {
   inits.swap(g_group_inits);
   for (auto& c : inits)
     if (wait_joined(c) != ncclSuccess) result = ncclRemoteError;
+  std::vector<std::pair<cudaStream_t, std::function<void()>>> collectives;
+  collectives.swap(g_group_collectives);
+  if (collectives.size() > 1) g_grouped += static_cast<long>(collectives.size());
+  for (auto& c : collectives) resolve(c.first)->push(std::move(c.second));
   std::vector<p2p_op> ops;
   ops.swap(g_group_p2p);
   if (ops.empty()) return result;
@@ -595,5 +606,6 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
 }
 
 long emu_nccl_collectives(void) { return g_collectives.load(); }
+long emu_nccl_grouped_collectives(void) { return g_grouped.load(); }
 
 }  // extern "C"

@@ -65,6 +65,8 @@ ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t dtype, int peer, n
 
 /* Emulator control: collectives queued so far on all communicators (tests count them). */
 long emu_nccl_collectives(void);
+/* ... of which launched together by an ncclGroupEnd of more than one collective. */
+long emu_nccl_grouped_collectives(void);
 
 #ifdef __cplusplus
 }
