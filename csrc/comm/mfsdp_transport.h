@@ -35,10 +35,12 @@ typedef struct mfsdp_transport_ops {
   const char* name;
   /* full = concat over ranks of every rank's shard; shard may alias this rank's slice of full. */
   mfsdp_status (*all_gather)(void* ctx, const mfsdp_buffer* full, const mfsdp_buffer* shard, mfsdp_work** work);
-  /* shard = op over ranks of this rank's slice of full; shard may alias that slice. */
+  /* shard = op over ranks of this rank's slice of full; shard may alias that slice. Inputs are
+   * multiplied by premul first (only transports with fuses_premul accept premul != 1). */
   mfsdp_status (*reduce_scatter)(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
-                                 mfsdp_reduce_op op, mfsdp_work** work);
-  mfsdp_status (*all_reduce)(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, mfsdp_work** work);
+                                 mfsdp_reduce_op op, double premul, mfsdp_work** work);
+  mfsdp_status (*all_reduce)(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, double premul,
+                             mfsdp_work** work);
   /* out's r-th block (numel / world elements) = rank r's in's block for this rank. */
   mfsdp_status (*all_to_all)(void* ctx, const mfsdp_buffer* out, const mfsdp_buffer* in, mfsdp_work** work);
   /* Blocks (or orders the consumer after the work) and frees it. NULL work: no-op. */
@@ -49,6 +51,9 @@ typedef struct mfsdp_transport_ops {
    * as one launch (ncclGroupStart/End); their works may be waited on only after group_end. */
   mfsdp_status (*group_start)(void* ctx);
   mfsdp_status (*group_end)(void* ctx);
+  /* Reductions of float32/float64 buffers multiply by premul inside the collective
+   * (ncclPreMulSum), saving the engine a pass over the buffer. */
+  int fuses_premul;
 } mfsdp_transport_ops;
 
 typedef struct mfsdp_memory_ops {

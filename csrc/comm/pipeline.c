@@ -717,6 +717,7 @@ static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
   mfsdp_work* work = NULL;
   int exchange = exchanges(p, &bk->spec);
   int full = MFSDP_BUF_GRAD, slice = MFSDP_BUF_GRAD_SLICE;
+  double premul = 1.0;
   if (bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE) { /* ACCUMULATE scaled while packing */
     if (bk->present[MFSDP_BUF_COMM]) {
       MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_COMM));
@@ -726,6 +727,9 @@ static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
       MFSDP_CHECK(k->fill_zero(kc, at(c, bk->full_size), c->dtype, c->numel - bk->full_size)); /* exchange padding */
       full = MFSDP_BUF_COMM;
       slice = MFSDP_BUF_COMM_SLICE;
+    } else if (comm && !exchange && p->be.transport->fuses_premul &&
+               (bk->buf[full].dtype == MFSDP_F32 || bk->buf[full].dtype == MFSDP_F64)) {
+      premul = p->cfg.grad_prescale; /* scaled inside the collective: one pass less */
     } else {
       MFSDP_CHECK(k->scale(kc, bk->buf[full].data, bk->buf[full].dtype, bk->full_size, p->cfg.grad_prescale));
     }
@@ -741,11 +745,11 @@ static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
       bk->stats.reduce_scatter_bytes += reduce_bytes(bk);
     }
   } else if (comm && bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
-    st = p->be.transport->all_reduce(p->be.transport_ctx, &bk->buf[full], op, &work);
+    st = p->be.transport->all_reduce(p->be.transport_ctx, &bk->buf[full], op, premul, &work);
     bk->stats.all_reduces++;
     bk->stats.all_reduce_bytes += reduce_bytes(bk);
   } else if (comm) {
-    st = p->be.transport->reduce_scatter(p->be.transport_ctx, &bk->buf[slice], &bk->buf[full], op, &work);
+    st = p->be.transport->reduce_scatter(p->be.transport_ctx, &bk->buf[slice], &bk->buf[full], op, premul, &work);
     bk->stats.reduce_scatters++;
     bk->stats.reduce_scatter_bytes += reduce_bytes(bk);
   }

@@ -5,9 +5,11 @@
  * identically. One dispatch point (dispatch_pair below) instantiates a kernel per (dst, src)
  * dtype pair. Kernels read and write 16 bytes per access where both pointers allow it (bucket
  * shards are 16-byte aligned by the layout), with a scalar path for the rest, over a grid-stride
- * loop sized to the device. A bucket's many parameters are packed by one launch: the item table
- * (offsets, sizes) is uploaded once per bucket, only the source addresses each time.
- * Launches go to the stream in the kernel context (torch's current stream, set by the glue). */
+ * loop sized to the device. A bucket's many parameters are packed by one launch per source
+ * dtype: the item table (sources, offsets, sizes: 24 bytes an item) goes up in one copy into a
+ * stream-ordered allocation, freed on the same stream after the launch, so packs on different
+ * streams never share a table. Launches go to the stream in the kernel context (torch's
+ * current stream, set by the glue). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -150,9 +152,7 @@ struct cuda_ctx {
   int device;
   int sms;
   cudaStream_t stream;
-  void* table;          /* device copy of a pack table: srcs | offsets | numels */
-  size_t table_bytes;
-  void* host_table;     /* pageable staging (cudaMemcpyAsync copies it out before returning) */
+  void* host_table; /* pack table staging; pageable, so cudaMemcpyAsync copies it out before returning */
   size_t host_bytes;
 };
 
@@ -295,13 +295,6 @@ mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items,
       c->host_table = grown;
       c->host_bytes = bytes;
     }
-    if (bytes > c->table_bytes) {
-      if (c->table) CUDA_CHECK(cudaFreeAsync(c->table, c->stream));
-      c->table = nullptr;
-      c->table_bytes = 0;
-      CUDA_CHECK(cudaMallocAsync(&c->table, bytes, c->stream));
-      c->table_bytes = bytes;
-    }
     const void** srcs = static_cast<const void**>(c->host_table);
     int64_t* offsets = reinterpret_cast<int64_t*>(srcs + m);
     int64_t* numels = offsets + m;
@@ -312,11 +305,17 @@ mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items,
       numels[i] = items[first + i].n;
       if (numels[i] > max_numel) max_numel = numels[i];
     }
-    CUDA_CHECK(cudaMemcpyAsync(c->table, c->host_table, bytes, cudaMemcpyHostToDevice, c->stream));
-    const void* const* dev_srcs = static_cast<const void* const*>(c->table);
+    void* table = nullptr;
+    CUDA_CHECK(cudaMallocAsync(&table, bytes, c->stream));
+    cudaError_t e = cudaMemcpyAsync(table, c->host_table, bytes, cudaMemcpyHostToDevice, c->stream);
+    mfsdp_status st = e == cudaSuccess ? MFSDP_OK : cuda_fail(e, __FILE__, __LINE__, "cudaMemcpyAsync (pack table)");
+    const void* const* dev_srcs = static_cast<const void* const*>(table);
     const int64_t* dev_offsets = reinterpret_cast<const int64_t*>(dev_srcs + m);
-    MFSDP_CHECK(mfsdp_cuda_pack(ctx, dst, dt, dev_srcs, dev_offsets, dev_offsets + m, m, max_numel,
-                                items[first].src_dtype, alpha, accumulate));
+    if (st == MFSDP_OK)
+      st = mfsdp_cuda_pack(ctx, dst, dt, dev_srcs, dev_offsets, dev_offsets + m, m, max_numel, items[first].src_dtype,
+                           alpha, accumulate);
+    CUDA_CHECK(cudaFreeAsync(table, c->stream)); /* after the launch on this stream */
+    MFSDP_CHECK(st);
     first = last;
   }
   return MFSDP_OK;

@@ -316,22 +316,46 @@ static mfsdp_status nt_all_gather(void* ctx, const mfsdp_buffer* full, const mfs
   return finish(t, 0, r, "ncclAllGather", __LINE__, work);
 }
 
+/* Sum, average, or a sum of inputs pre-multiplied by a host scalar (float32/float64 only: the
+ * scalar has the buffer's type). *custom: destroy after the enqueue (NCCL allows it then). */
+static ncclResult_t reduce_op(mfsdp_nccl* t, mfsdp_reduce_op op, double premul, int dtype, ncclRedOp_t* out,
+                              int* custom) {
+  *custom = 0;
+  *out = op == MFSDP_REDUCE_AVG ? ncclAvg : ncclSum;
+  if (premul == 1.0) return ncclSuccess;
+  double scale = op == MFSDP_REDUCE_AVG ? premul / t->world : premul;
+  float scale32 = (float)scale;
+  if (dtype != MFSDP_F32 && dtype != MFSDP_F64) return ncclInvalidArgument;
+  *custom = 1;
+  return ncclRedOpCreatePreMulSum(out, dtype == MFSDP_F32 ? (void*)&scale32 : (void*)&scale, nccl_dtype(dtype),
+                                  ncclScalarHostImmediate, t->comm[1]);
+}
+
 static mfsdp_status nt_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
-                                      mfsdp_reduce_op op, mfsdp_work** work) {
+                                      mfsdp_reduce_op op, double premul, mfsdp_work** work) {
   mfsdp_nccl* t = ctx;
   cudaStream_t s;
   MFSDP_CHECK(begin(t, 1, &s));
-  ncclResult_t r = ncclReduceScatter(full->data, shard->data, (size_t)shard->numel, nccl_dtype(shard->dtype),
-                                     op == MFSDP_REDUCE_AVG ? ncclAvg : ncclSum, t->comm[1], s);
+  ncclRedOp_t nop;
+  int custom;
+  ncclResult_t r = reduce_op(t, op, premul, shard->dtype, &nop, &custom);
+  if (r == ncclSuccess)
+    r = ncclReduceScatter(full->data, shard->data, (size_t)shard->numel, nccl_dtype(shard->dtype), nop, t->comm[1], s);
+  if (custom) ncclRedOpDestroy(nop, t->comm[1]);
   return finish(t, 1, r, "ncclReduceScatter", __LINE__, work);
 }
 
-static mfsdp_status nt_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, mfsdp_work** work) {
+static mfsdp_status nt_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, double premul,
+                                  mfsdp_work** work) {
   mfsdp_nccl* t = ctx;
   cudaStream_t s;
   MFSDP_CHECK(begin(t, 1, &s));
-  ncclResult_t r = ncclAllReduce(buf->data, buf->data, (size_t)buf->numel, nccl_dtype(buf->dtype),
-                                 op == MFSDP_REDUCE_AVG ? ncclAvg : ncclSum, t->comm[1], s);
+  ncclRedOp_t nop;
+  int custom;
+  ncclResult_t r = reduce_op(t, op, premul, buf->dtype, &nop, &custom);
+  if (r == ncclSuccess)
+    r = ncclAllReduce(buf->data, buf->data, (size_t)buf->numel, nccl_dtype(buf->dtype), nop, t->comm[1], s);
+  if (custom) ncclRedOpDestroy(nop, t->comm[1]);
   return finish(t, 1, r, "ncclAllReduce", __LINE__, work);
 }
 
@@ -412,4 +436,4 @@ static mfsdp_status nt_wait(void* ctx, mfsdp_work* w) {
 
 const mfsdp_transport_ops mfsdp_nccl_ops = {"nccl",        nt_all_gather, nt_reduce_scatter, nt_all_reduce,
                                             nt_all_to_all, nt_wait,       nt_discard,        nt_group_start,
-                                            nt_group_end};
+                                            nt_group_end,  1};

@@ -122,15 +122,23 @@ static mfsdp_status tt_all_gather(void* ctx, const mfsdp_buffer* full, const mfs
   return issue(t->all_gather, args, 2, t->kw_gather, work, "all_gather_into_tensor");
 }
 
+static mfsdp_status no_premul(double premul) {
+  if (premul != 1.0) return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "the torch transport does not fuse a pre-multiplier");
+  return MFSDP_OK;
+}
+
 static mfsdp_status tt_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
-                                     mfsdp_reduce_op op, mfsdp_work** work) {
+                                     mfsdp_reduce_op op, double premul, mfsdp_work** work) {
   torch_transport* t = ctx;
+  MFSDP_CHECK(no_premul(premul));
   PyObject* args[] = {shard->handle, full->handle, t->ops[op], t->reduce_group, Py_True};
   return issue(t->reduce_scatter, args, 2, t->kw_reduce, work, "reduce_scatter_tensor");
 }
 
-static mfsdp_status tt_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, mfsdp_work** work) {
+static mfsdp_status tt_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, double premul,
+                                  mfsdp_work** work) {
   torch_transport* t = ctx;
+  MFSDP_CHECK(no_premul(premul));
   PyObject* args[] = {buf->handle, t->ops[op], t->reduce_group, Py_True};
   return issue(t->all_reduce, args, 1, t->kw_reduce, work, "all_reduce");
 }
@@ -159,7 +167,8 @@ static void tt_discard(void* ctx, mfsdp_work* work) {
 
 static const mfsdp_transport_ops torch_transport_ops = {"torch",       tt_all_gather, tt_reduce_scatter,
                                                         tt_all_reduce, tt_all_to_all, tt_wait,
-                                                        tt_discard,    NULL,          NULL};
+                                                        tt_discard,    NULL,          NULL,
+                                                        0};
 
 PyDoc_STRVAR(torch_transport_doc,
              "TorchTransport(all_gather_group, reduce_group, device=-1, timeout=None)\n\n"

@@ -142,8 +142,9 @@ static void sum_slots(loop_world* w, int dtype, int64_t first, int64_t n, mfsdp_
 }
 
 static mfsdp_status loop_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
-                                        mfsdp_reduce_op op, mfsdp_work** work) {
+                                        mfsdp_reduce_op op, double premul, mfsdp_work** work) {
   loop_rank* r = ctx;
+  if (premul != 1.0) return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "no fused pre-multiplier");
   loop_world* w = r->world;
   *work = NULL;
   MFSDP_CHECK(maybe_fail(r));
@@ -159,8 +160,10 @@ static mfsdp_status loop_reduce_scatter(void* ctx, const mfsdp_buffer* shard, co
   return MFSDP_OK;
 }
 
-static mfsdp_status loop_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, mfsdp_work** work) {
+static mfsdp_status loop_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, double premul,
+                                    mfsdp_work** work) {
   loop_rank* r = ctx;
+  if (premul != 1.0) return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "no fused pre-multiplier");
   loop_world* w = r->world;
   *work = NULL;
   MFSDP_CHECK(maybe_fail(r));
@@ -203,4 +206,5 @@ static void loop_discard(void* ctx, mfsdp_work* work) {
 
 const mfsdp_transport_ops loop_transport_ops = {"threads",       loop_all_gather, loop_reduce_scatter,
                                                 loop_all_reduce, loop_all_to_all, loop_wait,
-                                                loop_discard,    NULL,            NULL};
+                                                loop_discard,    NULL,            NULL,
+                                                0};

@@ -375,7 +375,7 @@ static void* stall_worker(void* arg) {
     CHECK(s == MFSDP_ERR_TIMEOUT, "stalled collective -> %s: %s", mfsdp_status_name(s), mfsdp_last_error());
     CHECK(strstr(mfsdp_last_error(), "within the timeout") && strstr(mfsdp_last_error(), "nccl_transport.c:"),
           "timeout message names the cause and file:line: %s", mfsdp_last_error());
-    CHECK(waited > 0.2 && waited < 2.0, "timeout 0.3 s raised after %.2f s", waited);
+    CHECK(waited > 0.2 && waited < 5.0, "timeout 0.3 s raised after %.2f s", waited);
     CHECK(mfsdp_nccl_failure(r->nccl) != NULL, "failure reason kept");
     printf("test_emu: a collective the peer never joined raised MFSDP_ERR_TIMEOUT after %.2f s (timeout 0.3 s)\n",
            waited);
@@ -425,12 +425,15 @@ int main(void) {
   run_pipeline_cases(&nccl_rig, 1, 1); /* world 1 with collectives, as tests/test_cuda.py runs on one GPU */
   test_grouped_unit();
   long collectives = emu_nccl_collectives() - before;
+  CHECK(emu_nccl_premul_reductions() > 0, "no_shard / ZeRO-1 float32 reductions pre-multiply inside NCCL");
+  CHECK(emu_nccl_live_ops() == 0, "%d pre-multiply operators never destroyed", emu_nccl_live_ops());
   test_watchdog();
   CHECK(emu_streams_alive() == streams_before, "%d streams left alive", emu_streams_alive() - streams_before);
   if (test_failures) {
     fprintf(stderr, "test_emu: %d checks failed\n", test_failures);
     return test_failures > 100 ? 100 : test_failures;
   }
-  printf("test_emu: all checks passed (%ld NCCL collectives through the native transport)\n", collectives);
+  printf("test_emu: all checks passed (%ld NCCL collectives through the native transport, %ld pre-multiplied)\n",
+         collectives, emu_nccl_premul_reductions());
   return 0;
 }

@@ -27,6 +27,12 @@ std::atomic<int> g_streams_alive{0};
 std::atomic<int> g_multiprocessors{2};
 std::atomic<long> g_collectives{0};
 std::atomic<long> g_grouped{0}; /* collectives launched by a group of more than one */
+std::atomic<long> g_premul{0};
+/* custom reduction operators: id -> pre-multiplier (read when the reduction is enqueued, as
+ * NCCL reads a host-immediate scalar) */
+std::mutex g_ops_lock;
+std::map<int, double> g_ops;
+int g_next_op = 5; /* after the built-in ones */
 
 cudaError_t fail(cudaError_t e) {
   g_last_error = e;
@@ -585,11 +591,23 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataT
 
 static ncclResult_t reduce_into(ncclComm_t comm, cudaStream_t s, const void* send, void* recv, size_t count,
                                 size_t first, ncclDataType_t dtype, ncclRedOp_t op) {
-  if (op != ncclSum && op != ncclAvg) return ncclInvalidArgument;
+  double premul = 1.0;
+  if (op != ncclSum && op != ncclAvg) {
+    std::lock_guard<std::mutex> g(g_ops_lock);
+    auto it = g_ops.find(static_cast<int>(op));
+    if (it == g_ops.end()) return ncclInvalidArgument;
+    premul = it->second;
+    op = ncclSum;
+    ++g_premul;
+  }
+  /* every rank multiplies its own input, then the products are summed */
   return enqueue(comm, s, send, [=](clique& c, int rank) {
     std::vector<double> acc(count, 0.0);
     for (int k = 0; k < c.n; ++k)
-      for (size_t i = 0; i < count; ++i) acc[i] += load(c.send[k], dtype, first * static_cast<size_t>(rank) + i);
+      for (size_t i = 0; i < count; ++i) {
+        double v = load(c.send[k], dtype, first * static_cast<size_t>(rank) + i);
+        acc[i] += premul == 1.0 ? v : (dtype == ncclFloat32 ? static_cast<double>(static_cast<float>(premul) * static_cast<float>(v)) : premul * v);
+      }
     if (!c.barrier()) return;  // everyone has read before anyone writes: recv may alias send
     for (size_t i = 0; i < count; ++i) store(recv, dtype, i, op == ncclAvg ? acc[i] / c.n : acc[i]);
   });
@@ -603,6 +621,36 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, ncclD
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t dtype, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t s) {
   return reduce_into(comm, s, send, recv, count, 0, dtype, op);
+}
+
+ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataType_t dtype,
+                                      ncclScalarResidence_t residence, ncclComm_t comm) {
+  if (op == nullptr || scalar == nullptr || comm == nullptr) return ncclInvalidArgument;
+  if (residence != ncclScalarHostImmediate) return ncclInvalidUsage; /* device scalars: not emulated */
+  double v;
+  if (dtype == ncclFloat32)
+    v = *static_cast<float*>(scalar);
+  else if (dtype == ncclFloat64)
+    v = *static_cast<double*>(scalar);
+  else
+    return ncclInvalidUsage; /* the engine only asks for float32/float64 */
+  std::lock_guard<std::mutex> g(g_ops_lock);
+  int id = g_next_op++;
+  g_ops[id] = v;
+  *op = static_cast<ncclRedOp_t>(id);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
+  std::lock_guard<std::mutex> g(g_ops_lock);
+  if (comm == nullptr || g_ops.erase(static_cast<int>(op)) != 1) return ncclInvalidArgument;
+  return ncclSuccess;
+}
+
+long emu_nccl_premul_reductions(void) { return g_premul.load(); }
+int emu_nccl_live_ops(void) {
+  std::lock_guard<std::mutex> g(g_ops_lock);
+  return static_cast<int>(g_ops.size());
 }
 
 long emu_nccl_collectives(void) { return g_collectives.load(); }

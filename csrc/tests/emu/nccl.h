@@ -43,7 +43,8 @@ typedef enum {
   ncclBfloat16 = 9
 } ncclDataType_t;
 
-typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 } ncclRedOp_t;
+typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4, ncclMaxRedOp = 0x7fffffff } ncclRedOp_t;
+typedef enum { ncclScalarDevice = 0, ncclScalarHostImmediate = 1 } ncclScalarResidence_t;
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id);
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank);
@@ -52,6 +53,9 @@ ncclResult_t ncclCommAbort(ncclComm_t comm);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* error);
 const char* ncclGetErrorString(ncclResult_t r);
 const char* ncclGetLastError(ncclComm_t comm);
+ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataType_t dtype,
+                                      ncclScalarResidence_t residence, ncclComm_t comm);
+ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataType_t dtype, ncclComm_t comm,
@@ -67,6 +71,9 @@ ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t dtype, int peer, n
 long emu_nccl_collectives(void);
 /* ... of which launched together by an ncclGroupEnd of more than one collective. */
 long emu_nccl_grouped_collectives(void);
+/* ... and pre-multiplied reductions, and custom operators not destroyed yet. */
+long emu_nccl_premul_reductions(void);
+int emu_nccl_live_ops(void);
 
 #ifdef __cplusplus
 }
