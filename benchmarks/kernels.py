@@ -29,7 +29,8 @@ def main():
     if not torch.cuda.is_available() or not hasattr(_C, "cuda_copy_"):
         sys.exit("needs a CUDA device and a CUDA build of megatron_fsdp_c")
     print(f"{torch.cuda.get_device_name(0)}; GB/s = (bytes read + bytes written) / median time")
-    print(f"{'MB (fp32)':>9} {'d2d copy':>9} {'f32->bf16':>10} {'bf16->f32':>10} {'acc f32+=bf16':>14} {'% of copy (worst)':>18}")
+    print(f"{'MB (fp32)':>9} {'d2d copy':>9} {'f32->bf16':>10} {'bf16->f32':>10} {'acc f32+=bf16':>14} "
+          f"{'pack 12 f32':>12} {'pack 12 bf16':>13} {'% of copy (worst)':>18}")
     for mb in (1, 4, 16, 64, 256, 1024):
         n = mb * (1 << 20) // 4
         a = torch.randn(n, device="cuda")
@@ -40,8 +41,16 @@ def main():
         to_bf16 = 6 * n / timed(lambda: _C.cuda_copy_(h2, a)) / 1e9
         to_f32 = 6 * n / timed(lambda: _C.cuda_copy_(b, h)) / 1e9
         acc = 10 * n / timed(lambda: _C.cuda_accumulate_(b, h)) / 1e9
-        worst = min(to_bf16, to_f32, acc) / copy
-        print(f"{mb:>9} {copy:>9.0f} {to_bf16:>10.0f} {to_f32:>10.0f} {acc:>14.0f} {100 * worst:>17.0f}%")
+        # a unit's gradients into its fp32 bucket: 12 tensors of uneven sizes, one launch
+        sizes = [n * w // 78 for w in (12, 4, 16, 16, 1, 1, 3, 1, 12, 4, 4, 4)]
+        sizes[-1] += n - sum(sizes)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        f32_parts, bf16_parts = list(a.split(sizes)), list(h.split(sizes))
+        pack32 = 8 * n / timed(lambda: _C.cuda_pack_(b, f32_parts, offsets)) / 1e9
+        pack16 = 6 * n / timed(lambda: _C.cuda_pack_(b, bf16_parts, offsets)) / 1e9
+        worst = min(to_bf16, to_f32, acc, pack32, pack16) / copy
+        print(f"{mb:>9} {copy:>9.0f} {to_bf16:>10.0f} {to_f32:>10.0f} {acc:>14.0f} {pack32:>12.0f} {pack16:>13.0f} "
+              f"{100 * worst:>17.0f}%")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,29 @@ def test_cuda_accumulate_matches_cpu(dst, src):
     assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
 
 
+@pytest.mark.parametrize("accumulate", [False, True], ids=["copy", "accumulate"])
+@pytest.mark.parametrize("dst", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_cuda_pack_matches_cpu(dst, accumulate):
+    # a bucket's gradients: mixed dtypes and sizes, aligned and unaligned offsets, one empty
+    g = torch.Generator().manual_seed(7)
+    sizes = [1, 7, 8, 4096, 100_003, 33, 0, 6144, 5]
+    srcs = [torch.randn(n, generator=g).to(FLOATS[i % 3]) for i, n in enumerate(sizes)]
+    offsets, total = [], 0
+    for i, s in enumerate(srcs):
+        total += i % 3  # holes shift the alignment
+        offsets.append(total)
+        total += s.numel()
+    base = torch.randn(total, generator=g).to(dst)
+    cpu = base.clone()
+    for s, o in zip(srcs, offsets):
+        (_C.accumulate_ if accumulate else _C.copy_)(cpu[o:o + s.numel()], s, 0.5)
+    gpu = base.cuda()
+    _C.cuda_pack_(gpu, [s.cuda() for s in srcs], offsets, 0.5, accumulate)
+    assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
+    with pytest.raises(ValueError, match="does not fit"):
+        _C.cuda_pack_(gpu, [srcs[4].cuda()], [total - 10])
+
+
 def world1(rank, world, dtype):
     torch.cuda.set_device(0)
     cfg = GPTConfig(vocab=256, seq=64, d=128, heads=4, layers=3)

@@ -80,20 +80,25 @@ struct alignas(16) Chunk {
   T v[kVec];
 };
 
-/* dst[i] = op(dst[i], src[i]) over n elements; vectorised when `aligned`. */
+__host__ __device__ __forceinline__ bool aligned16(const void* a, const void* b) {
+  return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
+}
+
+/* d[i] = op(d[i], s[i]) over n elements, this block's share of a grid of `blocks` blocks
+ * (block `block`): 16-byte chunks where both pointers allow, then a scalar tail. The body of
+ * every element-wise kernel. */
 template <int DT, int ST>
-__global__ void __launch_bounds__(kThreads) binary_kernel(void* __restrict__ dst, const void* __restrict__ src,
-                                                          int64_t n, double alpha, bool accumulate, bool aligned) {
+__device__ __forceinline__ void binary_span(typename Pair<DT, ST>::D::T* __restrict__ d,
+                                            const typename Pair<DT, ST>::S::T* __restrict__ s, int64_t n,
+                                            double alpha, bool accumulate, int64_t block, int64_t blocks) {
   using P = Pair<DT, ST>;
   using DTy = typename P::D::T;
   using STy = typename P::S::T;
-  DTy* d = static_cast<DTy*>(dst);
-  const STy* s = static_cast<const STy*>(src);
   const typename P::Acc a = static_cast<typename P::Acc>(alpha);
   const bool scaled = alpha != 1.0;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  int64_t body = aligned ? (n / kVec) : 0;
+  const int64_t stride = blocks * blockDim.x;
+  const int64_t first = block * blockDim.x + threadIdx.x;
+  const int64_t body = aligned16(d, s) ? n / kVec : 0;
   for (int64_t c = first; c < body; c += stride) {
     Chunk<STy> in = reinterpret_cast<const Chunk<STy>*>(s)[c];
     Chunk<DTy> out;
@@ -105,24 +110,25 @@ __global__ void __launch_bounds__(kThreads) binary_kernel(void* __restrict__ dst
   for (int64_t i = body * kVec + first; i < n; i += stride) d[i] = P::apply(accumulate ? d[i] : DTy(), s[i], a, accumulate, scaled);
 }
 
-/* One launch over a bucket's items: blockIdx.y is the item, x strides over its elements. */
+template <int DT, int ST>
+__global__ void __launch_bounds__(kThreads) binary_kernel(void* __restrict__ dst, const void* __restrict__ src,
+                                                          int64_t n, double alpha, bool accumulate) {
+  binary_span<DT, ST>(static_cast<typename Pair<DT, ST>::D::T*>(dst), static_cast<const typename Pair<DT, ST>::S::T*>(src),
+                      n, alpha, accumulate, blockIdx.x, gridDim.x);
+}
+
+/* One launch over a bucket's items: blockIdx.y is the item, x strides over its elements, each
+ * item vectorised on its own (whether it is depends on its own addresses). */
 template <int DT, int ST>
 __global__ void __launch_bounds__(kThreads) pack_kernel(void* __restrict__ dst_base, const void* const* __restrict__ srcs,
                                                         const int64_t* __restrict__ offsets,
                                                         const int64_t* __restrict__ numels, double alpha,
                                                         bool accumulate) {
   using P = Pair<DT, ST>;
-  using DTy = typename P::D::T;
-  using STy = typename P::S::T;
   const int item = blockIdx.y;
-  DTy* d = static_cast<DTy*>(dst_base) + offsets[item];
-  const STy* s = static_cast<const STy*>(srcs[item]);
-  const int64_t n = numels[item];
-  const typename P::Acc a = static_cast<typename P::Acc>(alpha);
-  const bool scaled = alpha != 1.0;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    d[i] = P::apply(accumulate ? d[i] : DTy(), s[i], a, accumulate, scaled);
+  binary_span<DT, ST>(static_cast<typename P::D::T*>(dst_base) + offsets[item],
+                      static_cast<const typename P::S::T*>(srcs[item]), numels[item], alpha, accumulate, blockIdx.x,
+                      gridDim.x);
 }
 
 template <int DT>
@@ -165,10 +171,6 @@ int blocks_for(const cuda_ctx* c, int64_t work) {
   return static_cast<int>(want < cap ? want : cap);
 }
 
-bool aligned16(const void* a, const void* b) {
-  return (reinterpret_cast<uintptr_t>(a) % 16 == 0) && (reinterpret_cast<uintptr_t>(b) % 16 == 0);
-}
-
 /* The one dtype dispatch point: calls f.template run<DT, ST>(). */
 template <typename F>
 mfsdp_status dispatch_pair(int dt, int st, F&& f) {
@@ -195,7 +197,7 @@ struct BinaryLaunch {
   mfsdp_status run() {
     bool vec = aligned16(dst, src);
     int blocks = blocks_for(c, vec ? (n + kVec - 1) / kVec : n);
-    binary_kernel<D, S><<<blocks, kThreads, 0, c->stream>>>(dst, src, n, alpha, accumulate, vec);
+    binary_kernel<D, S><<<blocks, kThreads, 0, c->stream>>>(dst, src, n, alpha, accumulate);
     CUDA_CHECK(cudaGetLastError());
     return MFSDP_OK;
   }
@@ -213,7 +215,7 @@ struct PackLaunch {
   bool accumulate;
   template <int D, int S>
   mfsdp_status run() {
-    dim3 grid(blocks_for(c, max_numel), n_items);
+    dim3 grid(blocks_for(c, (max_numel + kVec - 1) / kVec), n_items);
     pack_kernel<D, S><<<grid, kThreads, 0, c->stream>>>(dst, srcs, offsets, numels, alpha, accumulate);
     CUDA_CHECK(cudaGetLastError());
     return MFSDP_OK;

@@ -117,6 +117,19 @@ static PyObject* py_nccl_unique_id(PyObject* module, PyObject* unused) {
 }
 
 /* Kernels on CUDA tensors, on torch's current stream: what the engine runs, for tests/benchmarks. */
+static int current_stream_context(module_state* st, int device, void** ctx) {
+  PyObject* cuda = PyObject_GetAttrString(st->torch, "cuda");
+  PyObject* stream = cuda ? PyObject_CallMethod(cuda, "current_stream", "i", device) : NULL;
+  PyObject* handle = stream ? PyObject_GetAttrString(stream, "cuda_stream") : NULL;
+  Py_XDECREF(cuda);
+  Py_XDECREF(stream);
+  if (handle == NULL) return -1;
+  *ctx = mfsdp_cuda_kernel_context(device);
+  mfsdp_cuda_set_stream(*ctx, (void*)(intptr_t)PyLong_AsLongLong(handle));
+  Py_DECREF(handle);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
 static int cuda_pair(PyObject* module, PyObject* dst, PyObject* src, tensor_view* d, tensor_view* s, void** ctx) {
   module_state* st = PyModule_GetState(module);
   if (mfsdp_tensor_view(st, dst, "cuda kernel", d) < 0 || mfsdp_tensor_view(st, src, "cuda kernel", s) < 0) return -1;
@@ -124,16 +137,60 @@ static int cuda_pair(PyObject* module, PyObject* dst, PyObject* src, tensor_view
     PyErr_SetString(PyExc_ValueError, "cuda kernel: both tensors must be on the same CUDA device, same size");
     return -1;
   }
-  PyObject* cuda = PyObject_GetAttrString(st->torch, "cuda");
-  PyObject* stream = cuda ? PyObject_CallMethod(cuda, "current_stream", "i", d->device) : NULL;
-  PyObject* handle = stream ? PyObject_GetAttrString(stream, "cuda_stream") : NULL;
-  Py_XDECREF(cuda);
-  Py_XDECREF(stream);
-  if (handle == NULL) return -1;
-  *ctx = mfsdp_cuda_kernel_context(d->device);
-  mfsdp_cuda_set_stream(*ctx, (void*)(intptr_t)PyLong_AsLongLong(handle));
-  Py_DECREF(handle);
-  return PyErr_Occurred() ? -1 : 0;
+  return current_stream_context(st, d->device, ctx);
+}
+
+/* cuda_pack_(dst, srcs, offsets, alpha=1.0, accumulate=False): the engine's one-launch gradient
+ * pack: dst[offsets[i] : offsets[i] + srcs[i].numel()] = alpha * srcs[i] (or += ). */
+static PyObject* py_cuda_pack(PyObject* module, PyObject* args) {
+  PyObject *dst, *srcs, *offsets;
+  double alpha = 1.0;
+  int accumulate = 0;
+  if (!PyArg_ParseTuple(args, "OOO|dp:cuda_pack_", &dst, &srcs, &offsets, &alpha, &accumulate)) return NULL;
+  module_state* st = PyModule_GetState(module);
+  tensor_view d;
+  if (mfsdp_tensor_view(st, dst, "cuda_pack_ dst", &d) < 0) return NULL;
+  PyObject* s_seq = PySequence_Fast(srcs, "cuda_pack_: srcs must be a sequence of tensors");
+  PyObject* o_seq = s_seq ? PySequence_Fast(offsets, "cuda_pack_: offsets must be a sequence of ints") : NULL;
+  mfsdp_pack_item* items = NULL;
+  PyObject* result = NULL;
+  if (o_seq == NULL) goto exit;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(s_seq);
+  if (d.device < 0 || n != PySequence_Fast_GET_SIZE(o_seq) || n > INT32_MAX) {
+    PyErr_SetString(PyExc_ValueError, "cuda_pack_: dst must be a CUDA tensor and srcs, offsets the same length");
+    goto exit;
+  }
+  items = PyMem_Calloc((size_t)(n ? n : 1), sizeof *items);
+  if (items == NULL) {
+    PyErr_NoMemory();
+    goto exit;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    tensor_view s;
+    if (mfsdp_tensor_view(st, PySequence_Fast_GET_ITEM(s_seq, i), "cuda_pack_ src", &s) < 0) goto exit;
+    long long off = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(o_seq, i));
+    if (off == -1 && PyErr_Occurred()) goto exit;
+    if (s.device != d.device || off < 0 || off + s.numel > d.numel) {
+      PyErr_Format(PyExc_ValueError, "cuda_pack_: source %zd (%lld elements at offset %lld) is not on dst's device "
+                   "or does not fit in dst (%lld elements)", i, (long long)s.numel, off, (long long)d.numel);
+      goto exit;
+    }
+    items[i] = (mfsdp_pack_item){s.data, s.dtype, off, s.numel};
+  }
+  void* ctx;
+  if (current_stream_context(st, d.device, &ctx) < 0) goto exit;
+  mfsdp_status stt = mfsdp_cuda_kernels->pack(ctx, d.data, d.dtype, items, (int32_t)n, alpha, accumulate);
+  if (stt != MFSDP_OK) {
+    mfsdp_raise(st, stt);
+    goto exit;
+  }
+  result = Py_None;
+  Py_INCREF(result);
+exit:
+  PyMem_Free(items);
+  Py_XDECREF(s_seq);
+  Py_XDECREF(o_seq);
+  return result;
 }
 
 static PyObject* py_cuda_copy(PyObject* module, PyObject* args) {
@@ -166,6 +223,8 @@ static PyMethodDef cuda_methods[] = {
     {"cuda_copy_", py_cuda_copy, METH_VARARGS, "cuda_copy_(dst, src, alpha=1.0): the CUDA cast-copy kernel."},
     {"cuda_accumulate_", py_cuda_accumulate, METH_VARARGS,
      "cuda_accumulate_(dst, src, alpha=1.0): the CUDA accumulate kernel."},
+    {"cuda_pack_", py_cuda_pack, METH_VARARGS,
+     "cuda_pack_(dst, srcs, offsets, alpha=1.0, accumulate=False): the one-launch bucket pack."},
     {NULL, NULL, 0, NULL},
 };
 
