@@ -6,7 +6,8 @@
  *    several grid strides, bit-identical to the CPU kernels; the one-launch pack; NaN counts;
  *    refusals with file:line.
  *  - the pipeline cases of pipeline_cases.c through NCCL transport + CUDA kernels, world 1-4,
- *    with stream-ordered frees (a buffer freed too early is an AddressSanitizer error).
+ *    with stream-ordered frees (a buffer freed too early is an AddressSanitizer error), once as
+ *    they come and once with every stream operation delayed at random (other interleavings).
  *  - a unit of three buckets (fp32, bf16, fp64) gathered as one NCCL group and read by the
  *    consumer stream straight after the wait.
  *  - the watchdog: a collective a peer never joins aborts the communicators within the timeout
@@ -423,6 +424,9 @@ int main(void) {
   long before = emu_nccl_collectives();
   run_pipeline_cases(&nccl_rig, 4, 0);
   run_pipeline_cases(&nccl_rig, 1, 1); /* world 1 with collectives, as tests/test_cuda.py runs on one GPU */
+  emu_set_jitter_us(300);               /* again with streams starting work at random moments */
+  run_pipeline_cases(&nccl_rig, 4, 0);
+  emu_set_jitter_us(0);
   test_grouped_unit();
   long collectives = emu_nccl_collectives() - before;
   CHECK(emu_nccl_premul_reductions() > 0, "no_shard / ZeRO-1 float32 reductions pre-multiply inside NCCL");

@@ -63,6 +63,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s);
 /* Emulator controls for the tests. */
 int emu_streams_alive(void);          /* streams created and not destroyed */
 void emu_set_multiprocessors(int n);  /* what cudaDevAttrMultiProcessorCount reports (default 2) */
+void emu_set_jitter_us(int max_us);   /* each stream operation starts after a random 0..max_us delay */
 /* Queues a host function on a stream: the tests' stand-in for torch freeing into its
  * stream-ordered caching allocator. */
 void emu_stream_host_fn(cudaStream_t s, void (*fn)(void*), void* arg);

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -25,6 +26,7 @@ namespace {
 thread_local cudaError_t g_last_error = cudaSuccess;
 std::atomic<int> g_streams_alive{0};
 std::atomic<int> g_multiprocessors{2};
+std::atomic<int> g_jitter_us{0};
 std::atomic<long> g_collectives{0};
 std::atomic<long> g_grouped{0}; /* collectives launched by a group of more than one */
 std::atomic<long> g_premul{0};
@@ -68,6 +70,11 @@ struct emu_stream {
       queue.pop_front();
       busy = true;
       g.unlock();
+      if (int j = g_jitter_us.load()) { /* shake the interleaving of streams */
+        thread_local unsigned seed = static_cast<unsigned>(reinterpret_cast<uintptr_t>(this));
+        seed = seed * 1103515245u + 12345u;
+        std::this_thread::sleep_for(std::chrono::microseconds((seed >> 8) % static_cast<unsigned>(j + 1)));
+      }
       op();
       g.lock();
       busy = false;
@@ -263,6 +270,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
 
 int emu_streams_alive(void) { return g_streams_alive.load(); }
 void emu_set_multiprocessors(int n) { g_multiprocessors = n; }
+void emu_set_jitter_us(int max_us) { g_jitter_us = max_us; }
 void emu_stream_host_fn(cudaStream_t s, void (*fn)(void*), void* arg) { resolve(s)->push([=] { fn(arg); }); }
 
 }  // extern "C"
