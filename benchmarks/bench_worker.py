@@ -16,8 +16,11 @@ import megatron_fsdp_c as mfsdp
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch, init_distributed
 
 MODELS = {
-    # the training benchmark: a plain GPT of pre-norm blocks
+    # the training benchmark: a plain GPT of pre-norm blocks (CPU size)
     "gpt": dict(cfg=GPTConfig(vocab=2048, seq=128, d=256, heads=8, layers=6), batch=8),
+    # the one-GPU comparison of the CUDA issue (bf16 compute, fp32 main weights, AdamW)
+    "gpt-small": dict(cfg=GPTConfig(vocab=8192, seq=256, d=512, heads=8, layers=12), batch=4),
+    "gpt-large": dict(cfg=GPTConfig(vocab=32768, seq=1024, d=2048, heads=16, layers=16), batch=4),
     # the hook-overhead benchmark: many tiny units, where Python hooks dominate
     "tiny": dict(layers=64, width=32, batch=4),
 }
@@ -81,10 +84,14 @@ def storage_bytes(tensors):
     return total
 
 
+def is_gpt(name):
+    return name.startswith("gpt")
+
+
 def build(args, device):
     torch.manual_seed(0)
     spec = MODELS[args.model]
-    if args.model == "gpt":
+    if is_gpt(args.model):
         model = GPT(spec["cfg"]).to(device)
         unit_cls = Block
     else:
@@ -95,21 +102,22 @@ def build(args, device):
 
 def make_batch(args, step, rank, device):
     spec = MODELS[args.model]
-    if args.model == "gpt":
+    if is_gpt(args.model):
         return batch(spec["cfg"], spec["batch"], seed=1000 * step + rank, device=device)
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(spec["batch"], spec["width"], generator=g).to(device)
     return x, torch.randn(spec["batch"], spec["width"], generator=g).to(device)
 
 
-def theoretical_bytes(model_obj, strategy, micro):
+def theoretical_bytes(model_obj, strategy, micro, grad_elem):
     """Collective bytes per optimisation step implied by the strategy, without padding (the
-    all-gather/reduce-scatter full size S, as nccl-tests report algbw = S / t)."""
+    all-gather/reduce-scatter full size S, as nccl-tests report algbw = S / t). Gradients are
+    communicated with grad_elem bytes an element."""
     buf = model_obj.param_buffer
     elem = {r.name: r.param.element_size() for r in buf.records}
     unit_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.unit >= 0)
     root_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.unit < 0)
-    grad_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.requires_grad)
+    grad_bytes = sum(r.param.numel() * grad_elem for r in buf.records if r.requires_grad)
     if strategy == 0:
         return {"all_reduce": grad_bytes}
     if strategy == 1:
@@ -125,6 +133,9 @@ def main():
     ap.add_argument("--strategy", type=int, default=3)
     ap.add_argument("--model", choices=list(MODELS), default="gpt")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: DDP under bf16 autocast, FSDP2 with bf16 params and fp32 reduction, "
+                         "megatron_fsdp_c with a bf16 model and fp32 main weights and gradients")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -135,21 +146,32 @@ def main():
 
     model, unit_cls = build(args, device)
     n_params = sum(p.numel() for p in model.parameters())
-    train = args.model == "gpt"
+    train = is_gpt(args.model)
+    bf16 = args.precision == "bf16"
     sharded = None
+    autocast = None
     if args.framework == "ddp":
         runner = nn.parallel.DistributedDataParallel(model)
         params = list(runner.parameters())
+        if bf16:
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     elif args.framework == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy as Fsdp2Policy
         from torch.distributed.fsdp import fully_shard as fsdp2
 
+        policy = Fsdp2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Fsdp2Policy()
         for m in model.modules():
             if isinstance(m, unit_cls):
-                fsdp2(m)
-        runner = fsdp2(model)
+                fsdp2(m, mp_policy=policy)
+        runner = fsdp2(model, mp_policy=policy)
         params = list(runner.parameters())
     else:
-        runner, _ = mfsdp.fully_shard(model, None, fsdp_unit_modules=[unit_cls], zero_dp_strategy=args.strategy)
+        policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                                            grad_comm_dtype=torch.float32)
+        if bf16:
+            model = model.to(torch.bfloat16)  # compute weights bf16; fp32 main weights in the engine
+        runner, _ = mfsdp.fully_shard(model, None, fsdp_unit_modules=[unit_cls], zero_dp_strategy=args.strategy,
+                                      mixed_precision_policy=policy)
         sharded = runner
         params = list(runner.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4) if train else None
@@ -158,7 +180,11 @@ def main():
 
     def step(i):
         x, y = make_batch(args, i, rank, device)
-        loss = runner(x, y)
+        if autocast is not None:
+            with autocast:
+                loss = runner(x, y)
+        else:
+            loss = runner(x, y)
         loss.backward()
         if opt is not None:
             opt.step()
@@ -190,7 +216,13 @@ def main():
     # Held bytes, taken between backward and the optimizer step, when gradients exist for every
     # framework: parameters (+ main weights), gradients, optimizer states.
     x, y = make_batch(args, 10_000, rank, device)
-    runner(x, y).backward()
+    if autocast is not None:
+        with autocast:
+            loss = runner(x, y)
+    else:
+        loss = runner(x, y)
+    loss.backward()
+    del loss
     if sharded is not None:
         report = sharded.memory_report(opt)
         held = dict(param=report["param_bytes"], grad=report["grad_bytes"], optim=report["optimizer_state_bytes"])
@@ -201,7 +233,7 @@ def main():
     if opt is not None:
         opt.zero_grad()
     result = dict(framework=args.framework, strategy=args.strategy if args.framework == "mfsdp" else None,
-                  model=args.model, world=world, device=device.type, params=n_params,
+                  model=args.model, precision=args.precision, world=world, device=device.type, params=n_params,
                   step_ms=1e3 * statistics.median(times), step_ms_all=[1e3 * t for t in times],
                   peak_bytes=(torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()),
                   peak_kind="cuda max_memory_allocated" if cuda else "peak RSS (VmHWM) during timed steps",
@@ -213,7 +245,7 @@ def main():
         per_step = {k: (comm_after[k] - before[k]) / args.steps for k in comm_after}
         result["comm_per_step"] = per_step
         if train:
-            result["comm_theory"] = theoretical_bytes(sharded, args.strategy, 1)
+            result["comm_theory"] = theoretical_bytes(sharded, args.strategy, 1, grad_elem=4)  # fp32 reductions
     if rank == 0:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -1,7 +1,13 @@
 """The benchmark: DDP, torch FSDP2 and megatron_fsdp_c (every strategy) on the same GPT, in one
 invocation, under torchrun; CPU (gloo) at 2 and 4 ranks, or the GPU(s) when CUDA is present.
 
-    python benchmarks/run.py [--worlds 2,4] [--steps 20] [--out bench_out]
+    python benchmarks/run.py [--worlds 2,4] [--steps 20] [--models gpt] [--precision fp32] [--out bench_out]
+
+Defaults: on CPU the 5.8M-parameter `gpt` in fp32; with CUDA the CUDA issue's two models,
+`gpt-small` (vocab 8192, d 512, 8 heads, 12 layers, seq 256, batch 4) and `gpt-large` (vocab
+32768, d 2048, 16 heads, 16 layers, seq 1024, batch 4), in bf16 (DDP under bf16 autocast, FSDP2
+bf16 params with fp32 reduction, megatron_fsdp_c a bf16 model with fp32 main weights and
+gradients), AdamW, one unit per block.
 
 Writes bench_out/results.md (tables: step time and its ratios to DDP and FSDP2, memory held per
 rank, peak memory, collective bytes against the theoretical volume, hook overhead per unit on a
@@ -29,13 +35,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(world, out, framework, model, steps, strategy=3):
+def launch(world, out, framework, model, steps, strategy=3, precision="fp32"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_port", str(free_port()), str(HERE / "bench_worker.py"), "--framework", framework,
-           "--model", model, "--steps", str(steps), "--strategy", str(strategy), "--out", str(out)]
+           "--model", model, "--steps", str(steps), "--strategy", str(strategy), "--precision", precision,
+           "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     label = framework if framework != "mfsdp" else f"megatron_fsdp_c {NAMES[strategy]}"
-    print(f"[bench] world {world}: {model} {label}", flush=True)
+    print(f"[bench] world {world}: {model} ({precision}) {label}", flush=True)
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         print(done.stdout[-3000:])
@@ -62,14 +69,41 @@ def machine():
             f"Python {platform.python_version()}")
 
 
+def training_groups(results):
+    """(model, world) pairs of the training benchmark, in the order they ran."""
+    keys = []
+    for r in results:
+        if r["model"].startswith("gpt") and (r["model"], r["world"]) not in keys:
+            keys.append((r["model"], r["world"]))
+    return keys
+
+
+def summary(results):
+    """One line per (model, world): megatron_fsdp_c ZeRO-3 against DDP and FSDP2 (the CUDA issue's
+    goal: <= 1.10x DDP's step time on gpt-large, peak memory <= FSDP2's, ahead of FSDP2 everywhere)."""
+    lines = ["### Summary: megatron_fsdp_c optim_grads_params against the peers", "",
+             "| model | ranks | step x DDP | step x FSDP2 | peak x FSDP2 |", "|---|---|---|---|---|"]
+    for model, world in training_groups(results):
+        rows = [r for r in results if r["model"] == model and r["world"] == world]
+        ddp = next((r for r in rows if r["framework"] == "ddp"), None)
+        fsdp2 = next((r for r in rows if r["framework"] == "fsdp2"), None)
+        ours = next((r for r in rows if r["framework"] == "mfsdp" and r["strategy"] == 3), None)
+        if not (ddp and fsdp2 and ours):
+            continue
+        lines.append(f"| {model} | {world} | {ours['step_ms'] / ddp['step_ms']:.2f} | "
+                     f"{ours['step_ms'] / fsdp2['step_ms']:.2f} | {ours['peak_bytes'] / fsdp2['peak_bytes']:.2f} |")
+    return lines + [""]
+
+
 def tables(results):
-    lines = []
-    gpt = [r for r in results if r["model"] == "gpt"]
-    for world in sorted({r["world"] for r in gpt}):
-        rows = [r for r in gpt if r["world"] == world]
+    lines = summary(results)
+    for model, world in training_groups(results):
+        rows = [r for r in results if r["model"] == model and r["world"] == world]
         ddp = next(r for r in rows if r["framework"] == "ddp")
         fsdp2 = next((r for r in rows if r["framework"] == "fsdp2"), None)
-        lines += [f"### Training step, {world} ranks ({rows[0]['device']}, GPT {rows[0]['params'] / 1e6:.2f}M params)",
+        precision = rows[0].get("precision", "fp32")
+        lines += [f"### Training step, {world} rank{'s' if world > 1 else ''} ({rows[0]['device']}, {model} "
+                  f"{rows[0]['params'] / 1e6:.2f}M params, {precision})",
                   "", "| configuration | step ms | x DDP | x FSDP2 | params MiB | grads MiB | optimizer MiB | held MiB "
                       "| peak MiB | transient MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
@@ -82,7 +116,8 @@ def tables(results):
         lines.append("")
         comm = [r for r in rows if r.get("comm_theory")]
         if comm:
-            lines += [f"### Collective bytes per step, {world} ranks (measured by the transport / theoretical)", "",
+            lines += [f"### Collective bytes per step, {model}, {world} ranks (measured by the transport / "
+                      "theoretical)", "",
                       "| strategy | all-gather | reduce-scatter | all-reduce |", "|---|---|---|---|"]
             keys = {"all_gather": "all_gather_bytes", "reduce_scatter": "reduce_scatter_bytes",
                     "all_reduce": "all_reduce_bytes"}
@@ -119,16 +154,15 @@ def plot(results, path):
     except ImportError:
         print("[bench] matplotlib not installed: no plot")
         return False
-    gpt = [r for r in results if r["model"] == "gpt"]
-    worlds = sorted({r["world"] for r in gpt})
-    fig, axes = plt.subplots(len(worlds), 3, figsize=(16, 4.2 * len(worlds)), squeeze=False)
-    for row, world in zip(axes, worlds):
-        rs = [r for r in gpt if r["world"] == world]
+    groups = training_groups(results)
+    fig, axes = plt.subplots(len(groups), 3, figsize=(16, 4.2 * len(groups)), squeeze=False)
+    for row, (model, world) in zip(axes, groups):
+        rs = [r for r in results if r["model"] == model and r["world"] == world]
         names = [label(r).replace("megatron_fsdp_c ", "mfsdp_c\n") for r in rs]
         colors = ["#888888" if r["framework"] == "ddp" else "#d62728" if r["framework"] == "fsdp2" else "#1f77b4"
                   for r in rs]
         row[0].bar(names, [r["step_ms"] for r in rs], color=colors)
-        row[0].set_title(f"step time, {world} ranks (ms)")
+        row[0].set_title(f"step time, {model}, {world} ranks (ms)")
         row[1].bar(names, [r["peak_bytes"] / 2**20 for r in rs], color=colors)
         row[1].set_title(f"peak memory per rank (MiB, {rs[0]['peak_kind']})", fontsize=9)
         bottom = [0.0] * len(rs)
@@ -149,6 +183,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", default=None, help="comma-separated rank counts (default: 2,4 on CPU, GPUs on GPU)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--models", default=None, help="comma-separated (default: gpt on CPU, gpt-small,gpt-large on GPU)")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: fp32 on CPU, bf16 on GPU")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     out_dir = Path(args.out)
@@ -158,11 +194,14 @@ def main():
     cuda = torch.cuda.is_available()
     worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else (
         [torch.cuda.device_count()] if cuda else [2, 4])
-    for world in worlds:
-        launch(world, raw, "ddp", "gpt", args.steps)
-        launch(world, raw, "fsdp2", "gpt", args.steps)
-        for strategy in range(4):
-            launch(world, raw, "mfsdp", "gpt", args.steps, strategy)
+    models = args.models.split(",") if args.models else (["gpt-small", "gpt-large"] if cuda else ["gpt"])
+    precision = args.precision or ("bf16" if cuda else "fp32")
+    for model in models:
+        for world in worlds:
+            launch(world, raw, "ddp", model, args.steps, precision=precision)
+            launch(world, raw, "fsdp2", model, args.steps, precision=precision)
+            for strategy in range(4):
+                launch(world, raw, "mfsdp", model, args.steps, strategy, precision)
     # Hook overhead: at 1 rank nobody communicates (the hooks and bookkeeping alone), then with
     # communication at the first benchmarked world size.
     for hook_world in sorted({1, worlds[0]}):
@@ -171,8 +210,10 @@ def main():
         launch(hook_world, raw, "mfsdp", "tiny", args.steps, 3)
         launch(hook_world, raw, "mfsdp", "tiny", args.steps, 0)
     results = [json.loads(line) for line in raw.read_text().splitlines()]
-    text = f"## Benchmark ({machine()})\n\nCommand: `python benchmarks/run.py --steps {args.steps}`" \
-           f"{' --worlds ' + args.worlds if args.worlds else ''}\n\n" + tables(results)
+    flags = "".join(f" --{k} {v}" for k, v in (("worlds", args.worlds), ("models", args.models),
+                                                ("precision", args.precision)) if v)
+    text = f"## Benchmark ({machine()})\n\nCommand: `python benchmarks/run.py --steps {args.steps}{flags}`\n\n" + \
+        tables(results)
     (out_dir / "results.md").write_text(text)
     has_plot = plot(results, out_dir / "results.png")
     print(text)
