@@ -8,7 +8,9 @@
  *
  * Buffers of one bucket (S = shard_size, N = shards * S, r = shard rank):
  *   WEIGHT        full compute weights, N elements of param_dtype. Temporary under ZeRO-3.
- *   WEIGHT_SHARD  rank r's S elements: its own storage under ZeRO-3, else a view of WEIGHT.
+ *   WEIGHT_SHARD  rank r's S elements: its own storage under ZeRO-3 when the main weights are
+ *                 the compute weights; else a view of WEIGHT (under ZeRO-3 with wider main
+ *                 weights, filled from MAIN_SHARD at each gather: [Note: cast on gather]).
  *   MAIN_SHARD    optimizer weights (main_dtype): own storage if main_dtype != param_dtype.
  *   GRAD          full gradients, N elements. ZeRO-2/3: temporary, in comm_dtype, filled each
  *                 backward and reduce-scattered. no_shard/ZeRO-1: persistent, grad_dtype,

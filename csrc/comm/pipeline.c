@@ -33,7 +33,14 @@
  * When the communication dtype is narrower than the main gradients, the pipeline sends the same
  * bytes with an all-to-all (each rank receives every rank's narrow piece of its own slice) and
  * adds the pieces into the main gradient in its own dtype, in rank order: each contribution is
- * rounded once (to the wire dtype) and the sum never is. */
+ * rounded once (to the wire dtype) and the sum never is.
+ *
+ * [Note: cast on gather]
+ * Under ZeRO-3 with main weights wider than the compute weights (bf16 model, fp32 main), the
+ * only persistent copy of a rank's rows is the main shard. Each gather casts it into this
+ * rank's slice of the freshly materialised full buffer and all-gathers in place, so no
+ * compute-dtype shard is kept between passes: 2 bytes a parameter / world less than keeping
+ * one, the same held memory as FSDP2, for one cast of S elements per gather. */
 #include "mfsdp_pipeline.h"
 
 #include <stdlib.h>
@@ -137,6 +144,11 @@ static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, in
   return MFSDP_OK;
 }
 
+/* See [Note: cast on gather]. */
+static int casts_on_gather(const mfsdp_bucket_spec* s) {
+  return s->weights_sharded && s->grad_mode != MFSDP_GRAD_NONE && s->main_dtype != s->param_dtype;
+}
+
 /* Low-precision communication, high-precision accumulation: when a reduce-scatter would sum
  * in a dtype narrower than the main gradients, the pipeline exchanges the narrow pieces instead
  * (all-to-all: the same bytes on the wire as a reduce-scatter) and sums them itself in the
@@ -210,7 +222,7 @@ static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
   int accumulate = s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE;
 
   MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, N, s->param_dtype, s->weights_sharded));
-  if (s->weights_sharded)
+  if (s->weights_sharded && !casts_on_gather(s))
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, S, s->param_dtype, 0));
   else
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, MFSDP_BUF_WEIGHT, off, S));
@@ -479,7 +491,7 @@ mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t b, int32_t item,
   int64_t z = bk->offsets[item] + numel < s0 + S ? bk->offsets[item] + numel : s0 + S;
   if (a >= z) return MFSDP_OK;
   const void* from = (const char*)src + (a - bk->offsets[item]) * elem_size(src_dtype);
-  if (bk->spec.weights_sharded)
+  if (bk->spec.weights_sharded && !casts_on_gather(&bk->spec))
     MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], a - s0), bk->spec.param_dtype, from,
                         src_dtype, z - a, 1.0));
   if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD)
@@ -516,6 +528,10 @@ mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
 /* weights */
 
 static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
+  if (casts_on_gather(&bk->spec)) /* this rank's rows from the main weights: see [Note: cast on gather] */
+    MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
+                                    bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->spec.shard_size,
+                                    1.0));
   bk->wstate = MFSDP_W_GATHERING;
   if (!communicates(p, bk)) return MFSDP_OK;
   mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[MFSDP_BUF_WEIGHT],
@@ -583,11 +599,12 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     if (bk->spec.grad_mode == MFSDP_GRAD_NONE && !include_frozen) continue;
-    if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD)
+    int on_gather = casts_on_gather(&bk->spec); /* the next gather casts: nothing to do now */
+    if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD && !on_gather)
       MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
                                       bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->spec.shard_size,
                                       1.0));
-    if (bk->spec.shards == 1) continue; /* the shard is the whole bucket: nothing to spread */
+    if (bk->spec.shards == 1 && !on_gather) continue; /* the shard is the whole bucket: nothing to spread */
     if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(wait_work(p, &bk->gather_work));
     if (bk->wstate != MFSDP_W_EMPTY) bk->wstate = MFSDP_W_STALE;
   }

@@ -109,6 +109,9 @@ static void* pipe_worker(void* arg) {
   const mfsdp_buffer* weight = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT);
   if (spec.weights_sharded)
     CHECK(weight->data == NULL && mfsdp_pipeline_weight_state(p, 0) == MFSDP_W_EMPTY, "ZeRO-3 releases weights");
+  if (spec.weights_sharded && c->main_dtype != c->param_dtype) /* cast on gather: the main shard is the only copy */
+    CHECK(mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT_SHARD)->data == NULL, "%s: no compute-dtype shard is held",
+          c->name);
 
   /* gather: every item whole, padding zero */
   int32_t ids[1] = {0};
