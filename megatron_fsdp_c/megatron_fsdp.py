@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import weakref
 from typing import Iterator, List, Optional, Tuple
 
@@ -60,6 +61,10 @@ class MegatronFSDP(nn.Module):
         self._no_sync_depth = 0
         self._grads_pending = False
         self._holds_dist_params = False
+        # CPU only: give free heap back to the OS after a backward once it exceeds this
+        # (see [Note: host heap trim] in csrc/python/module.c); 0 disables.
+        self._host_trim_bytes = (int(os.environ.get("MFSDP_HOST_TRIM_BYTES", 256 << 20))
+                                 if dist_ctx.device.type == "cpu" else 0)
 
         mark_by_name(module)
         records = collect_params(module, fsdp_unit_modules)
@@ -140,6 +145,8 @@ class MegatronFSDP(nn.Module):
         self._swap_params(dist=True)
         if synced:
             self.finish_grad_sync()
+        if self._host_trim_bytes > 0:
+            _C.trim_host_heap(self._host_trim_bytes)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Finishes every gradient reduction (reducing no_shard/ZeRO-1 gradients exactly once)

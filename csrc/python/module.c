@@ -3,6 +3,9 @@
 #include "glue.h"
 
 #include <string.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 module_state* mfsdp_state_of_type(PyTypeObject* type) {
   PyObject* module = PyType_GetModuleByDef(type, &mfsdp_module_def);
@@ -267,6 +270,29 @@ static PyObject* py_count_nonfinite(PyObject* module, PyObject* x) {
   return PyLong_FromLongLong(count);
 }
 
+/* [Note: host heap trim]
+ * On CPU, glibc raises its mmap threshold after large blocks are freed and then serves
+ * activation-sized blocks from the heap; with collectives' buffers interleaved, the freed
+ * blocks fragment and the process's resident memory climbed 1.2 GiB in 350 steps of a 22 MB
+ * model (ZeRO-1, 2 ranks, all of it free to malloc: malloc_trim gave it back). Trimming after a
+ * backward, only once the free heap exceeds a bound, keeps resident memory within the bound for
+ * a few ms every so many steps. */
+static PyObject* py_trim_host_heap(PyObject* module, PyObject* arg) {
+  (void)module;
+  long long min_free = PyLong_AsLongLong(arg);
+  if (min_free == -1 && PyErr_Occurred()) return NULL;
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  struct mallinfo2 info = mallinfo2();
+  if ((long long)info.fordblks < min_free) return PyLong_FromLong(0);
+  Py_BEGIN_ALLOW_THREADS
+  malloc_trim(0);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromSize_t(info.fordblks);
+#else
+  return PyLong_FromLong(-1); /* not glibc: nothing to do */
+#endif
+}
+
 static PyMethodDef module_methods[] = {
     {"plan", py_plan, METH_VARARGS, plan_doc},
     {"copy_", py_copy, METH_VARARGS, "copy_(dst, src, alpha=1.0): dst = alpha * src, cast once (CPU kernel)."},
@@ -274,6 +300,9 @@ static PyMethodDef module_methods[] = {
      "accumulate_(dst, src, alpha=1.0): dst += alpha * src in the wider type, rounded once (CPU kernel)."},
     {"scale_", py_scale, METH_VARARGS, "scale_(x, alpha): x *= alpha (CPU kernel)."},
     {"count_nonfinite", py_count_nonfinite, METH_O, "count_nonfinite(x) -> number of NaN/Inf elements."},
+    {"trim_host_heap", py_trim_host_heap, METH_O,
+     "trim_host_heap(min_free_bytes) -> free heap bytes returned to the OS (0: below the bound, -1: not "
+     "glibc). See [Note: host heap trim] in csrc/python/module.c."},
     {NULL, NULL, 0, NULL},
 };
 
