@@ -2,6 +2,7 @@
 on the same GPT; rank 0 writes a JSON line of what it measured. Started by benchmarks/run.py,
 one process group per configuration so that peak memory is per configuration."""
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -178,13 +179,13 @@ def main():
     if opt is not None and sharded is not None:
         mfsdp.fully_shard_optimizer(opt)
 
-    def step(i):
+    def loss_of(i):
         x, y = make_batch(args, i, rank, device)
-        if autocast is not None:
-            with autocast:
-                loss = runner(x, y)
-        else:
-            loss = runner(x, y)
+        with autocast if autocast is not None else contextlib.nullcontext():
+            return runner(x, y)
+
+    def step(i):
+        loss = loss_of(i)
         loss.backward()
         if opt is not None:
             opt.step()
@@ -215,14 +216,7 @@ def main():
     comm_after = sharded.comm_stats() if sharded is not None else None
     # Held bytes, taken between backward and the optimizer step, when gradients exist for every
     # framework: parameters (+ main weights), gradients, optimizer states.
-    x, y = make_batch(args, 10_000, rank, device)
-    if autocast is not None:
-        with autocast:
-            loss = runner(x, y)
-    else:
-        loss = runner(x, y)
-    loss.backward()
-    del loss
+    loss_of(10_000).backward()
     if sharded is not None:
         report = sharded.memory_report(opt)
         held = dict(param=report["param_bytes"], grad=report["grad_bytes"], optim=report["optimizer_state_bytes"])
