@@ -175,9 +175,9 @@ def heap_worker(rank, world):
 
 
 def test_resident_memory_stays_bounded_on_cpu():
-    # Without the trim after backward, this run's resident memory grew ~5 MiB a step (150 MiB
-    # over these 30 steps, 1.2 GiB before it levelled off): glibc heap fragmentation, see
-    # [Note: host heap trim] in csrc/python/module.c.
+    # Without the trim after backward, this run's resident memory grew ~5 MiB a step (166 MiB
+    # over these 30 steps): glibc heap fragmentation, see [Note: host heap trim] in
+    # csrc/python/module.c.
     for rank, marks in enumerate(get_run(heap_worker, 2)):
         growth = marks[39] - marks[9]
         print(f"\nrank {rank}: RSS {marks[9] / 2**20:.0f} -> {marks[39] / 2**20:.0f} MiB over 30 steps")
