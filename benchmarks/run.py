@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_worker import MODELS, is_gpt  # noqa: E402  (the worker's table of models)
 NAMES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 
 
@@ -73,7 +75,7 @@ def training_groups(results):
     """(model, world) pairs of the training benchmark, in the order they ran."""
     keys = []
     for r in results:
-        if r["model"].startswith("gpt") and (r["model"], r["world"]) not in keys:
+        if is_gpt(r["model"]) and (r["model"], r["world"]) not in keys:
             keys.append((r["model"], r["world"]))
     return keys
 
@@ -195,6 +197,9 @@ def main():
     worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else (
         [torch.cuda.device_count()] if cuda else [2, 4])
     models = args.models.split(",") if args.models else (["gpt-small", "gpt-large"] if cuda else ["gpt"])
+    known = [name for name in MODELS if is_gpt(name)]
+    if any(m not in known for m in models):
+        ap.error(f"--models {args.models}: choose from {', '.join(known)}")
     precision = args.precision or ("bf16" if cuda else "fp32")
     for model in models:
         for world in worlds:

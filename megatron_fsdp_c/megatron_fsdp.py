@@ -38,6 +38,18 @@ __all__ = ["MegatronFSDP"]
 logger = logging.getLogger("megatron_fsdp_c")
 
 
+def _host_trim_bytes() -> int:
+    raw = os.environ.get("MFSDP_HOST_TRIM_BYTES", str(256 << 20))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"MFSDP_HOST_TRIM_BYTES={raw!r}: give a byte count (e.g. 268435456), or 0 to never "
+                         "trim the CPU heap")
+    return value
+
+
 class MegatronFSDP(nn.Module):
     def __init__(self, module: nn.Module, *, dist_ctx: DistContext, zero_dp_strategy: int,
                  fsdp_unit_modules: List[nn.Module], mixed_precision_policy: MixedPrecisionPolicy,
@@ -61,10 +73,9 @@ class MegatronFSDP(nn.Module):
         self._no_sync_depth = 0
         self._grads_pending = False
         self._holds_dist_params = False
-        # CPU only: give free heap back to the OS after a backward once it exceeds this
-        # (see [Note: host heap trim] in csrc/python/module.c); 0 disables.
-        self._host_trim_bytes = (int(os.environ.get("MFSDP_HOST_TRIM_BYTES", 256 << 20))
-                                 if dist_ctx.device.type == "cpu" else 0)
+        # CPU only: after a backward, trim the heap once resident memory grew by more than this
+        # since the last trim (see [Note: host heap trim] in csrc/python/module.c); 0 disables.
+        self._host_trim_bytes = _host_trim_bytes() if dist_ctx.device.type == "cpu" else 0
 
         mark_by_name(module)
         records = collect_params(module, fsdp_unit_modules)

@@ -127,3 +127,14 @@ def test_policy_validation():
         mf.MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16, grad_comm_dtype=torch.float32)
     mf.MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16, grad_comm_dtype=torch.float32,
                             allow_lossy_accumulation=True)
+
+
+@pytest.mark.parametrize("value", ["lots", "-1"])
+def test_bad_heap_trim_setting_names_the_variable(monkeypatch, value):
+    from megatron_fsdp_c.megatron_fsdp import _host_trim_bytes
+
+    monkeypatch.setenv("MFSDP_HOST_TRIM_BYTES", value)
+    with pytest.raises(ValueError, match="MFSDP_HOST_TRIM_BYTES=.*byte count.*or 0"):
+        _host_trim_bytes()
+    monkeypatch.setenv("MFSDP_HOST_TRIM_BYTES", "0")
+    assert _host_trim_bytes() == 0

@@ -527,11 +527,14 @@ mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
 /* ------------------------------------------------------------------------------------------ */
 /* weights */
 
+/* Main weights -> this rank's compute rows, cast once. */
+static mfsdp_status cast_main_to_shard(mfsdp_pipeline* p, bucket* bk) {
+  return p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
+                             bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->spec.shard_size, 1.0);
+}
+
 static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
-  if (casts_on_gather(&bk->spec)) /* this rank's rows from the main weights: see [Note: cast on gather] */
-    MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
-                                    bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->spec.shard_size,
-                                    1.0));
+  if (casts_on_gather(&bk->spec)) MFSDP_CHECK(cast_main_to_shard(p, bk)); /* see [Note: cast on gather] */
   bk->wstate = MFSDP_W_GATHERING;
   if (!communicates(p, bk)) return MFSDP_OK;
   mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[MFSDP_BUF_WEIGHT],
@@ -600,10 +603,7 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
     bucket* bk = &p->b[i];
     if (bk->spec.grad_mode == MFSDP_GRAD_NONE && !include_frozen) continue;
     int on_gather = casts_on_gather(&bk->spec); /* the next gather casts: nothing to do now */
-    if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD && !on_gather)
-      MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
-                                      bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->spec.shard_size,
-                                      1.0));
+    if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD && !on_gather) MFSDP_CHECK(cast_main_to_shard(p, bk));
     if (bk->spec.shards == 1 && !on_gather) continue; /* the shard is the whole bucket: nothing to spread */
     if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(wait_work(p, &bk->gather_work));
     if (bk->wstate != MFSDP_W_EMPTY) bk->wstate = MFSDP_W_STALE;

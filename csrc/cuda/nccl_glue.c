@@ -116,18 +116,26 @@ static PyObject* py_nccl_unique_id(PyObject* module, PyObject* unused) {
   return PyBytes_FromStringAndSize((const char*)&id, sizeof id);
 }
 
+int mfsdp_use_current_stream(PyObject* current_stream, int device, void* kernels_ctx) {
+  PyObject* stream = PyObject_CallFunction(current_stream, "i", device);
+  PyObject* handle = stream ? PyObject_GetAttrString(stream, "cuda_stream") : NULL;
+  Py_XDECREF(stream);
+  if (handle == NULL) return -1;
+  mfsdp_cuda_set_stream(kernels_ctx, (void*)(intptr_t)PyLong_AsLongLong(handle));
+  Py_DECREF(handle);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
 /* Kernels on CUDA tensors, on torch's current stream: what the engine runs, for tests/benchmarks. */
 static int current_stream_context(module_state* st, int device, void** ctx) {
   PyObject* cuda = PyObject_GetAttrString(st->torch, "cuda");
-  PyObject* stream = cuda ? PyObject_CallMethod(cuda, "current_stream", "i", device) : NULL;
-  PyObject* handle = stream ? PyObject_GetAttrString(stream, "cuda_stream") : NULL;
+  PyObject* current_stream = cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL;
   Py_XDECREF(cuda);
-  Py_XDECREF(stream);
-  if (handle == NULL) return -1;
+  if (current_stream == NULL) return -1;
   *ctx = mfsdp_cuda_kernel_context(device);
-  mfsdp_cuda_set_stream(*ctx, (void*)(intptr_t)PyLong_AsLongLong(handle));
-  Py_DECREF(handle);
-  return PyErr_Occurred() ? -1 : 0;
+  int rc = mfsdp_use_current_stream(current_stream, device, *ctx);
+  Py_DECREF(current_stream);
+  return rc;
 }
 
 static int cuda_pair(PyObject* module, PyObject* dst, PyObject* src, tensor_view* d, tensor_view* s, void** ctx) {

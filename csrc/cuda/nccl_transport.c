@@ -331,32 +331,30 @@ static ncclResult_t reduce_op(mfsdp_nccl* t, mfsdp_reduce_op op, double premul, 
                                   ncclScalarHostImmediate, t->comm[1]);
 }
 
-static mfsdp_status nt_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
-                                      mfsdp_reduce_op op, double premul, mfsdp_work** work) {
-  mfsdp_nccl* t = ctx;
+/* ncclReduceScatter and ncclAllReduce take the same arguments (count: elements received). */
+typedef ncclResult_t (*nccl_reduce_fn)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
+                                       cudaStream_t);
+
+static mfsdp_status reduce(mfsdp_nccl* t, nccl_reduce_fn fn, const char* what, const void* send,
+                           const mfsdp_buffer* recv, mfsdp_reduce_op op, double premul, mfsdp_work** work) {
   cudaStream_t s;
   MFSDP_CHECK(begin(t, 1, &s));
   ncclRedOp_t nop;
   int custom;
-  ncclResult_t r = reduce_op(t, op, premul, shard->dtype, &nop, &custom);
-  if (r == ncclSuccess)
-    r = ncclReduceScatter(full->data, shard->data, (size_t)shard->numel, nccl_dtype(shard->dtype), nop, t->comm[1], s);
+  ncclResult_t r = reduce_op(t, op, premul, recv->dtype, &nop, &custom);
+  if (r == ncclSuccess) r = fn(send, recv->data, (size_t)recv->numel, nccl_dtype(recv->dtype), nop, t->comm[1], s);
   if (custom) ncclRedOpDestroy(nop, t->comm[1]);
-  return finish(t, 1, r, "ncclReduceScatter", __LINE__, work);
+  return finish(t, 1, r, what, __LINE__, work);
+}
+
+static mfsdp_status nt_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
+                                      mfsdp_reduce_op op, double premul, mfsdp_work** work) {
+  return reduce(ctx, ncclReduceScatter, "ncclReduceScatter", full->data, shard, op, premul, work);
 }
 
 static mfsdp_status nt_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, double premul,
                                   mfsdp_work** work) {
-  mfsdp_nccl* t = ctx;
-  cudaStream_t s;
-  MFSDP_CHECK(begin(t, 1, &s));
-  ncclRedOp_t nop;
-  int custom;
-  ncclResult_t r = reduce_op(t, op, premul, buf->dtype, &nop, &custom);
-  if (r == ncclSuccess)
-    r = ncclAllReduce(buf->data, buf->data, (size_t)buf->numel, nccl_dtype(buf->dtype), nop, t->comm[1], s);
-  if (custom) ncclRedOpDestroy(nop, t->comm[1]);
-  return finish(t, 1, r, "ncclAllReduce", __LINE__, work);
+  return reduce(ctx, ncclAllReduce, "ncclAllReduce", buf->data, buf, op, premul, work);
 }
 
 static mfsdp_status nt_all_to_all(void* ctx, const mfsdp_buffer* out, const mfsdp_buffer* in, mfsdp_work** work) {

@@ -26,14 +26,8 @@ static PyObject* fail(PyObject* self, mfsdp_status s) { return mfsdp_raise(engin
  * change between calls under torch.cuda.stream(...)). */
 static int refresh_stream(engine_object* e) {
 #ifdef MFSDP_WITH_CUDA
-  if (e->current_stream == NULL) return 1;
-  PyObject* stream = PyObject_CallFunction(e->current_stream, "i", e->memory.device_index);
-  PyObject* handle = stream ? PyObject_GetAttrString(stream, "cuda_stream") : NULL;
-  Py_XDECREF(stream);
-  if (handle == NULL) return 0;
-  mfsdp_cuda_set_stream(e->kernels_ctx, (void*)(intptr_t)PyLong_AsLongLong(handle));
-  Py_DECREF(handle);
-  return !PyErr_Occurred();
+  return e->current_stream == NULL ||
+         mfsdp_use_current_stream(e->current_stream, e->memory.device_index, e->kernels_ctx) == 0;
 #else
   (void)e;
   return 1;

@@ -3,6 +3,8 @@
 #include "glue.h"
 
 #include <string.h>
+#include <stdio.h>
+#include <unistd.h>
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
@@ -275,19 +277,35 @@ static PyObject* py_count_nonfinite(PyObject* module, PyObject* x) {
  * (ZeRO-1, 2 ranks) and was still growing; all of it was free to malloc (malloc_trim gave it
  * back), and pinning glibc's mmap threshold also stopped it: heap fragmentation once glibc's
  * dynamic threshold serves activation-sized blocks from the heap between collectives' buffers.
- * Pinning the threshold cost 20-28% step time; trimming after a backward, only once the free
- * heap exceeds a bound, keeps resident memory within the bound for a few ms now and then. */
+ * Pinning the threshold cost 20-28% step time. Instead, after a backward, the heap is trimmed
+ * when resident memory has grown by more than a bound since the last trim: one /proc read per
+ * backward, one trim every so many steps. (Not malloc's free-byte count: trimmed pages stay
+ * free chunks, so that count never drops and would trim at every backward.) */
+static long long resident_bytes(void) {
+  long long pages = -1, resident = -1;
+  FILE* f = fopen("/proc/self/statm", "r");
+  if (f == NULL) return -1;
+  int n = fscanf(f, "%lld %lld", &pages, &resident);
+  fclose(f);
+  return n == 2 ? resident * (long long)sysconf(_SC_PAGESIZE) : -1;
+}
+
+static long long g_resident_after_trim; /* process-wide, like the heap; updated under the GIL */
+
 static PyObject* py_trim_host_heap(PyObject* module, PyObject* arg) {
   (void)module;
-  long long min_free = PyLong_AsLongLong(arg);
-  if (min_free == -1 && PyErr_Occurred()) return NULL;
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
-  struct mallinfo2 info = mallinfo2();
-  if ((long long)info.fordblks < min_free) return PyLong_FromLong(0);
+  long long bound = PyLong_AsLongLong(arg);
+  if (bound == -1 && PyErr_Occurred()) return NULL;
+#if defined(__GLIBC__)
+  long long now = resident_bytes();
+  if (now < 0) return PyLong_FromLong(-1);
+  if (g_resident_after_trim == 0 || now < g_resident_after_trim) g_resident_after_trim = now;
+  if (now - g_resident_after_trim <= bound) return PyLong_FromLong(0);
   Py_BEGIN_ALLOW_THREADS
   malloc_trim(0);
   Py_END_ALLOW_THREADS
-  return PyLong_FromSize_t(info.fordblks);
+  g_resident_after_trim = resident_bytes();
+  return PyLong_FromLongLong(now - g_resident_after_trim);
 #else
   return PyLong_FromLong(-1); /* not glibc: nothing to do */
 #endif
@@ -301,8 +319,8 @@ static PyMethodDef module_methods[] = {
     {"scale_", py_scale, METH_VARARGS, "scale_(x, alpha): x *= alpha (CPU kernel)."},
     {"count_nonfinite", py_count_nonfinite, METH_O, "count_nonfinite(x) -> number of NaN/Inf elements."},
     {"trim_host_heap", py_trim_host_heap, METH_O,
-     "trim_host_heap(min_free_bytes) -> free heap bytes returned to the OS (0: below the bound, -1: not "
-     "glibc). See [Note: host heap trim] in csrc/python/module.c."},
+     "trim_host_heap(bound) -> resident bytes given back to the OS: trims the heap once resident memory grew "
+     "by more than bound since the last trim (0: not yet, -1: not glibc/Linux). See [Note: host heap trim]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,6 +1,8 @@
 /* harness.c: heap memory and the thread transport for the C tests (see harness.h). */
 #include "harness.h"
 
+#include <math.h>
+
 _Atomic int test_failures = 0;
 
 double load_as_double(const void* p, int dtype, int64_t i) {
@@ -21,6 +23,30 @@ void store_from_double(void* p, int dtype, int64_t i, double v) {
     case MFSDP_F16: ((uint16_t*)p)[i] = mfsdp_f32_to_f16((float)v); break;
     default: break;
   }
+}
+
+void fill_test_values(void* p, int dtype, int64_t n, uint64_t* rng) {
+  for (int64_t i = 0; i < n; ++i) {
+    double v = (rng_uniform(rng) - 0.5) * 8.0;
+    if (i % 97 == 3) v = NAN;
+    if (i % 89 == 5) v = INFINITY;
+    if (i % 71 == 9) v = -INFINITY;
+    if (i % 83 == 7) v = 1e-41;    /* float32 subnormal */
+    if (i % 79 == 11) v = 65519.0; /* rounds to float16 Inf */
+    store_from_double(p, dtype, i, v);
+  }
+}
+
+int64_t count_differences(const void* a, const void* b, int dtype, int64_t n) {
+  int64_t wrong = 0, size = mfsdp_dtype_size(dtype);
+  for (int64_t i = 0; i < n; ++i) {
+    double x = load_as_double(a, dtype, i), y = load_as_double(b, dtype, i);
+    if (isnan(x) || isnan(y))
+      wrong += !(isnan(x) && isnan(y));
+    else
+      wrong += memcmp((const char*)a + i * size, (const char*)b + i * size, (size_t)size) != 0;
+  }
+  return wrong;
 }
 
 /* ---- heap memory: owners hold a heap_block; views hold a heap_block whose mem is NULL ---- */
@@ -141,42 +167,34 @@ static void sum_slots(loop_world* w, int dtype, int64_t first, int64_t n, mfsdp_
   }
 }
 
-static mfsdp_status loop_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
-                                        mfsdp_reduce_op op, double premul, mfsdp_work** work) {
-  loop_rank* r = ctx;
+/* out = op over ranks of in[first .. first + out->numel); out may alias in. */
+static mfsdp_status loop_reduce(loop_rank* r, const mfsdp_buffer* out, const mfsdp_buffer* in, int64_t first,
+                                mfsdp_reduce_op op, double premul, mfsdp_work** work) {
   if (premul != 1.0) return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "no fused pre-multiplier");
   loop_world* w = r->world;
   *work = NULL;
   MFSDP_CHECK(maybe_fail(r));
-  double* tmp = malloc((size_t)(shard->numel ? shard->numel : 1) * sizeof *tmp);
-  if (tmp == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "rs tmp");
-  w->slot[r->rank] = full->data;
+  double* tmp = malloc((size_t)(out->numel ? out->numel : 1) * sizeof *tmp);
+  if (tmp == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "reduction tmp");
+  w->slot[r->rank] = in->data;
   pthread_barrier_wait(&w->barrier);
-  sum_slots(w, full->dtype, (int64_t)r->rank * shard->numel, shard->numel, op, tmp);
-  pthread_barrier_wait(&w->barrier); /* everyone read before anyone writes (shard may alias full) */
-  for (int64_t i = 0; i < shard->numel; ++i) store_from_double(shard->data, shard->dtype, i, tmp[i]);
+  sum_slots(w, in->dtype, first, out->numel, op, tmp);
+  pthread_barrier_wait(&w->barrier); /* everyone read before anyone writes */
+  for (int64_t i = 0; i < out->numel; ++i) store_from_double(out->data, out->dtype, i, tmp[i]);
   pthread_barrier_wait(&w->barrier);
   free(tmp);
   return MFSDP_OK;
 }
 
+static mfsdp_status loop_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
+                                        mfsdp_reduce_op op, double premul, mfsdp_work** work) {
+  loop_rank* r = ctx;
+  return loop_reduce(r, shard, full, (int64_t)r->rank * shard->numel, op, premul, work);
+}
+
 static mfsdp_status loop_all_reduce(void* ctx, const mfsdp_buffer* buf, mfsdp_reduce_op op, double premul,
                                     mfsdp_work** work) {
-  loop_rank* r = ctx;
-  if (premul != 1.0) return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "no fused pre-multiplier");
-  loop_world* w = r->world;
-  *work = NULL;
-  MFSDP_CHECK(maybe_fail(r));
-  double* tmp = malloc((size_t)(buf->numel ? buf->numel : 1) * sizeof *tmp);
-  if (tmp == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "ar tmp");
-  w->slot[r->rank] = buf->data;
-  pthread_barrier_wait(&w->barrier);
-  sum_slots(w, buf->dtype, 0, buf->numel, op, tmp);
-  pthread_barrier_wait(&w->barrier);
-  for (int64_t i = 0; i < buf->numel; ++i) store_from_double(buf->data, buf->dtype, i, tmp[i]);
-  pthread_barrier_wait(&w->barrier);
-  free(tmp);
-  return MFSDP_OK;
+  return loop_reduce(ctx, buf, buf, 0, op, premul, work);
 }
 
 static mfsdp_status loop_all_to_all(void* ctx, const mfsdp_buffer* out, const mfsdp_buffer* in, mfsdp_work** work) {

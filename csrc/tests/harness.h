@@ -78,5 +78,10 @@ void loop_world_destroy(loop_world* w);
 
 double load_as_double(const void* p, int dtype, int64_t i);
 void store_from_double(void* p, int dtype, int64_t i, double v);
+/* Random values in [-4, 4) of a floating dtype, with NaN, +-Inf, float32 subnormals and values
+ * that overflow float16 sprinkled in: the kernels' test inputs. */
+void fill_test_values(void* p, int dtype, int64_t n, uint64_t* rng);
+/* Elements of a and b that differ bit for bit (a NaN equals any NaN). */
+int64_t count_differences(const void* a, const void* b, int dtype, int64_t n);
 
 #endif

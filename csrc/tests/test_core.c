@@ -92,29 +92,12 @@ static void test_conversions(void) {
 /* ------------------------------------------------------------------------------------------ */
 /* kernels: every pair of floating types, against the scalar formula in the pair's wide type */
 
-static void fill_random(void* p, int dtype, int64_t n, uint64_t* rng) {
-  for (int64_t i = 0; i < n; ++i) {
-    double v = (rng_uniform(rng) - 0.5) * 8.0;
-    if (i % 97 == 3) v = NAN;
-    if (i % 89 == 5) v = INFINITY;
-    if (i % 83 == 7) v = 1e-41; /* float32 subnormal */
-    store_from_double(p, dtype, i, v);
-  }
-}
-
-static int same_element(const void* a, const void* b, int dtype, int64_t i) {
-  double x = load_as_double(a, dtype, i), y = load_as_double(b, dtype, i);
-  if (isnan(x) || isnan(y)) return isnan(x) && isnan(y);
-  return memcmp((const char*)a + i * mfsdp_dtype_size(dtype), (const char*)b + i * mfsdp_dtype_size(dtype),
-                (size_t)mfsdp_dtype_size(dtype)) == 0;
-}
-
 static void expect_kernel_pair(int dt, int st, double alpha, int accumulate) {
   enum { N = 1031 };
   uint64_t rng = (uint64_t)(dt * 16 + st + 1);
   double src[N], dst[N], ref[N], out[N]; /* storage large enough for any dtype */
-  fill_random(src, st, N, &rng);
-  fill_random(dst, dt, N, &rng);
+  fill_test_values(src, st, N, &rng);
+  fill_test_values(dst, dt, N, &rng);
   memcpy(out, dst, sizeof dst);
   int wide = dt == MFSDP_F64 || st == MFSDP_F64;
   for (int64_t i = 0; i < N; ++i) {
@@ -131,10 +114,9 @@ static void expect_kernel_pair(int dt, int st, double alpha, int accumulate) {
   mfsdp_status s = accumulate ? mfsdp_cpu_accumulate(out, dt, src, st, N, alpha)
                               : mfsdp_cpu_copy(out, dt, src, st, N, alpha);
   CHECK(s == MFSDP_OK, "kernel %s<-%s failed", mfsdp_dtype_name(dt), mfsdp_dtype_name(st));
-  int wrong = 0;
-  for (int64_t i = 0; i < N; ++i) wrong += !same_element(out, ref, dt, i);
-  CHECK(wrong == 0, "%s %s<-%s alpha %g: %d elements differ", accumulate ? "accumulate" : "copy",
-        mfsdp_dtype_name(dt), mfsdp_dtype_name(st), alpha, wrong);
+  int64_t wrong = count_differences(out, ref, dt, N);
+  CHECK(wrong == 0, "%s %s<-%s alpha %g: %lld elements differ", accumulate ? "accumulate" : "copy",
+        mfsdp_dtype_name(dt), mfsdp_dtype_name(st), alpha, (long long)wrong);
 }
 
 static void test_kernels(void) {

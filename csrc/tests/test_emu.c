@@ -30,29 +30,6 @@ static void nap(double seconds) {
 /* ------------------------------------------------------------------------------------------ */
 /* kernels: the CUDA table against the CPU one, bit for bit */
 
-static void fill(void* p, int dtype, int64_t n, uint64_t* rng) {
-  for (int64_t i = 0; i < n; ++i) {
-    double v = (rng_uniform(rng) - 0.5) * 8.0;
-    if (i % 97 == 3) v = NAN;
-    if (i % 89 == 5) v = -INFINITY;
-    if (i % 83 == 7) v = 1e-41;
-    if (i % 79 == 11) v = 65519.0; /* rounds to fp16 Inf */
-    store_from_double(p, dtype, i, v);
-  }
-}
-
-static int64_t count_differences(const void* a, const void* b, int dtype, int64_t n) {
-  int64_t wrong = 0, size = mfsdp_dtype_size(dtype);
-  for (int64_t i = 0; i < n; ++i) {
-    double x = load_as_double(a, dtype, i), y = load_as_double(b, dtype, i);
-    if (isnan(x) || isnan(y))
-      wrong += !(isnan(x) && isnan(y));
-    else
-      wrong += memcmp((const char*)a + i * size, (const char*)b + i * size, (size_t)size) != 0;
-  }
-  return wrong;
-}
-
 typedef struct kernel_rig {
   void* ctx;
   cudaStream_t stream;
@@ -65,8 +42,8 @@ static void expect_binary(kernel_rig* k, int dt, int st, int64_t n, int shift, d
   char* src = malloc(bytes);
   char* want = malloc(bytes);
   char* got = malloc(bytes);
-  fill(src, st, n + 8, &rng);
-  fill(want, dt, n + 8, &rng);
+  fill_test_values(src, st, n + 8, &rng);
+  fill_test_values(want, dt, n + 8, &rng);
   memcpy(got, want, bytes);
   void* s = src + shift * mfsdp_dtype_size(st);
   int64_t off = shift * mfsdp_dtype_size(dt);
@@ -96,7 +73,7 @@ static void expect_pack(kernel_rig* k, int dt, double alpha, int accumulate) {
     int64_t n = i == 5 ? 0 : i == 9 ? 40000 : rng_range(&rng, 1, 700); /* an empty item, a long one */
     int st = i < 8 ? MFSDP_F32 : i < 15 ? MFSDP_BF16 : i < 19 ? MFSDP_F32 : MFSDP_F64; /* runs of dtypes */
     srcs[i] = malloc((size_t)(n + 1) * 8);
-    fill(srcs[i], st, n, &rng);
+    fill_test_values(srcs[i], st, n, &rng);
     total += rng_range(&rng, 0, 3); /* holes between items */
     items[i] = (mfsdp_pack_item){srcs[i], st, total, n};
     total += n;
@@ -104,7 +81,7 @@ static void expect_pack(kernel_rig* k, int dt, double alpha, int accumulate) {
   size_t bytes = (size_t)total * 8 + 8;
   char* want = malloc(bytes);
   char* got = malloc(bytes);
-  fill(want, dt, total, &rng);
+  fill_test_values(want, dt, total, &rng);
   memcpy(got, want, bytes);
   CHECK_OK(mfsdp_cpu_pack(want, dt, items, ITEMS, alpha, accumulate));
   CHECK_OK(mfsdp_cuda_kernels->pack(k->ctx, got, dt, items, ITEMS, alpha, accumulate));
@@ -140,7 +117,7 @@ static void test_kernels(void) {
   /* scale and fill_zero */
   float x[1000], y[1000];
   uint64_t rng = 5;
-  fill(x, MFSDP_F32, 1000, &rng);
+  fill_test_values(x, MFSDP_F32, 1000, &rng);
   memcpy(y, x, sizeof x);
   CHECK_OK(mfsdp_cpu_scale(x + 1, MFSDP_F32, 998, 0.5));
   CHECK_OK(mfsdp_cuda_kernels->scale(k.ctx, y + 1, MFSDP_F32, 998, 0.5));
@@ -152,7 +129,7 @@ static void test_kernels(void) {
   /* NaN / Inf counts */
   for (int dt = 0; dt < MFSDP_NUM_FLOAT_DTYPES; ++dt) {
     char buf[70001 * 8];
-    fill(buf, dt, 70001, &rng);
+    fill_test_values(buf, dt, 70001, &rng);
     int64_t want = -1, got = -2;
     CHECK_OK(mfsdp_cpu_count_nonfinite(buf, dt, 70001, &want));
     CHECK_OK(mfsdp_cuda_kernels->count_nonfinite(k.ctx, buf, dt, 70001, &got));
