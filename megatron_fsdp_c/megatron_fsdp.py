@@ -39,13 +39,13 @@ logger = logging.getLogger("megatron_fsdp_c")
 
 
 def _host_trim_bytes() -> int:
-    raw = os.environ.get("MFSDP_HOST_TRIM_BYTES", str(256 << 20))
+    raw = os.environ.get("MFSDP_HOST_TRIM_BYTES", str(64 << 20))
     try:
         value = int(raw)
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"MFSDP_HOST_TRIM_BYTES={raw!r}: give a byte count (e.g. 268435456), or 0 to never "
+        raise ValueError(f"MFSDP_HOST_TRIM_BYTES={raw!r}: give a byte count (e.g. 67108864), or 0 to never "
                          "trim the CPU heap")
     return value
 
@@ -74,7 +74,7 @@ class MegatronFSDP(nn.Module):
         self._grads_pending = False
         self._holds_dist_params = False
         # CPU only: after a backward, trim the heap once resident memory grew by more than this
-        # since the last trim (see [Note: host heap trim] in csrc/python/module.c); 0 disables.
+        # (see [Note: host heap trim] in csrc/python/module.c); 0 disables.
         self._host_trim_bytes = _host_trim_bytes() if dist_ctx.device.type == "cpu" else 0
 
         mark_by_name(module)

@@ -278,9 +278,11 @@ static PyObject* py_count_nonfinite(PyObject* module, PyObject* x) {
  * back), and pinning glibc's mmap threshold also stopped it: heap fragmentation once glibc's
  * dynamic threshold serves activation-sized blocks from the heap between collectives' buffers.
  * Pinning the threshold cost 20-28% step time. Instead, after a backward, the heap is trimmed
- * when resident memory has grown by more than a bound since the last trim: one /proc read per
- * backward, one trim every so many steps. (Not malloc's free-byte count: trimmed pages stay
- * free chunks, so that count never drops and would trim at every backward.) */
+ * when resident memory has grown by more than a bound over its level one backward after the
+ * last trim (the step after a trim faults its working set back in; measuring from right after
+ * the trim would trim again at once): one /proc read per backward, one trim every so many
+ * steps. (Not malloc's free-byte count: trimmed pages stay free chunks, so that count never
+ * drops and would trim at every backward.) */
 static long long resident_bytes(void) {
   long long pages = -1, resident = -1;
   FILE* f = fopen("/proc/self/statm", "r");
@@ -304,8 +306,9 @@ static PyObject* py_trim_host_heap(PyObject* module, PyObject* arg) {
   Py_BEGIN_ALLOW_THREADS
   malloc_trim(0);
   Py_END_ALLOW_THREADS
-  g_resident_after_trim = resident_bytes();
-  return PyLong_FromLongLong(now - g_resident_after_trim);
+  long long after = resident_bytes();
+  g_resident_after_trim = 0; /* the next backward sets it, once the working set is back in */
+  return PyLong_FromLongLong(now - after);
 #else
   return PyLong_FromLong(-1); /* not glibc: nothing to do */
 #endif
