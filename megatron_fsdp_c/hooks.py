@@ -3,21 +3,39 @@ decides *how*. Every hook is a few dictionary lookups and one call into the engi
 
 [Note: pass lifecycle]
   root pre-forward   swap compute params in; gather the buckets outside every unit
-  unit pre-forward   gather the unit (+ prefetch the next unit in last forward's order); wait
+  unit pre-forward   gather the unit (+ prefetch the next unit in the shared order); wait
   unit post-forward  release the unit (ZeRO-3); hook the outputs for the pre-backward
-  pre-backward       (first one also starts the backward: engine.begin_backward, final callback)
-                     gather the unit again (+ prefetch the previous unit); wait
-  param grad hook    hand the gradient to the engine (packs it; reduces when its bucket is full)
+  root post-forward  gathers the shared order still owes (units this rank skipped)
+  pre-backward       (first one also starts the backward: engine.begin_backward, final callback,
+                     seal the buckets of units that did not run) gather the unit again
+                     (+ prefetch the previous unit); wait
+  param grad hook    hand the gradient to the engine (packs it; reduces in the shared order)
   post-backward      identity autograd.Function on the unit's inputs: release the unit
   final callback     engine.end_backward (leftovers, wait reductions), release everything,
                      sync gradients if this backward syncs, swap the distributed params back
 Activation recomputation re-runs a unit's forward inside backward: then there is no prefetch
 and no release in the post-forward (the backward that follows needs the weights).
+
+[Note: gather order]
+An all-gather needs every rank, so every rank must gather the same units in the same order,
+also when its graph differs (LayerDrop skips a block on one rank, an early exit, a data-
+dependent branch around a unit). The order is the units' registration order (`fsdp_unit_modules`
+found in `model.modules()` order), which is the execution order of nearly every model. In a
+forward, reaching unit k first gathers, then releases, every unit before k in that order that
+this rank skipped (its peers may need it), and the root post-forward settles the units after
+the last one that ran. The backward does the same in reverse over the trainable ZeRO-3 units,
+and its final callback settles the rest. Prefetching always takes the next unit in the shared
+order, so it is the same on every rank. A unit used out of that order (twice in one forward,
+or registered in another order than it runs) is gathered where it is used: still correct when
+every rank runs the same graph, at the cost of an extra gather (logged once). Not supported: a
+wholly frozen ZeRO-3 unit whose inputs require grad and that runs on some ranks only (its
+backward gathers are issued on demand).
 """
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Dict, List
+import logging
+from typing import TYPE_CHECKING, List
 
 import torch
 import torch.nn as nn
@@ -28,6 +46,8 @@ if TYPE_CHECKING:
     from .megatron_fsdp import MegatronFSDP
 
 __all__ = ["HookManager"]
+
+logger = logging.getLogger("megatron_fsdp_c")
 
 
 def _in_backward() -> bool:
@@ -53,13 +73,16 @@ class _PostBackward(torch.autograd.Function):
 
 
 class _Unit:
-    __slots__ = ("index", "module", "buckets", "releasable")
+    __slots__ = ("index", "module", "buckets", "releasable", "grad_buckets", "pos", "bpos")
 
-    def __init__(self, index, module, buckets, releasable):
+    def __init__(self, index, module, buckets, releasable, grad_buckets):
         self.index = index
         self.module = module
-        self.buckets = buckets          # bucket ids to gather before the unit runs
-        self.releasable = releasable    # ZeRO-3 bucket ids to release after it ran
+        self.buckets = buckets            # bucket ids to gather before the unit runs
+        self.releasable = releasable      # ZeRO-3 bucket ids to release after it ran
+        self.grad_buckets = grad_buckets  # bucket ids with trainable parameters
+        self.pos = -1                     # position in the forward gather order
+        self.bpos = -1                    # position in the backward gather order (trainable ZeRO-3)
 
 
 class HookManager:
@@ -69,28 +92,45 @@ class HookManager:
         buf = owner.param_buffer
         sharded = set(buf.weight_sharded_buckets())
         gatherable = set(buf.gatherable_buckets())
+        trainable = set(buf.grad_buckets())
         self.units: List[_Unit] = []
         for u, module in enumerate(unit_modules):
             ids = buf.buckets_of_unit(u)
             self.units.append(_Unit(u, module, tuple(b for b in ids if b in gatherable),
-                                    tuple(b for b in ids if b in sharded)))
+                                    tuple(b for b in ids if b in sharded), tuple(b for b in ids if b in trainable)))
         root_ids = buf.buckets_of_unit(-1)
         self.root_buckets = tuple(b for b in root_ids if b in gatherable)
         self.all_sharded = tuple(sorted(sharded))
-        self.last_order: List[int] = list(range(len(self.units)))  # forward order of the last pass
-        self.order: List[int] = []
-        self.prev_in_order: Dict[int, int] = {}
+        # [Note: gather order]: the forward order over gathered units, the backward order over
+        # trainable ZeRO-3 units; positions before *_done are settled (ran or released), gathers
+        # are issued up to *_next.
+        self.fwd_seq = [u for u in self.units if u.buckets]
+        self.bwd_seq = [u for u in self.fwd_seq if u.releasable and u.grad_buckets]
+        for pos, unit in enumerate(self.fwd_seq):
+            unit.pos = pos
+        for pos, unit in enumerate(self.bwd_seq):
+            unit.bpos = pos
+        self.fwd_next = self.fwd_done = 0
+        self.bwd_next = self.bwd_done = len(self.bwd_seq)
+        self.ran = set()  # units run in a forward since the last backward
+        self.warned_order = False
         self.in_backward = False
         self.sync_this_backward = False
         self.used = owner._used  # see [Note: unused parameters] in megatron_fsdp.py
         self.handles = []
+        self._set_reduce_order(buf)
         self._register()
+
+    def _set_reduce_order(self, buf) -> None:
+        """Reductions in the order backward completes buckets: later units first, then the
+        buckets outside every unit (see [Note: collective order] in csrc/comm/pipeline.c)."""
+        n = len(buf.plan)
+        order = sorted(range(n), key=lambda b: (buf.bucket_units[b] < 0, -buf.bucket_units[b], -b))
+        self.engine.set_reduce_order(order)
 
     # -- registration ---------------------------------------------------------------------
     def _register(self) -> None:
-        for unit in self.units:
-            if not unit.buckets:
-                continue  # nothing to gather: wholly replicated, or no_shard, or one rank
+        for unit in self.fwd_seq:
             self.handles.append(unit.module.register_forward_pre_hook(
                 functools.partial(self.pre_forward, unit), prepend=True, with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(
@@ -105,32 +145,83 @@ class HookManager:
             h.remove()
         self.handles.clear()
 
+    # -- the shared gather order ------------------------------------------------------------
+    def _out_of_order(self, unit: _Unit, behind: bool) -> None:
+        """`unit` is used again after the shared order passed it; `behind`: not right after its
+        previous use (so it is not simply a unit run twice in a row)."""
+        if behind and not self.warned_order:
+            self.warned_order = True
+            logger.warning("megatron_fsdp_c: FSDP unit #%d (%s) ran out of the units' registration order; it is "
+                           "gathered again where it runs (an extra all-gather). Register units in the order they "
+                           "execute, or see [Note: gather order] in megatron_fsdp_c/hooks.py",
+                           unit.index, type(unit.module).__name__)
+        self.engine.unshard(unit.buckets)
+
+    def _settle(self, seq, positions, issued_before) -> None:
+        """Units of `seq` at `positions` did not run here: gather those not yet gathered (a peer
+        may need them), release what is released after use."""
+        for q in positions:
+            skipped = seq[q]
+            if issued_before(q):
+                self.engine.unshard(skipped.buckets)
+            if skipped.releasable:
+                self.engine.reshard(skipped.releasable)
+
+    def _forward_reach(self, unit: _Unit) -> None:
+        """Gathers for `unit` in the shared forward order (see [Note: gather order])."""
+        pos = unit.pos
+        if pos < self.fwd_done:
+            self._out_of_order(unit, pos < self.fwd_done - 1)
+            return
+        self._settle(self.fwd_seq, range(self.fwd_done, pos), lambda q: q >= self.fwd_next)
+        if pos >= self.fwd_next:
+            self.engine.unshard(unit.buckets)
+            self.fwd_next = pos + 1
+        self.fwd_done = pos + 1
+
+    def _backward_reach(self, unit: _Unit) -> None:
+        """Gathers for a trainable ZeRO-3 `unit` in the shared backward order."""
+        pos = unit.bpos
+        if pos >= self.bwd_done:
+            self._out_of_order(unit, pos > self.bwd_done)
+            return
+        self._settle(self.bwd_seq, range(self.bwd_done - 1, pos, -1), lambda q: q < self.bwd_next)
+        if pos < self.bwd_next:
+            self.engine.unshard(unit.buckets)
+            self.bwd_next = pos
+        self.bwd_done = pos
+
     # -- forward --------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
         if not _in_backward():
-            self.order = []
+            self.fwd_next = self.fwd_done = 0
         if self.root_buckets:
             self.engine.unshard(self.root_buckets)
             self.engine.wait_unshard(self.root_buckets)
 
     def root_post_forward(self, output):
+        if not _in_backward():
+            n = len(self.fwd_seq)
+            self._settle(self.fwd_seq, range(self.fwd_done, n), lambda q: q >= self.fwd_next)
+            self.fwd_next = self.fwd_done = n
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
                 register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
-        if self.order:
-            self.last_order = list(self.order)
         return output
 
     def pre_forward(self, unit: _Unit, module, args, kwargs):
-        recompute = _in_backward()
-        self.engine.unshard(unit.buckets)
-        if not recompute:
-            self.order.append(unit.index)
-            if self.owner.overlap_param_gather:
-                nxt = self._next_in_last_order(len(self.order) - 1)
-                if nxt is not None:
-                    self.engine.unshard(self.units[nxt].buckets)
+        if not _in_backward():
+            self._forward_reach(unit)
+            self.ran.add(unit.index)
+            if self.owner.overlap_param_gather and self.fwd_next < len(self.fwd_seq):
+                self.engine.unshard(self.fwd_seq[self.fwd_next].buckets)  # prefetch: the next in the shared order
+                self.fwd_next += 1
+        elif unit.bpos >= 0:  # activation recomputation inside backward
+            self.start_backward()
+            self._backward_reach(unit)
+        else:
+            self.engine.unshard(unit.buckets)
         self.engine.wait_unshard(unit.buckets)
         if unit.releasable and torch.is_grad_enabled():
             flat, spec = tree_flatten((args, kwargs))
@@ -153,13 +244,6 @@ class HookManager:
                 register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit), mode="any")
         return output
 
-    def _next_in_last_order(self, position: int):
-        order = self.last_order
-        if position + 1 < len(order):
-            nxt = order[position + 1]
-            return nxt if self.units[nxt].buckets else None
-        return None
-
     # -- backward -------------------------------------------------------------------------
     def start_backward(self) -> None:
         if self.in_backward:
@@ -168,9 +252,12 @@ class HookManager:
         self.in_backward = True
         self.sync_this_backward = owner._should_sync()
         self.engine.begin_backward(self.sync_this_backward)
-        self.prev_in_order = {}
-        for a, b in zip(self.order, self.order[1:]):
-            self.prev_in_order[b] = a
+        self.bwd_next = self.bwd_done = len(self.bwd_seq)
+        if self.ran:  # units that ran in no forward since the last backward get no gradient: they may
+            skipped = [b for u in self.fwd_seq if u.index not in self.ran for b in u.grad_buckets]  # reduce in turn
+            self.ran = set()
+            if skipped:
+                self.engine.seal(skipped)
         torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def _root_pre_backward(self, grads):
@@ -178,11 +265,13 @@ class HookManager:
 
     def _pre_backward(self, unit: _Unit, grads):
         self.start_backward()
-        self.engine.unshard(unit.buckets)
-        if self.owner.overlap_param_gather:
-            prev = self.prev_in_order.get(unit.index)
-            if prev is not None and self.units[prev].buckets:
-                self.engine.unshard(self.units[prev].buckets)
+        if unit.bpos >= 0:
+            self._backward_reach(unit)
+            if self.owner.overlap_param_gather and self.bwd_next > 0:
+                self.bwd_next -= 1
+                self.engine.unshard(self.bwd_seq[self.bwd_next].buckets)  # prefetch: the previous unit
+        else:
+            self.engine.unshard(unit.buckets)
         self.engine.wait_unshard(unit.buckets)
 
     def post_backward(self, unit: _Unit) -> None:
@@ -200,6 +289,8 @@ class HookManager:
 
     def end_backward(self) -> None:
         try:
+            self._settle(self.bwd_seq, range(self.bwd_done - 1, -1, -1), lambda q: q < self.bwd_next)
+            self.bwd_next = self.bwd_done = 0
             self.engine.end_backward()
             if self.all_sharded:
                 self.engine.reshard(self.all_sharded)

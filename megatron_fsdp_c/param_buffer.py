@@ -308,6 +308,10 @@ class ParamBuffer:
     def weight_sharded_buckets(self) -> tuple:
         return tuple(b for b, s in enumerate(self.specs) if s["weights_sharded"])
 
+    def grad_buckets(self) -> tuple:
+        """Buckets with trainable parameters (they reduce gradients)."""
+        return tuple(b for b, s in enumerate(self.specs) if s["grad_mode"] != _C.GRAD_NONE)
+
     def gatherable_buckets(self) -> tuple:
         """Buckets whose full weights ever need an all-gather (ZeRO-1/2/3 with several ranks)."""
         return tuple(b for b, s in enumerate(self.specs) if s["weights_sharded"] or s["weights_regather"])
