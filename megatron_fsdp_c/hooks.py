@@ -30,6 +30,12 @@ or registered in another order than it runs) is gathered where it is used: still
 every rank runs the same graph, at the cost of an extra gather (logged once). Not supported: a
 wholly frozen ZeRO-3 unit whose inputs require grad and that runs on some ranks only (its
 backward gathers are issued on demand).
+
+[Note: compile]
+The hooks talk to the C engine and keep Python state, neither of which Dynamo can trace; they
+are wrapped in torch.compiler.disable (as FSDP2's are), so a compiled model runs them eagerly
+between its graphs instead of breaking its trace at every engine call. The root's work runs in
+disabled forward hooks of the wrapper itself, so its forward is the module's alone.
 """
 from __future__ import annotations
 
@@ -130,11 +136,14 @@ class HookManager:
 
     # -- registration ---------------------------------------------------------------------
     def _register(self) -> None:
+        if self.fwd_seq:  # see [Note: compile]
+            pre_forward = torch.compiler.disable(self.pre_forward, recursive=True)
+            post_forward = torch.compiler.disable(self.post_forward, recursive=True)
         for unit in self.fwd_seq:
             self.handles.append(unit.module.register_forward_pre_hook(
-                functools.partial(self.pre_forward, unit), prepend=True, with_kwargs=True))
+                functools.partial(pre_forward, unit), prepend=True, with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(
-                functools.partial(self.post_forward, unit), always_call=False))
+                functools.partial(post_forward, unit), always_call=False))
         for rec in self.owner.param_buffer.records:
             if rec.requires_grad:
                 self.handles.append(rec.param.register_post_accumulate_grad_hook(

@@ -117,6 +117,8 @@ class MegatronFSDP(nn.Module):
         self._record_of = {id(r.dist_param): r for r in records}
         register_model_hooks(self)
         self.hooks = HookManager(self, fsdp_unit_modules)
+        self.register_forward_pre_hook(torch.compiler.disable(self._root_pre_forward, recursive=True), prepend=True)
+        self.register_forward_hook(torch.compiler.disable(self._root_post_forward, recursive=True), prepend=True)
         self._swap_params(dist=True)
         module._megatron_fsdp_wrapper = weakref.ref(self)
         if logger.isEnabledFor(logging.INFO) and dist_ctx.rank == 0:
@@ -153,9 +155,15 @@ class MegatronFSDP(nn.Module):
 
     # -- forward --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # The root's work runs in this wrapper's own forward hooks, which Dynamo does not trace (see
+    # [Note: compile] in hooks.py).
+    def _root_pre_forward(self, module, args):
         self._swap_params(dist=False)
         self.hooks.root_pre_forward()
-        output = self.module(*args, **kwargs)
+
+    def _root_post_forward(self, module, args, output):
         output = self.hooks.root_post_forward(output)
         if not torch.is_grad_enabled():
             self._swap_params(dist=True)
