@@ -8,7 +8,8 @@ same seed and per-rank data, for every strategy at world sizes 2 and 4, in float
   step/zero_grad; opt_a.zero_grad() must leave opt_b's gradients alone;
 - an MoE-like model whose router never picks one expert on any rank (globally unused: `.grad`
   stays None, so AdamW's weight decay leaves it as DDP does) and picks another on some ranks only;
-- LayerDrop with a rank-dependent skip (the graph differs across ranks);
+- LayerDrop with a rank-dependent skip (the graph differs across ranks), and with the same skip
+  on every rank (a block globally unused on some steps only);
 - optimizer protocols: step pre/post hooks, add_param_group after fully_shard, torch.save of the
   optimizer and model state dicts (round trip), GradScaler with an inf gradient on one rank only.
 
@@ -152,6 +153,21 @@ def two_optimizers_cell(rank, world, strategy):
     }
 
 
+def grad_none_check(ours, theirs):
+    """A check entry: per step, the (stripped) names whose .grad is None after the sync, ours vs DDP's."""
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            extra, missing = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+            return False, (f"step {step}: .grad None on {len(a)} parameters, DDP on {len(b)}; None only here: "
+                           f"{extra[:3]}{'...' if len(extra) > 3 else ''}, only in DDP: "
+                           f"{missing[:3]}{'...' if len(missing) > 3 else ''}")
+    return True, ""
+
+
+def grad_none_names(named_parameters):
+    return sorted(strip(n) for n, p in named_parameters if p.grad is None)
+
+
 # -- 3. MoE with a globally unused and a rank-locally unused expert -------------------------------
 
 EXPERTS, NEVER, SOME_RANKS = 4, 3, 2
@@ -211,12 +227,13 @@ def moe_cell(rank, world, strategy):
     ref = copy.deepcopy(model)
     ddp = DDP(ref, find_unused_parameters=True)
     ref_opt = adamw(ref.parameters())
-    ref_losses, ref_unused_after, usage, ref_grads_seen = [], [], [], []
+    ref_losses, ref_unused_after, usage, ref_grads_seen, ref_none = [], [], [], [], []
     for step in range(STEPS):
         x, y = tokens(rank, step)
         loss = ddp(x, y, allowed)
         loss.backward()
         usage.append([list(b.counts) for b in ref.blocks])
+        ref_none.append(grad_none_names(ref.named_parameters()))
         ref_grads_seen += [n for n, p in ref.named_parameters() if never_used(n) and p.grad is not None]
         ref_opt.step()
         ref_opt.zero_grad()
@@ -227,13 +244,14 @@ def moe_cell(rank, world, strategy):
              and all((c > 0) == (rank % 2 == 0) for c in used_some))
 
     fsdp, optimizer = shard(model, adamw(model.parameters()), strategy, unit=MoEBlock)
-    losses, grad_not_none, unused_steps = [], [], []
+    losses, grad_not_none, unused_steps, none = [], [], [], []
     for step in range(STEPS):
         x, y = tokens(rank, step)
         loss = fsdp(x, y, allowed)
         loss.backward()
         grad_not_none += [f"step {step}: {strip(n)}" for n, p in fsdp.named_parameters()
                           if never_used(n) and p.grad is not None]
+        none.append(grad_none_names(fsdp.named_parameters()))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -245,6 +263,7 @@ def moe_cell(rank, world, strategy):
         "scenario valid (expert 3 unused everywhere, expert 2 on even ranks only)":
             (valid, f"expert usage per step/block {usage}; DDP grads of expert 3: {ref_grads_seen}"),
         "globally unused expert has .grad None after the sync": (not grad_not_none, "; ".join(grad_not_none[:3])),
+        "the parameters with .grad None after the sync are DDP's": grad_none_check(none, ref_none),
         "globally unused expert equals DDP's after every step": (not first_bad, first_bad),
         "losses": check_values("losses", losses, ref_losses),
         "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
@@ -260,30 +279,40 @@ def skipped_block(step, rank, layers=2):
     return s if s < layers else None
 
 
-def layerdrop_cell(rank, world, strategy):
+def skipped_everywhere(step, rank, layers=2):
+    """Every rank skips block 1 on odd steps: the graph is the same on all ranks, and block 1 is
+    globally unused on those steps only (its .grad must be None then, and back after)."""
+    return 1 if step % 2 == 1 else None
+
+
+def layerdrop_cell(rank, world, strategy, skip_of=None):
+    skip_of = skip_of or skipped_block
     model = tiny_lm()
     ref = copy.deepcopy(model)
     ddp = DDP(ref, find_unused_parameters=True)
     ref_opt = adamw(ref.parameters())
-    ref_losses = []
+    ref_losses, ref_none = [], []
     for step in range(STEPS):
         x, y = tokens(rank, step)
-        loss = ddp(x, y, skip=skipped_block(step, rank))
+        loss = ddp(x, y, skip=skip_of(step, rank))
         loss.backward()
+        ref_none.append(grad_none_names(ref.named_parameters()))
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
 
     fsdp, optimizer = shard(model, adamw(model.parameters()), strategy)
-    losses = []
+    losses, none = [], []
     for step in range(STEPS):
         x, y = tokens(rank, step)
-        loss = fsdp(x, y, skip=skipped_block(step, rank))
+        loss = fsdp(x, y, skip=skip_of(step, rank))
         loss.backward()
+        none.append(grad_none_names(fsdp.named_parameters()))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return {
+        "the parameters with .grad None after the sync are DDP's": grad_none_check(none, ref_none),
         "losses": check_values("losses", losses, ref_losses),
         "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
     }
@@ -509,6 +538,7 @@ SCENARIOS = {
     "add_param_group": add_param_group_cell,
     "torch_save_round_trip": save_load_cell,
     "grad_scaler_inf_on_one_rank": grad_scaler_cell,
+    "layerdrop_same_skip_on_all_ranks": lambda r, w, s: layerdrop_cell(r, w, s, skipped_everywhere),
     "layerdrop_rank_dependent": layerdrop_cell,  # last: a rank dying here costs a respawn only
 }
 # LayerDrop's strategy 3 first: the others may abort the process (see the module docstring).
