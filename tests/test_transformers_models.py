@@ -15,8 +15,6 @@ If the scheduler cannot be built on the sharded optimizer (issue 12), that check
 loop goes on with the same schedule applied by hand, so the model's own checks still say
 whether the model trains like DDP.
 """
-import copy
-
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -26,7 +24,7 @@ import megatron_fsdp_c as mf
 pytest.importorskip("transformers")
 
 from user_loops_common import (COLLECTIVE_TIMEOUT, STRATEGIES, WORLDS, assert_checks, build_scheduler, cell_report,
-                               check_params, check_values, ref_params, to_full, tokens)
+                               check_params, check_values, ref_params, reference, to_full, tokens)
 
 STEPS = 4
 VOCAB = 64
@@ -99,12 +97,15 @@ def train(model, optimizer, scheduler, rank, name):
     return out
 
 
-def model_cell(rank, world, name, strategy):
-    model, unit = build(name)
-    ref = copy.deepcopy(model)
+def ddp_run(rank, name):
+    ref, _ = build(name)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    theirs = train(DDP(ref), ref_opt, linear_warmup(ref_opt), rank, name)
+    return dict(train(DDP(ref), ref_opt, linear_warmup(ref_opt), rank, name), params=ref_params(ref))
 
+
+def cell(rank, world, name, strategy):
+    theirs = reference((name,), ddp_run, rank, name)
+    model, unit = build(name)
     fsdp, optimizer = mf.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
                                      fsdp_unit_modules=[unit], zero_dp_strategy=strategy,
                                      collective_timeout=COLLECTIVE_TIMEOUT)
@@ -115,7 +116,7 @@ def model_cell(rank, world, name, strategy):
         "losses": check_values("losses", ours["losses"], theirs["losses"]),
         "clip_grad_norm_ returns DDP's norm": check_values("norms", ours["norms"], theirs["norms"]),
         "learning rates": check_values("lrs", ours["lrs"], theirs["lrs"]),
-        "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
+        "final parameters": check_params(fsdp.full_parameters(), theirs["params"]),
     }
     if name in ("gpt2_tied", "t5_encoder_decoder"):
         inner = fsdp.module
@@ -129,6 +130,6 @@ CELLS = tuple((name, s) for name in MODELS for s in STRATEGIES)
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("model", list(MODELS))
-def test_transformers_model_matches_ddp(model, strategy, world):
-    assert_checks(cell_report(model_cell, world, CELLS, (model, strategy)))
+@pytest.mark.parametrize("scenario", list(MODELS))
+def test_transformers_model_matches_ddp(scenario, strategy, world, request):
+    assert_checks(cell_report(request, world, scenario, strategy))

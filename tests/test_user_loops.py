@@ -16,7 +16,6 @@ same seed and per-rank data, for every strategy at world sizes 2 and 4, in float
 The grid runs in one spawn per world size; a rank that dies (gloo aborts the process when
 collectives of different sizes meet) fails its own cell only: see [Note: crash-tolerant grids].
 """
-import copy
 import io
 
 import pytest
@@ -29,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import megatron_fsdp_c as mf
 
 from user_loops_common import (COLLECTIVE_TIMEOUT, D, SEQ, STRATEGIES, VOCAB, WORLDS, Block, assert_checks,
-                               build_scheduler, cell_report, check_params, check_values, ref_params, strip, tiny_lm,
-                               to_full, tokens)
+                               build_scheduler, cell_report, check_params, check_values, ref_params, reference, strip,
+                               tiny_lm, to_full, tokens)
 
 STEPS = 4
 MAX_NORM = 0.5   # below the gradient norms of these runs: clipping is active every step
@@ -70,14 +69,20 @@ def scheduler_loop(model, optimizer, scheduler, rank):
     return out
 
 
+def ddp_scheduler(rank, kind):
+    ref = tiny_lm()
+    ref_opt = adamw(ref.parameters())
+    out = scheduler_loop(DDP(ref), ref_opt, scheduler_factory(kind)(ref_opt), rank)
+    return dict(out, params=ref_params(ref))
+
+
 def scheduler_cell(rank, world, strategy, kind):
     before = kind.endswith("_before_shard")
-    factory = scheduler_factory(kind.replace("_before_shard", ""))
-    model = tiny_lm()
-    ref = copy.deepcopy(model)
-    ref_opt = adamw(ref.parameters())
-    theirs = scheduler_loop(DDP(ref), ref_opt, factory(ref_opt), rank)
+    kind = kind.replace("_before_shard", "")
+    factory = scheduler_factory(kind)
+    theirs = reference(("scheduler", kind), ddp_scheduler, rank, kind)
 
+    model = tiny_lm()
     optimizer = adamw(model.parameters())
     if before:
         scheduler = factory(optimizer)
@@ -93,7 +98,7 @@ def scheduler_cell(rank, world, strategy, kind):
         "losses": check_values("losses", ours["losses"], theirs["losses"]),
         "clip_grad_norm_ returns DDP's norm": check_values("norms", ours["norms"], theirs["norms"]),
         "learning rates": check_values("lrs", ours["lrs"], theirs["lrs"]),
-        "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
+        "final parameters": check_params(fsdp.full_parameters(), theirs["params"]),
     })
     return checks
 
@@ -104,9 +109,8 @@ def in_blocks(name):
     return strip(name).startswith("blocks.")
 
 
-def two_optimizers_cell(rank, world, strategy):
-    model = tiny_lm()
-    ref = copy.deepcopy(model)
+def ddp_two_optimizers(rank):
+    ref = tiny_lm()
     ddp = DDP(ref)
     ref_a = adamw([p for n, p in ref.named_parameters() if in_blocks(n)])
     ref_b = torch.optim.SGD([p for n, p in ref.named_parameters() if not in_blocks(n)], lr=0.1, momentum=0.9)
@@ -120,7 +124,12 @@ def two_optimizers_cell(rank, world, strategy):
         ref_b.step()
         ref_b.zero_grad()
         ref_losses.append(loss.item())
+    return dict(losses=ref_losses, params=ref_params(ref))
 
+
+def two_optimizers_cell(rank, world, strategy):
+    theirs = reference(("two_optimizers",), ddp_two_optimizers, rank)
+    model = tiny_lm()
     # opt_a goes through fully_shard; opt_b is built on the sharded model's parameters afterwards
     opt_a = adamw([p for n, p in model.named_parameters() if in_blocks(n)])
     fsdp, opt_a = shard(model, opt_a, strategy)
@@ -148,8 +157,8 @@ def two_optimizers_cell(rank, world, strategy):
         losses.append(loss.item())
     return {
         "opt_a.zero_grad() leaves opt_b's .grad intact": (not intact_problems, "; ".join(intact_problems[:3])),
-        "losses": check_values("losses", losses, ref_losses),
-        "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
+        "losses": check_values("losses", losses, theirs["losses"]),
+        "final parameters": check_params(fsdp.full_parameters(), theirs["params"]),
     }
 
 
@@ -220,11 +229,18 @@ def never_used(name):
     return f".experts.{NEVER}." in name
 
 
-def moe_cell(rank, world, strategy):
+def tiny_moe():
     torch.manual_seed(0)
-    model = TinyMoE().to(torch.float64)
-    allowed = torch.tensor([True, True, rank % 2 == 0, False])  # expert 2: even ranks only; expert 3: none
-    ref = copy.deepcopy(model)
+    return TinyMoE().to(torch.float64)
+
+
+def experts_allowed(rank):
+    return torch.tensor([True, True, rank % 2 == 0, False])  # expert 2: even ranks only; expert 3: none
+
+
+def ddp_moe(rank):
+    ref = tiny_moe()
+    allowed = experts_allowed(rank)
     ddp = DDP(ref, find_unused_parameters=True)
     ref_opt = adamw(ref.parameters())
     ref_losses, ref_unused_after, usage, ref_grads_seen, ref_none = [], [], [], [], []
@@ -242,7 +258,14 @@ def moe_cell(rank, world, strategy):
     used_some = [sum(u[b][SOME_RANKS] for u in usage) for b in range(2)]
     valid = (not ref_grads_seen and all(u[b][NEVER] == 0 for u in usage for b in range(2))
              and all((c > 0) == (rank % 2 == 0) for c in used_some))
+    return dict(losses=ref_losses, unused_after=ref_unused_after, none=ref_none, params=ref_params(ref),
+                valid=(valid, f"expert usage per step/block {usage}; DDP grads of expert 3: {ref_grads_seen}"))
 
+
+def moe_cell(rank, world, strategy):
+    theirs = reference(("moe",), ddp_moe, rank)
+    model = tiny_moe()
+    allowed = experts_allowed(rank)
     fsdp, optimizer = shard(model, adamw(model.parameters()), strategy, unit=MoEBlock)
     losses, grad_not_none, unused_steps, none = [], [], [], []
     for step in range(STEPS):
@@ -256,17 +279,16 @@ def moe_cell(rank, world, strategy):
         optimizer.zero_grad()
         losses.append(loss.item())
         full = fsdp.full_parameters()
-        ok, message = check_params({n: t for n, t in full.items() if never_used(n)}, ref_unused_after[step])
+        ok, message = check_params({n: t for n, t in full.items() if never_used(n)}, theirs["unused_after"][step])
         unused_steps.append((ok, f"after step {step}: {message}"))
     first_bad = next((m for ok, m in unused_steps if not ok), "")
     return {
-        "scenario valid (expert 3 unused everywhere, expert 2 on even ranks only)":
-            (valid, f"expert usage per step/block {usage}; DDP grads of expert 3: {ref_grads_seen}"),
+        "scenario valid (expert 3 unused everywhere, expert 2 on even ranks only)": theirs["valid"],
         "globally unused expert has .grad None after the sync": (not grad_not_none, "; ".join(grad_not_none[:3])),
-        "the parameters with .grad None after the sync are DDP's": grad_none_check(none, ref_none),
+        "the parameters with .grad None after the sync are DDP's": grad_none_check(none, theirs["none"]),
         "globally unused expert equals DDP's after every step": (not first_bad, first_bad),
-        "losses": check_values("losses", losses, ref_losses),
-        "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
+        "losses": check_values("losses", losses, theirs["losses"]),
+        "final parameters": check_params(fsdp.full_parameters(), theirs["params"]),
     }
 
 
@@ -285,10 +307,8 @@ def skipped_everywhere(step, rank, layers=2):
     return 1 if step % 2 == 1 else None
 
 
-def layerdrop_cell(rank, world, strategy, skip_of=None):
-    skip_of = skip_of or skipped_block
-    model = tiny_lm()
-    ref = copy.deepcopy(model)
+def ddp_layerdrop(rank, skip_of):
+    ref = tiny_lm()
     ddp = DDP(ref, find_unused_parameters=True)
     ref_opt = adamw(ref.parameters())
     ref_losses, ref_none = [], []
@@ -300,7 +320,13 @@ def layerdrop_cell(rank, world, strategy, skip_of=None):
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
+    return dict(losses=ref_losses, none=ref_none, params=ref_params(ref))
 
+
+def layerdrop_cell(rank, world, strategy, skip_of=None):
+    skip_of = skip_of or skipped_block
+    theirs = reference(("layerdrop", skip_of.__name__), ddp_layerdrop, rank, skip_of)
+    model = tiny_lm()
     fsdp, optimizer = shard(model, adamw(model.parameters()), strategy)
     losses, none = [], []
     for step in range(STEPS):
@@ -312,17 +338,17 @@ def layerdrop_cell(rank, world, strategy, skip_of=None):
         optimizer.zero_grad()
         losses.append(loss.item())
     return {
-        "the parameters with .grad None after the sync are DDP's": grad_none_check(none, ref_none),
-        "losses": check_values("losses", losses, ref_losses),
-        "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
+        "the parameters with .grad None after the sync are DDP's": grad_none_check(none, theirs["none"]),
+        "losses": check_values("losses", losses, theirs["losses"]),
+        "final parameters": check_params(fsdp.full_parameters(), theirs["params"]),
     }
 
 
 # -- 5. optimizer protocols -----------------------------------------------------------------------
 
-def step_hooks_cell(rank, world, strategy):
-    model = tiny_lm()
-    ref = copy.deepcopy(model)
+def ddp_plain(rank):
+    """AdamW on the whole model: the reference of the hook and the save/load scenarios."""
+    ref = tiny_lm()
     ddp = DDP(ref)
     ref_opt = adamw(ref.parameters())
     ref_grads, ref_losses = [], []
@@ -334,7 +360,12 @@ def step_hooks_cell(rank, world, strategy):
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
+    return dict(losses=ref_losses, grads=ref_grads, params=ref_params(ref))
 
+
+def step_hooks_cell(rank, world, strategy):
+    theirs = reference(("plain",), ddp_plain, rank)
+    model = tiny_lm()
     fsdp, optimizer = shard(model, adamw(model.parameters()), strategy)
     name_of = {id(p): n for n, p in fsdp.named_parameters()}
     seen = dict(pre=0, post=0, not_dtensor=[], grad_none=[], grads=[])
@@ -360,7 +391,7 @@ def step_hooks_cell(rank, world, strategy):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    grad_checks = [check_params(g, ref_grads[s]) for s, g in enumerate(seen["grads"])]
+    grad_checks = [check_params(g, theirs["grads"][s]) for s, g in enumerate(seen["grads"])]
     bad_grads = next((f"step {s}: {m}" for s, (ok, m) in enumerate(grad_checks) if not ok), "")
     if len(seen["grads"]) < STEPS and not bad_grads:
         bad_grads = (f".grad is None on {sorted(set(seen['grad_none']))[:3]}" if seen["grad_none"] else
@@ -371,14 +402,13 @@ def step_hooks_cell(rank, world, strategy):
         "pre-hook sees DTensor parameters": (not seen["not_dtensor"],
                                              f"it saw {sorted(set(seen['not_dtensor']))[:3]}"),
         "pre-hook sees synced .grad (= DDP's)": (not bad_grads, bad_grads),
-        "losses": check_values("losses", losses, ref_losses),
-        "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
+        "losses": check_values("losses", losses, theirs["losses"]),
+        "final parameters": check_params(fsdp.full_parameters(), theirs["params"]),
     }
 
 
-def add_param_group_cell(rank, world, strategy):
-    model = tiny_lm()
-    ref = copy.deepcopy(model)
+def ddp_add_param_group(rank):
+    ref = tiny_lm()
     ddp = DDP(ref)
     ref_opt = adamw([p for n, p in ref.named_parameters() if in_blocks(n)])
     ref_opt.add_param_group({"params": [p for n, p in ref.named_parameters() if not in_blocks(n)],
@@ -391,7 +421,12 @@ def add_param_group_cell(rank, world, strategy):
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
+    return dict(losses=ref_losses, params=ref_params(ref))
 
+
+def add_param_group_cell(rank, world, strategy):
+    theirs = reference(("add_param_group",), ddp_add_param_group, rank)
+    model = tiny_lm()
     fsdp, optimizer = shard(model, adamw([p for n, p in model.named_parameters() if in_blocks(n)]), strategy)
     optimizer.add_param_group({"params": [p for n, p in fsdp.named_parameters() if not in_blocks(n)],
                                "lr": 5e-3, "weight_decay": 0.0})
@@ -404,8 +439,8 @@ def add_param_group_cell(rank, world, strategy):
         optimizer.zero_grad()
         losses.append(loss.item())
     return {
-        "losses": check_values("losses", losses, ref_losses),
-        "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
+        "losses": check_values("losses", losses, theirs["losses"]),
+        "final parameters": check_params(fsdp.full_parameters(), theirs["params"]),
     }
 
 
@@ -433,19 +468,8 @@ def _bytes_round_trip(what, state):
 
 
 def save_load_cell(rank, world, strategy):
+    theirs = reference(("plain",), ddp_plain, rank)
     model = tiny_lm()
-    ref = copy.deepcopy(model)
-    ddp = DDP(ref)
-    ref_opt = adamw(ref.parameters())
-    ref_losses = []
-    for step in range(STEPS):
-        x, y = tokens(rank, step)
-        loss = ddp(x, y)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
-
     fsdp, optimizer = shard(model, adamw(model.parameters()), strategy)
     losses, problems = [], {}
     for step in range(STEPS):
@@ -467,8 +491,8 @@ def save_load_cell(rank, world, strategy):
         "optimizer.state_dict() survives torch.save/torch.load": (not problems["optimizer"],
                                                                  "; ".join(problems["optimizer"])),
         "model.state_dict() survives torch.save/torch.load": (not problems["model"], "; ".join(problems["model"])),
-        "losses (training goes on after the reload)": check_values("losses", losses, ref_losses),
-        "final parameters": check_params(fsdp.full_parameters(), ref_params(ref)),
+        "losses (training goes on after the reload)": check_values("losses", losses, theirs["losses"]),
+        "final parameters": check_params(fsdp.full_parameters(), theirs["params"]),
     }
 
 
@@ -492,12 +516,14 @@ def scaler_loop(model, optimizer, rank, world, params_of, after_backward=lambda 
     return out
 
 
-def grad_scaler_cell(rank, world, strategy):
-    model = tiny_lm()
-    ref = copy.deepcopy(model)
-    ddp = DDP(ref)
-    theirs = scaler_loop(ddp, adamw(ref.parameters()), rank, world, lambda: ref_params(ref))
+def ddp_scaler(rank, world):
+    ref = tiny_lm()
+    return scaler_loop(DDP(ref), adamw(ref.parameters()), rank, world, lambda: ref_params(ref))
 
+
+def grad_scaler_cell(rank, world, strategy):
+    theirs = reference(("grad_scaler",), ddp_scaler, rank, world)
+    model = tiny_lm()
     fsdp, optimizer = shard(model, adamw(model.parameters()), strategy)
     inf_here = []
 
@@ -541,17 +567,19 @@ SCENARIOS = {
     "layerdrop_same_skip_on_all_ranks": lambda r, w, s: layerdrop_cell(r, w, s, skipped_everywhere),
     "layerdrop_rank_dependent": layerdrop_cell,  # last: a rank dying here costs a respawn only
 }
-# LayerDrop's strategy 3 first: the others may abort the process (see the module docstring).
+# The grid's order (see user_loops_common.selected_cells). LayerDrop with a rank-dependent skip
+# goes last, strategy 3 first: the others may abort the process, costing a respawn each.
 CELLS = tuple((name, s) for name in SCENARIOS
               for s in (STRATEGIES if name != "layerdrop_rank_dependent" else [3, 0, 1, 2]))
+LAST = ("layerdrop_rank_dependent",)
 
 
-def user_loop_cell(rank, world, name, strategy):
-    return SCENARIOS[name](rank, world, strategy)
+def cell(rank, world, scenario, strategy):
+    return SCENARIOS[scenario](rank, world, strategy)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_user_loop_matches_ddp(scenario, strategy, world):
-    assert_checks(cell_report(user_loop_cell, world, CELLS, (scenario, strategy)))
+def test_user_loop_matches_ddp(scenario, strategy, world, request):
+    assert_checks(cell_report(request, world, scenario, strategy))

@@ -2,8 +2,9 @@
 plain-torch models, per-rank data, and float64 comparisons against DDP.
 
 [Note: crash-tolerant grids]
-Each test module computes a grid of (scenario, strategy) cells in one run_on_ranks spawn per
-world size (spawns cost seconds; cells cost a fraction of one). A cell that raises is caught and
+The grid tests of all modules share one run_on_ranks spawn per world size (a spawn costs
+seconds of imports per rank; a cell a fraction of one): the first test to need a world size runs
+every (module, scenario, strategy) cell that this session selected at that size. A cell that raises is caught and
 reported by its own test. But some failures are not Python exceptions: a collective whose sizes
 differ across ranks aborts the process inside gloo (std::terminate), and a rank left waiting in
 a collective its peers never issue hangs. A dead or hung rank would lose every cell of the spawn.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import importlib
 import math
 import os
 import pickle
@@ -201,14 +203,47 @@ def run_grid(cell_fn: Callable, world: int, cells: Sequence[tuple]) -> Dict[tupl
     return results
 
 
+def run_cell(rank: int, world: int, module: str, scenario: str, strategy: int):
+    """One grid cell on one rank: `module`.cell(rank, world, scenario, strategy)."""
+    return importlib.import_module(module).cell(rank, world, scenario, strategy)
+
+
 @functools.lru_cache(maxsize=None)
-def cached_grid(cell_fn: Callable, world: int, cells: tuple) -> Dict[tuple, list]:
-    return run_grid(cell_fn, world, cells)
+def cached_grid(world: int, cells: tuple) -> Dict[tuple, list]:
+    return run_grid(run_cell, world, cells)
 
 
-def cell_report(cell_fn: Callable, world: int, cells: tuple, cell: tuple) -> list:
-    """The per-rank check results of one cell; fails the test (cleanly) when a rank raised or died."""
-    per_rank = cached_grid(cell_fn, world, cells)[cell]
+def selected_cells(session, world: int) -> tuple:
+    """The cells at `world` of every grid test this pytest session runs (after -k and friends),
+    from all modules at once: one spawn serves them all. A module's CELLS gives its order;
+    the scenarios it lists in LAST (a rank may abort there) go after every other module's."""
+    wanted = set()
+    modules = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if module is None or not hasattr(module, "CELLS") or params.get("world") != world:
+            continue
+        if "scenario" in params and "strategy" in params:
+            wanted.add((module.__name__, params["scenario"], params["strategy"]))
+            modules[module.__name__] = module
+    ordered = []
+    for late in (False, True):
+        for name in sorted(modules):
+            last = getattr(modules[name], "LAST", ())
+            ordered += [(name,) + c for c in modules[name].CELLS
+                        if (name,) + c in wanted and (c[0] in last) == late]
+    return tuple(ordered)
+
+
+def cell_report(request, world: int, scenario: str, strategy: int) -> list:
+    """The per-rank check results of the calling test's cell; fails the test (cleanly) when a
+    rank raised, died or hung there."""
+    cell = (request.module.__name__, scenario, strategy)
+    cells = selected_cells(request.session, world)
+    if cell not in cells:  # run outside a normal session: compute this cell alone
+        cells = (cell,)
+    per_rank = cached_grid(world, cells)[cell]
     if any(status == "crash" for status, _, _ in per_rank):
         died = [v for _, v, _ in per_rank if " died in this cell" in v or " hung and was killed" in v]
         first = died[0] if died else next(v for _, v, _ in per_rank if "finished the cell" not in v)
@@ -405,3 +440,18 @@ def build_scheduler(factory: Callable, optimizer):
         return factory(optimizer), ""
     except Exception as e:  # noqa: BLE001 - reported as a check by the caller
         return MirroredSchedule(factory, optimizer), f"{type(e).__name__}: {e}"
+
+
+# ------------------------------------------------------------------------------------------
+# the DDP side, once per spawn
+
+_REFERENCES: Dict[tuple, object] = {}
+
+
+def reference(key: tuple, run: Callable, *args):
+    """run(*args), memoised in this process under `key`: a scenario's DDP run is the same for
+    every strategy, so each spawn trains it once (every rank reaches the same cells in the same
+    order, so the collectives inside still pair up)."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run(*args)
+    return _REFERENCES[key]
