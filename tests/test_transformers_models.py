@@ -103,6 +103,14 @@ def ddp_run(rank, name):
     return dict(train(DDP(ref), ref_opt, linear_warmup(ref_opt), rank, name), params=ref_params(ref))
 
 
+def prepare():
+    """Imports the model code before the cells start (see user_loops_common._grid_worker)."""
+    for name in MODELS:
+        MODELS[name]()
+    import transformers.optimization  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM  # noqa: F401
+
+
 def cell(rank, world, name, strategy):
     theirs = reference((name,), ddp_run, rank, name)
     model, unit = build(name)

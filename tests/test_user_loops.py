@@ -574,6 +574,11 @@ CELLS = tuple((name, s) for name in SCENARIOS
 LAST = ("layerdrop_rank_dependent",)
 
 
+def prepare():
+    """Imports what the cells import, before they start (see user_loops_common._grid_worker)."""
+    import transformers.optimization  # noqa: F401
+
+
 def cell(rank, world, scenario, strategy):
     return SCENARIOS[scenario](rank, world, strategy)
 

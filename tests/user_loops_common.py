@@ -20,6 +20,7 @@ spawn by run_on_ranks' timeout, the whole grid by a wall-clock budget.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import functools
 import gc
 import importlib
@@ -45,11 +46,12 @@ STRATEGIES = [0, 1, 2, 3]
 WORLDS = [2, 4]
 RTOL = 1e-9          # float64: a wrong algorithm is off by ~1e-3, reduction-order rounding by ~1e-13
 ATOL = 1e-12         # for elements that are (nearly) zero
-COLLECTIVE_TIMEOUT = 10.0   # seconds; the library raises instead of waiting longer
-GROUP_TIMEOUT_S = 10.0      # gloo's own collectives (DDP, the library's on gloo, the sanity check)
+COLLECTIVE_TIMEOUT = 15.0   # seconds; the library raises instead of waiting longer
+GROUP_TIMEOUT_S = 15.0      # gloo's own collectives (DDP, the library's on gloo, the sanity check)
 CELL_SKEW_S = 90.0          # the most one rank waits for the others at a cell's start or end
-SPAWN_TIMEOUT_S = 200.0     # one spawn (run_on_ranks kills it 30 s after)
-GRID_BUDGET_S = 420.0       # all spawns of one grid
+CELL_TIMEOUT_S = float(os.environ.get("USER_LOOPS_CELL_TIMEOUT_S", 150))  # then a rank still in a cell dumps its stacks, exits
+SPAWN_TIMEOUT_S = 480.0     # one spawn, a backstop (run_on_ranks kills it 30 s after)
+GRID_BUDGET_S = 900.0       # all spawns of one grid
 
 
 # ------------------------------------------------------------------------------------------
@@ -109,6 +111,9 @@ def _grid_worker(rank: int, world: int, cell_fn: Callable, cells: Sequence[tuple
     err = open(os.path.join(out_dir, f"stderr.{rank}"), "w")
     os.dup2(err.fileno(), 2)
     sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
+    if cell_fn is run_cell:  # heavy imports now, not inside a cell where peers wait in a collective
+        for module in sorted({c[0] for c in cells}):
+            getattr(importlib.import_module(module), "prepare", lambda: None)()
     pg = dist.distributed_c10d._get_default_group()
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=GROUP_TIMEOUT_S), pg)
     store = _store()
@@ -121,10 +126,14 @@ def _grid_worker(rank: int, world: int, cell_fn: Callable, cells: Sequence[tuple
         _wait_for_peers(store, [f"start{j}/{r}" for r in range(world)], out_dir, world)
         open(os.path.join(out_dir, f"started.{j}.{rank}"), "w").close()
         t0 = time.time()
+        # a rank stuck where no timeout reaches (a deadlock) dumps every thread's stack and exits
+        faulthandler.dump_traceback_later(CELL_TIMEOUT_S, exit=True, file=sys.stderr)
         try:
             value = ("ok", cell_fn(rank, world, *cell))
         except Exception as e:  # noqa: BLE001 - reported by the cell's test
             value = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         gc.collect()
         with open(os.path.join(out_dir, f"cell.{j}.{rank}.pkl"), "wb") as f:
             pickle.dump(value + (time.time() - t0,), f)
@@ -189,10 +198,16 @@ def run_grid(cell_fn: Callable, world: int, cells: Sequence[tuple]) -> Dict[tupl
                         continue
                     status, value = outcomes[r]
                     if status == "dead":
-                        how = ("hung and was killed after the spawn's timeout" if value == -9 else
-                               f"died in this cell (exit code {value}"
-                               f"{' = signal ' + str(-value) if isinstance(value, int) and value < 0 else ''})")
-                        text = f"rank {r} {how}; its stderr ends:\n{_tail(os.path.join(out_dir, f'stderr.{r}'))}"
+                        tail = _tail(os.path.join(out_dir, f"stderr.{r}"), 3000)
+                        if value == -9:
+                            how = "hung and was killed after the spawn's timeout"
+                        elif "Timeout (" in tail:
+                            how = f"hung in this cell for {CELL_TIMEOUT_S:.0f} s and exited (its stacks below)"
+                            tail = tail[tail.rindex("Timeout ("):]
+                        else:
+                            how = (f"died in this cell (exit code {value}"
+                                   f"{' = signal ' + str(-value) if isinstance(value, int) and value < 0 else ''})")
+                        text = f"rank {r} {how}; its stderr ends:\n{tail}"
                     else:
                         text = f"rank {r} left the cell with: {str(value)[-2500:]}"
                     per_rank.append(("crash", text, 0.0))
@@ -245,7 +260,7 @@ def cell_report(request, world: int, scenario: str, strategy: int) -> list:
         cells = (cell,)
     per_rank = cached_grid(world, cells)[cell]
     if any(status == "crash" for status, _, _ in per_rank):
-        died = [v for _, v, _ in per_rank if " died in this cell" in v or " hung and was killed" in v]
+        died = [v for _, v, _ in per_rank if " died in this cell" in v or " hung " in v]
         first = died[0] if died else next(v for _, v, _ in per_rank if "finished the cell" not in v)
         lines = first.splitlines()
         why = next((ln.strip() for ln in lines if "what()" in ln), lines[-1].strip() if lines else "")
