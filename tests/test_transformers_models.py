@@ -103,9 +103,9 @@ def ddp_run(rank, name):
     return dict(train(DDP(ref), ref_opt, linear_warmup(ref_opt), rank, name), params=ref_params(ref))
 
 
-def prepare():
+def prepare(scenarios):
     """Imports the model code before the cells start (see user_loops_common._grid_worker)."""
-    for name in MODELS:
+    for name in scenarios:
         MODELS[name]()
     import transformers.optimization  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM  # noqa: F401

@@ -574,9 +574,10 @@ CELLS = tuple((name, s) for name in SCENARIOS
 LAST = ("layerdrop_rank_dependent",)
 
 
-def prepare():
-    """Imports what the cells import, before they start (see user_loops_common._grid_worker)."""
-    import transformers.optimization  # noqa: F401
+def prepare(scenarios):
+    """Imports what these cells import, before they start (see user_loops_common._grid_worker)."""
+    if "warmup_cosine_after_shard" in scenarios:
+        import transformers.optimization  # noqa: F401
 
 
 def cell(rank, world, scenario, strategy):

@@ -113,7 +113,8 @@ def _grid_worker(rank: int, world: int, cell_fn: Callable, cells: Sequence[tuple
     sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
     if cell_fn is run_cell:  # heavy imports now, not inside a cell where peers wait in a collective
         for module in sorted({c[0] for c in cells}):
-            getattr(importlib.import_module(module), "prepare", lambda: None)()
+            getattr(importlib.import_module(module), "prepare", lambda scenarios: None)(
+                {c[1] for c in cells if c[0] == module})
     pg = dist.distributed_c10d._get_default_group()
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=GROUP_TIMEOUT_S), pg)
     store = _store()
