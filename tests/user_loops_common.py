@@ -4,8 +4,8 @@ plain-torch models, per-rank data, and float64 comparisons against DDP.
 [Note: crash-tolerant grids]
 The grid tests of all modules share one run_on_ranks spawn per world size (a spawn costs
 seconds of imports per rank; a cell a fraction of one): the first test to need a world size runs
-every (module, scenario, strategy) cell that this session selected at that size. A cell that raises is caught and
-reported by its own test. But some failures are not Python exceptions: a collective whose sizes
+every (module, scenario, strategy) cell that this session selected at that size. A cell that
+raises is caught and reported by its own test. But some failures are not Python exceptions: a collective whose sizes
 differ across ranks aborts the process inside gloo (std::terminate), and a rank left waiting in
 a collective its peers never issue hangs. A dead or hung rank would lose every cell of the spawn.
 So every rank writes each cell's result to a file as soon as the cell ends; the parent reads
@@ -49,7 +49,8 @@ ATOL = 1e-12         # for elements that are (nearly) zero
 COLLECTIVE_TIMEOUT = 15.0   # seconds; the library raises instead of waiting longer
 GROUP_TIMEOUT_S = 15.0      # gloo's own collectives (DDP, the library's on gloo, the sanity check)
 CELL_SKEW_S = 90.0          # the most one rank waits for the others at a cell's start or end
-CELL_TIMEOUT_S = float(os.environ.get("USER_LOOPS_CELL_TIMEOUT_S", 150))  # then a rank still in a cell dumps its stacks, exits
+# a rank still inside one cell after this long dumps its stacks and exits
+CELL_TIMEOUT_S = float(os.environ.get("USER_LOOPS_CELL_TIMEOUT_S", 150))
 SPAWN_TIMEOUT_S = 480.0     # one spawn, a backstop (run_on_ranks kills it 30 s after)
 GRID_BUDGET_S = 900.0       # all spawns of one grid
 
@@ -190,6 +191,12 @@ def run_grid(cell_fn: Callable, world: int, cells: Sequence[tuple]) -> Dict[tupl
                 if not started and j > 0:
                     next_start = start + j  # the spawn stopped after a cell that broke the group
                     break
+                if not started:  # the spawn failed before its first cell: so would the next one
+                    why = "\n".join(f"rank {r}: {status} {str(value)[-1500:]}" for r, (status, value) in
+                                    enumerate(outcomes))
+                    for rest in todo:
+                        results[rest] = [("error", f"the spawn failed before its first cell:\n{why}", 0.0)] * world
+                    break
                 per_rank = []
                 for r in range(world):
                     if os.path.exists(files[r]):
@@ -275,13 +282,16 @@ def cell_report(request, world: int, scenario: str, strategy: int) -> list:
 
 def assert_checks(per_rank: List[dict]) -> None:
     """Every rank's checks passed; the message lists each failed check once (first rank that saw it)."""
-    failed = {}
+    failed, short = {}, {}
     for rank, checks in enumerate(per_rank):
         for name, (ok, message) in checks.items():
             if not ok and name not in failed:
                 failed[name] = f"[rank {rank}] {name}: {message}"
+                first = message.splitlines()[0] if message else ""
+                short[name] = f"{name} ({first[:100]}{'...' if len(first) > 100 else ''})"
     if failed:
-        pytest.fail(f"{len(failed)} check(s) failed: {'; '.join(failed)}\n" + "\n".join(failed.values()), pytrace=False)
+        pytest.fail(f"{len(failed)} check(s) failed: {'; '.join(short.values())}\n\n" + "\n".join(failed.values()),
+                    pytrace=False)
 
 
 # ------------------------------------------------------------------------------------------
