@@ -296,7 +296,10 @@ class ParamBuffer:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD or OPT_GRAD): a view shaped as
         torch's Shard(0) local tensor (the whole parameter when the bucket is not sharded)."""
         where, offset, n = self.engine.local_piece(r.bucket, r.item, kind)
-        flat = self.engine.tensor(r.bucket, where).narrow(0, offset, n)
+        # A tensor of its own over the same memory (storage offset 0, keeping the buffer alive):
+        # torch pickles a DTensor whose local tensor sits at a storage offset through the
+        # wrapper's own (empty) storage and fails, so torch.save(model.state_dict()) would.
+        flat = torch.from_dlpack(self.engine.tensor(r.bucket, where).narrow(0, offset, n))
         if self.plan[r.bucket]["shards"] == 1 or r.replicated:
             return flat.view(r.shape)
         return flat.view(-1, *r.shape[1:]) if len(r.shape) > 1 else flat

@@ -299,8 +299,9 @@ def assert_checks(per_rank: List[dict]) -> None:
 
 
 def to_full(t):
-    """A plain tensor from a DTensor (collective) or a tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """A plain copy of a DTensor (collective) or a tensor: full_tensor() of a replicated DTensor is
+    its local tensor itself, which the next backward overwrites."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def rel_excess(a: torch.Tensor, b: torch.Tensor, rtol=RTOL, atol=ATOL):
