@@ -17,8 +17,8 @@ ROOT = Path(__file__).parent.resolve()
 
 CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c"]
 COMM = ["csrc/comm/pipeline.c"]
-GLUE = ["csrc/python/module.c", "csrc/python/torch_backend.c", "csrc/python/engine.c"]
-CUDA_C = ["csrc/cuda/nccl_transport.c", "csrc/cuda/nccl_glue.c"]  # C, compiled by the C compiler
+GLUE = ["csrc/python/module.c", "csrc/python/torch_backend.c", "csrc/python/engine.c", "csrc/python/cuda_glue.c"]
+CUDA_C = ["csrc/cuda/nccl_transport.c"]  # C, compiled by the C compiler
 CUDA_CU = ["csrc/cuda/kernels.cu"]
 CPU_ONLY = ["csrc/cuda/cuda_absent.c"]
 

@@ -1,8 +1,12 @@
-/* nccl_glue.c: the CUDA half of megatron_fsdp_c._C (CUDA builds only): NcclTransport, NCCL
- * unique ids, and the CUDA kernels as functions on CUDA tensors (for tests and benchmarks). */
-#include "../python/glue.h"
-#include "mfsdp_cuda.h"
-#include "mfsdp_nccl.h"
+/* cuda_glue.c: the CUDA half of megatron_fsdp_c._C: NcclTransport, NCCL unique ids, and the
+ * CUDA kernels as functions on CUDA tensors (for tests and benchmarks). The C side lives in
+ * csrc/cuda/, which includes no Python; a CPU-only build compiles only the no-op register
+ * function at the end. */
+#include "glue.h"
+
+#ifdef MFSDP_WITH_CUDA
+#include "../cuda/mfsdp_cuda.h"
+#include "../cuda/mfsdp_nccl.h"
 
 typedef struct nccl_object {
   transport_object head;
@@ -241,3 +245,13 @@ int mfsdp_register_nccl(PyObject* module, module_state* st) {
   if (st->nccl_transport_type == NULL || PyModule_AddType(module, st->nccl_transport_type) < 0) return -1;
   return PyModule_AddFunctions(module, cuda_methods);
 }
+
+#else /* CPU-only build: no CUDA types or functions */
+
+int mfsdp_register_nccl(PyObject* module, module_state* st) {
+  (void)module;
+  st->nccl_transport_type = NULL;
+  return 0;
+}
+
+#endif
