@@ -4,7 +4,7 @@
 
 const mfsdp_kernel_ops* const mfsdp_cuda_kernels = NULL;
 
-void* mfsdp_cuda_kernel_context(int device) {
-  (void)device;
-  return NULL;
+mfsdp_status mfsdp_cuda_kernel_context(int device, void** ctx) {
+  *ctx = NULL;
+  return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "CUDA device %d: megatron_fsdp_c was built without CUDA", device);
 }

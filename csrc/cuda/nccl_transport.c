@@ -163,10 +163,10 @@ mfsdp_status mfsdp_nccl_create(const ncclUniqueId* ids, int rank, int world, int
   t->rank = rank;
   t->world = world;
   t->timeout_s = timeout_s;
-  t->kernels_ctx = mfsdp_cuda_kernel_context(device);
   pthread_mutex_init(&t->lock, NULL);
   pthread_mutex_init(&t->comm_lock, NULL);
-  mfsdp_status st = MFSDP_OK;
+  mfsdp_status st = mfsdp_cuda_kernel_context(device, &t->kernels_ctx);
+  if (st != MFSDP_OK) goto fail;
   cudaError_t ce = cudaSetDevice(device);
   if (ce != cudaSuccess) {
     st = MFSDP_FAIL(MFSDP_ERR_CUDA, "cudaSetDevice(%d): %s", device, cudaGetErrorString(ce));

@@ -136,7 +136,12 @@ static int current_stream_context(module_state* st, int device, void** ctx) {
   PyObject* current_stream = cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL;
   Py_XDECREF(cuda);
   if (current_stream == NULL) return -1;
-  *ctx = mfsdp_cuda_kernel_context(device);
+  mfsdp_status s = mfsdp_cuda_kernel_context(device, ctx);
+  if (s != MFSDP_OK) {
+    Py_DECREF(current_stream);
+    mfsdp_raise(st, s);
+    return -1;
+  }
   int rc = mfsdp_use_current_stream(current_stream, device, *ctx);
   Py_DECREF(current_stream);
   return rc;

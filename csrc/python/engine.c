@@ -149,10 +149,16 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     return -1;
   }
   int is_cuda = PyUnicode_Check(type) && PyUnicode_CompareWithASCIIString(type, "cuda") == 0;
-  int device_index = is_cuda ? (index == Py_None ? 0 : (int)PyLong_AsLong(index)) : -1;
+  /* "cuda" without an index would mean whichever device is current at each call: refuse it
+   * rather than guess (fully_shard resolves it once, to the current device). */
+  int device_index = is_cuda && index != Py_None ? (int)PyLong_AsLong(index) : -1;
   Py_DECREF(index);
   Py_DECREF(type);
   if (PyErr_Occurred()) return -1;
+  if (is_cuda && device_index < 0) {
+    PyErr_SetString(PyExc_ValueError, "Engine: a CUDA device needs an index (torch.device('cuda', N))");
+    return -1;
+  }
 
   const mfsdp_kernel_ops* kernels = &mfsdp_cpu_kernels;
   void* kernels_ctx = NULL;
@@ -164,7 +170,11 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
       return -1;
     }
     kernels = mfsdp_cuda_kernels;
-    kernels_ctx = mfsdp_cuda_kernel_context(device_index);
+    mfsdp_status s = mfsdp_cuda_kernel_context(device_index, &kernels_ctx);
+    if (s != MFSDP_OK) {
+      fail(self, s);
+      return -1;
+    }
     PyObject* cuda = PyObject_GetAttrString(st->torch, "cuda");
     Py_XSETREF(e->current_stream, cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL);
     Py_XDECREF(cuda);

@@ -94,11 +94,48 @@ static void expect_pack(kernel_rig* k, int dt, double alpha, int accumulate) {
   free(got);
 }
 
+/* A bucket pack while torch's caching allocator holds every byte of the device: the kernels
+ * may not allocate (no stream-ordered table, no pageable upload), and a pack of more items
+ * than one launch's table takes still lands in one call. */
+static void expect_pack_with_full_pool(kernel_rig* k, int device) {
+  enum { ITEMS = 3000 };
+  mfsdp_pack_item* items = calloc(ITEMS, sizeof *items);
+  float* src = malloc(ITEMS * 5 * sizeof *src);
+  float* want = calloc(ITEMS * 6, sizeof *want);
+  float* got = calloc(ITEMS * 6, sizeof *got);
+  uint64_t rng = 11;
+  fill_test_values(src, MFSDP_F32, ITEMS * 5, &rng);
+  for (int i = 0; i < ITEMS; ++i) /* runs of 0-4 elements, one gap each */
+    items[i] = (mfsdp_pack_item){src + 5 * i, MFSDP_F32, 6 * i + 1, i % 5};
+  size_t held = emu_device_memory_free(device);
+  CHECK(emu_device_reserve(device, (long long)held), "torch takes the whole pool");
+  long allocations = emu_runtime_allocations();
+  CHECK_OK(mfsdp_cpu_pack(want, MFSDP_F32, items, ITEMS, 1.0 / 3.0, 1));
+  CHECK_OK(mfsdp_cuda_kernels->pack(k->ctx, got, MFSDP_F32, items, ITEMS, 1.0 / 3.0, 1));
+  int64_t bad = -1;
+  CHECK_OK(mfsdp_cuda_kernels->count_nonfinite(k->ctx, got, MFSDP_F32, ITEMS * 6, &bad));
+  cudaStreamSynchronize(k->stream);
+  CHECK(count_differences(want, got, MFSDP_F32, ITEMS * 6) == 0, "pack of %d items with a full pool differs", ITEMS);
+  CHECK(emu_runtime_allocations() == allocations, "the kernels allocated device memory %ld times",
+        emu_runtime_allocations() - allocations);
+  emu_device_reserve(device, -(long long)held);
+  free(items);
+  free(src);
+  free(want);
+  free(got);
+}
+
 static void test_kernels(void) {
+  /* The engine's tensors and torch's stream are on device 1 while the calling thread's current
+   * device is 0 (a rank that never called torch.cuda.set_device): every entry point must make
+   * its own device current, and give the caller's back. */
+  const int device = 1;
   kernel_rig k;
+  cudaSetDevice(device);
   cudaStreamCreateWithPriority(&k.stream, cudaStreamNonBlocking, 0);
-  k.ctx = mfsdp_cuda_kernel_context(0);
+  CHECK_OK(mfsdp_cuda_kernel_context(device, &k.ctx));
   mfsdp_cuda_set_stream(k.ctx, k.stream);
+  cudaSetDevice(0);
   /* 2 SMs x 8 blocks x 256 threads: 4096 threads, so 100003 elements take several strides */
   const int64_t sizes[] = {1, 7, 8, 9, 1031, 100003};
   for (int dt = 0; dt < MFSDP_NUM_FLOAT_DTYPES; ++dt)
@@ -108,12 +145,18 @@ static void test_kernels(void) {
           expect_binary(&k, dt, st, sizes[z], shift, 1.0, 0);
           expect_binary(&k, dt, st, sizes[z], shift, 1.0 / 3.0, 0);
           expect_binary(&k, dt, st, sizes[z], shift, 0.25, 1);
+          expect_binary(&k, dt, st, sizes[z], shift, 1.0 / 3.0, 1); /* not a power of two: no FMA */
         }
   for (int dt = 0; dt < MFSDP_NUM_FLOAT_DTYPES; ++dt)
     for (int acc = 0; acc < 2; ++acc) {
       expect_pack(&k, dt, 1.0, acc);
       expect_pack(&k, dt, 0.125, acc);
+      expect_pack(&k, dt, 1.0 / 3.0, acc);
     }
+  expect_pack_with_full_pool(&k, device);
+  int current = -1;
+  cudaGetDevice(&current);
+  CHECK(current == 0, "a kernel entry point left device %d current (the caller's was 0)", current);
   /* scale and fill_zero */
   float x[1000], y[1000];
   uint64_t rng = 5;
@@ -204,8 +247,12 @@ static void* emu_world_create(int n) {
 static int emu_rank_setup(void* world, int rank, mfsdp_backend* be, void** state) {
   emu_world* w = world;
   emu_rank* r = calloc(1, sizeof *r);
+  /* One device per rank, with torch's current stream on it; the thread's current device stays
+   * 0, as on a rank that never called torch.cuda.set_device: the engine must not depend on it. */
+  cudaSetDevice(rank);
   cudaStreamCreateWithPriority(&r->stream, cudaStreamNonBlocking, 0);
-  r->kernels_ctx = mfsdp_cuda_kernel_context(rank); /* one device per rank */
+  cudaSetDevice(0);
+  if (mfsdp_cuda_kernel_context(rank, &r->kernels_ctx) != MFSDP_OK) return -1;
   mfsdp_cuda_set_stream(r->kernels_ctx, r->stream);
   *state = r;
   if (mfsdp_nccl_create(w->ids, rank, w->n, rank, w->timeout_s, &r->nccl) != MFSDP_OK) return -1;

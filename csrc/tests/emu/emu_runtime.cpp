@@ -24,7 +24,16 @@ thread_local dim3 blockIdx, threadIdx, blockDim, gridDim;
 namespace {
 
 thread_local cudaError_t g_last_error = cudaSuccess;
+thread_local int g_device = 0; /* the host thread's current device, as in CUDA */
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_device_count{8};
 std::atomic<int> g_streams_alive{0};
+std::atomic<long> g_allocations{0};
+/* Device memory pools: what cudaMalloc/cudaMallocAsync and torch (emu_device_reserve) draw on. */
+std::mutex g_pool_lock;
+size_t g_pool_size[kMaxDevices];
+size_t g_pool_used[kMaxDevices];
+std::map<void*, std::pair<int, size_t>> g_pool_blocks; /* pointer -> (device, bytes) */
 std::atomic<int> g_multiprocessors{2};
 std::atomic<int> g_jitter_us{0};
 std::atomic<long> g_collectives{0};
@@ -41,6 +50,31 @@ cudaError_t fail(cudaError_t e) {
   return e;
 }
 
+bool valid_device(int device) { return device >= 0 && device < g_device_count.load(); }
+
+size_t pool_size(int device) { return g_pool_size[device] ? g_pool_size[device] : (size_t)1 << 30; }
+
+void* pool_alloc(int device, size_t bytes) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  if (g_pool_used[device] + bytes > pool_size(device)) return nullptr;
+  void* mem = malloc(bytes ? bytes : 1);
+  if (mem == nullptr) return nullptr;
+  g_pool_used[device] += bytes;
+  g_pool_blocks[mem] = {device, bytes};
+  ++g_allocations;
+  return mem;
+}
+
+bool pool_free(void* p) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  auto it = g_pool_blocks.find(p);
+  if (it == g_pool_blocks.end()) return false;
+  g_pool_used[it->second.first] -= it->second.second;
+  g_pool_blocks.erase(it);
+  free(p);
+  return true;
+}
+
 }  // namespace
 
 /* A stream: one worker thread running queued operations in order. */
@@ -49,9 +83,10 @@ struct emu_stream {
   std::condition_variable cv;
   std::deque<std::function<void()>> queue;
   bool busy = false, stop = false;
+  const int device; /* the device current when it was made */
   std::thread worker;
 
-  emu_stream() : worker([this] { run(); }) { ++g_streams_alive; }
+  explicit emu_stream(int device_) : device(device_), worker([this] { run(); }) { ++g_streams_alive; }
   ~emu_stream() {
     {
       std::lock_guard<std::mutex> g(m);
@@ -96,12 +131,18 @@ struct emu_stream {
 
 namespace {
 
-/* The legacy default stream (handle 0). */
+/* The legacy default stream (handle 0) of the current device. */
 emu_stream* resolve(cudaStream_t s) {
   if (s) return s;
-  static emu_stream* legacy = new emu_stream();  // made on first use, lives for the process
-  return legacy;
+  static std::mutex lock;
+  static emu_stream* legacy[kMaxDevices];  // made on first use, live for the process
+  std::lock_guard<std::mutex> g(lock);
+  if (!legacy[g_device]) legacy[g_device] = new emu_stream(g_device);
+  return legacy[g_device];
 }
+
+/* Work on a stream must be issued with its device current. */
+bool on_current_device(cudaStream_t s) { return resolve(s)->device == g_device; }
 
 }  // namespace
 
@@ -114,6 +155,7 @@ struct emu_event_state {
 };
 struct emu_event {
   std::shared_ptr<emu_event_state> s = std::make_shared<emu_event_state>();
+  int device = g_device;
 };
 
 extern "C" {
@@ -148,10 +190,21 @@ cudaError_t cudaGetLastError(void) {
   return e;
 }
 
-cudaError_t cudaSetDevice(int device) { return device < 0 ? fail(cudaErrorInvalidDevice) : cudaSuccess; }
+cudaError_t cudaSetDevice(int device) {
+  if (!valid_device(device)) return fail(cudaErrorInvalidDevice);
+  g_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  if (device == nullptr) return fail(cudaErrorInvalidValue);
+  *device = g_device;
+  return cudaSuccess;
+}
 
 cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
-  if (value == nullptr || device < 0) return fail(cudaErrorInvalidValue);
+  if (value == nullptr) return fail(cudaErrorInvalidValue);
+  if (!valid_device(device)) return fail(cudaErrorInvalidDevice);
   *value = attr == cudaDevAttrMultiProcessorCount ? g_multiprocessors.load() : 0;
   return cudaSuccess;
 }
@@ -166,7 +219,7 @@ cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, in
   (void)flags;
   (void)priority;
   if (s == nullptr) return fail(cudaErrorInvalidValue);
-  *s = new emu_stream();
+  *s = new emu_stream(g_device);
   return cudaSuccess;
 }
 
@@ -189,7 +242,8 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  if (e == nullptr || e->device != resolve(s)->device || !on_current_device(s))
+    return fail(cudaErrorInvalidResourceHandle);
   std::shared_ptr<emu_event_state> st = e->s;
   uint64_t seq;
   {
@@ -232,17 +286,29 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
   return cudaSuccess;
 }
 
-cudaError_t cudaMallocAsync(void* p, size_t bytes, cudaStream_t s) {
-  (void)s;
+cudaError_t cudaMalloc(void* p, size_t bytes) {
   if (p == nullptr) return fail(cudaErrorInvalidValue);
-  void* mem = malloc(bytes ? bytes : 1);
+  void* mem = pool_alloc(g_device, bytes);
+  if (mem == nullptr) return fail(cudaErrorMemoryAllocation);
+  *static_cast<void**>(p) = mem;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFree(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  return pool_free(p) ? cudaSuccess : fail(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaMallocAsync(void* p, size_t bytes, cudaStream_t s) {
+  if (p == nullptr) return fail(cudaErrorInvalidValue);
+  void* mem = pool_alloc(resolve(s)->device, bytes);  // from the pool of the stream's device
   if (mem == nullptr) return fail(cudaErrorMemoryAllocation);
   *static_cast<void**>(p) = mem;
   return cudaSuccess;
 }
 
 cudaError_t cudaFreeAsync(void* p, cudaStream_t s) {
-  resolve(s)->push([p] { free(p); });  // stream-ordered: earlier work on s may still use it
+  resolve(s)->push([p] { pool_free(p); });  // stream-ordered: earlier work on s may still use it
   return cudaSuccess;
 }
 
@@ -264,11 +330,29 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
   if (bytes && p == nullptr) return fail(cudaErrorInvalidValue);
+  if (!on_current_device(s)) return fail(cudaErrorInvalidResourceHandle);
   resolve(s)->push([=] { memset(p, value, bytes); });
   return cudaSuccess;
 }
 
 int emu_streams_alive(void) { return g_streams_alive.load(); }
+void emu_set_device_count(int n) { g_device_count = n < kMaxDevices ? n : kMaxDevices; }
+void emu_set_device_memory(int device, size_t bytes) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  g_pool_size[device] = bytes;
+}
+size_t emu_device_memory_free(int device) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  size_t size = pool_size(device);
+  return g_pool_used[device] < size ? size - g_pool_used[device] : 0;
+}
+int emu_device_reserve(int device, long long bytes) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  if (bytes > 0 && g_pool_used[device] + (size_t)bytes > pool_size(device)) return 0;
+  g_pool_used[device] += (size_t)bytes;  // a negative count gives back
+  return 1;
+}
+long emu_runtime_allocations(void) { return g_allocations.load(); }
 void emu_set_multiprocessors(int n) { g_multiprocessors = n; }
 void emu_set_jitter_us(int max_us) { g_jitter_us = max_us; }
 void emu_stream_host_fn(cudaStream_t s, void (*fn)(void*), void* arg) { resolve(s)->push([=] { fn(arg); }); }
@@ -280,6 +364,7 @@ cudaError_t emu_launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || block.x == 0 || block.x * block.y * block.z > 1024 ||
       grid.y > 65535 || grid.z > 65535)
     return fail(cudaErrorInvalidValue);  // CUDA's launch limits, reported by cudaGetLastError
+  if (!on_current_device(s)) return fail(cudaErrorInvalidResourceHandle);  // a stream of another device
   resolve(s)->push([=] {
     gridDim = grid;
     blockDim = block;
@@ -312,7 +397,9 @@ struct clique {
   /* what each rank posted for the current collective */
   std::vector<const void*> send;
   std::vector<std::vector<std::pair<const void*, size_t>>> sends_to;  // [rank][peer]: p2p
-  explicit clique(int n_) : n(n_), send(n_), sends_to(n_, std::vector<std::pair<const void*, size_t>>(n_)) {}
+  std::vector<int> devices;                                           // [rank]: its GPU
+  explicit clique(int n_)
+      : n(n_), send(n_), sends_to(n_, std::vector<std::pair<const void*, size_t>>(n_)), devices(n_, -1) {}
 
   /* false: the clique broke (a rank aborted) before everyone arrived */
   bool barrier() {
@@ -342,6 +429,7 @@ std::atomic<uint64_t> g_next_id{1};
 struct comm_state {
   std::shared_ptr<clique> c;
   int rank;
+  int device; /* current when the communicator was made: its streams must be this device's */
   std::atomic<int> error{ncclSuccess};
 };
 
@@ -418,6 +506,7 @@ ncclResult_t enqueue(ncclComm_t comm, cudaStream_t s, const void* send,
                      std::function<void(clique&, int)> part) {
   if (comm == nullptr) return ncclInvalidArgument;
   std::shared_ptr<comm_state> st = comm->s;
+  if (resolve(s)->device != st->device) return ncclInvalidArgument;  // a stream of another GPU
   ++g_collectives;
   std::function<void()> op = [st, send, part] {
     clique& c = *st->c;
@@ -466,12 +555,20 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
   if (c->n != nranks) return ncclInvalidUsage;
   {
     std::lock_guard<std::mutex> g(c->m);
+    for (int r = 0; r < c->n; ++r)
+      if (c->devices[r] == g_device) {  // NCCL: "Duplicate GPU detected"
+        c->broken = true;
+        c->cv.notify_all();
+        return ncclInvalidUsage;
+      }
+    c->devices[rank] = g_device;
     ++c->joined;
     c->cv.notify_all();
   }
   emu_comm* out = new emu_comm();
   out->s->c = c;
   out->s->rank = rank;
+  out->s->device = g_device;
   *comm = out;
   if (g_group_depth > 0) {  // in a group: the meeting happens at ncclGroupEnd
     g_group_inits.push_back(c);
