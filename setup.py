@@ -180,7 +180,8 @@ def find_cuda():
         major, minor = nvcc_version(nvcc)
         if torch_cuda and int(torch_cuda.split(".")[0]) != major:
             raise CudaBuildError(f"nvcc is CUDA {major}.{minor} but torch was built with CUDA {torch_cuda}: use the "
-                                 f"CUDA {torch_cuda.split('.')[0]} toolkit (CUDA_HOME) or a torch built for CUDA {major}")
+                                 f"CUDA {torch_cuda.split('.')[0]} toolkit (CUDA_HOME) or a torch built for "
+                                 f"CUDA {major}")
         roots = cuda_roots(nvcc)
         include = first([r / "include/cuda_runtime.h" for r in roots], "cuda_runtime.h").parent
         cudart = first([r / d / "libcudart_static.a" for r in roots for d in LIB_DIRS] +
@@ -190,8 +191,8 @@ def find_cuda():
             raise CudaBuildError("torch is a CUDA build but no libnccl was mapped when importing it (NCCL linked "
                                  "into torch?): a second libnccl here would break both")
     except CudaBuildError as e:
-        sys.exit(f"megatron_fsdp_c: the CUDA build {'was asked for (MFSDP_CUDA=1)' if forced else 'is needed: torch is a CUDA build'}, "
-                 f"but it cannot be made: {e}")
+        why = "was asked for (MFSDP_CUDA=1)" if forced else "is needed: torch is a CUDA build"
+        sys.exit(f"megatron_fsdp_c: the CUDA build {why}, but it cannot be made: {e}")
     say(f"CUDA build: nvcc {major}.{minor} ({nvcc}), torch CUDA {torch_cuda or '- (CPU torch)'}; static cudart "
         f"{cudart}; NCCL {'.'.join(map(str, nccl_version or ())) or '?'} headers {nccl_inc}, library {nccl_lib}"
         f"{' (the one torch loads)' if torch_lib else ''}")

@@ -249,6 +249,8 @@ def main():
     if rank == 0:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")
+    if sharded is not None:
+        mfsdp.close(sharded)  # every rank, same point: the native transport's collective end
     dist.barrier()
     dist.destroy_process_group()
 

@@ -57,7 +57,7 @@ def group_timeout(group, device: torch.device) -> datetime.timedelta:
     """The timeout the process group's own collectives have (init_process_group/new_group)."""
     try:
         return group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
+    except (AttributeError, RuntimeError, ValueError):
         return dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
 
 

@@ -124,6 +124,9 @@ def world1(rank, world, dtype):
                 losses.append(loss.item())
                 ref_losses.append(ref_loss.item())
             out[(name, strategy)] = (losses, ref_losses, fsdp.comm_stats())
+            mf.close(fsdp)  # the native transport's collective end (finalize + destroy, not abort)
+            if name == "nccl":
+                assert fsdp.dist_ctx.transport.failure is None
     return out
 
 

@@ -149,8 +149,9 @@ static_assert(sizeof(PackTable<kLargeTable>) + 64 <= 32764, "a pack table must f
 /* One launch over a table of items: blockIdx.y is the item, x strides over its elements, each
  * item vectorised on its own (whether it is depends on its own addresses). */
 template <int DT, int ST, int N>
-__global__ void __launch_bounds__(kThreads) pack_kernel(void* __restrict__ dst_base, const __grid_constant__ PackTable<N> table,
-                                                        double alpha, bool accumulate) {
+__global__ void __launch_bounds__(kThreads) pack_kernel(void* __restrict__ dst_base,
+                                                        const __grid_constant__ PackTable<N> table, double alpha,
+                                                        bool accumulate) {
   using P = Pair<DT, ST>;
   const int item = blockIdx.y;
   binary_span<DT, ST>(static_cast<typename P::D::T*>(dst_base) + table.offsets[item],

@@ -677,7 +677,8 @@ mfsdp_status mfsdp_nccl_close(mfsdp_nccl* t) {
   if (st == MFSDP_OK) {
     pthread_mutex_lock(&t->comm_lock);
     ncclResult_t r = ncclSuccess;
-    for (int lane = 0; lane < 2 && (r == ncclSuccess || r == ncclInProgress); ++lane) r = ncclCommFinalize(t->comm[lane]);
+    for (int lane = 0; lane < 2 && (r == ncclSuccess || r == ncclInProgress); ++lane)
+      r = ncclCommFinalize(t->comm[lane]);
     if (r != ncclSuccess && r != ncclInProgress) {
       fail_locked(t, MFSDP_ERR_NCCL, "ncclCommFinalize: %s (%s)", ncclGetErrorString(r), ncclGetLastError(NULL));
       st = healthy(t);

@@ -201,6 +201,8 @@ typedef struct emu_world {
   ncclUniqueId ids[2];
   double timeout_s;
   const mfsdp_nccl_hooks* hooks; /* NULL: none */
+  pthread_barrier_t start;       /* the ranks make their transports together: the set-up's timeout
+                                    counts from there, not from when each thread got a core */
 } emu_world;
 
 typedef struct emu_rank {
@@ -240,9 +242,16 @@ static void* emu_world_create(int n) {
   emu_world* w = calloc(1, sizeof *w);
   w->n = n;
   w->timeout_s = 30.0;
+  pthread_barrier_init(&w->start, NULL, (unsigned)n);
   ncclGetUniqueId(&w->ids[0]);
   ncclGetUniqueId(&w->ids[1]);
   return w;
+}
+
+static void emu_world_destroy(void* world) {
+  emu_world* w = world;
+  pthread_barrier_destroy(&w->start);
+  free(w);
 }
 
 static int emu_rank_setup(void* world, int rank, mfsdp_backend* be, void** state) {
@@ -256,6 +265,7 @@ static int emu_rank_setup(void* world, int rank, mfsdp_backend* be, void** state
   if (mfsdp_cuda_kernel_context(rank, &r->kernels_ctx) != MFSDP_OK) return -1;
   mfsdp_cuda_set_stream(r->kernels_ctx, r->stream);
   *state = r;
+  pthread_barrier_wait(&w->start);
   if (mfsdp_nccl_create(w->ids, rank, w->n, rank, w->timeout_s, w->hooks, &r->nccl) != MFSDP_OK) return -1;
   int current = -1;
   cudaGetDevice(&current);
@@ -279,8 +289,8 @@ static void emu_rank_teardown(void* state) {
   free(r);
 }
 
-static const pipe_rig nccl_rig = {"emulated NCCL + CUDA kernels", emu_world_create, free, emu_rank_setup,
-                                  emu_rank_sync, emu_rank_teardown, NULL};
+static const pipe_rig nccl_rig = {"emulated NCCL + CUDA kernels", emu_world_create, emu_world_destroy,
+                                  emu_rank_setup, emu_rank_sync, emu_rank_teardown, NULL};
 
 /* ------------------------------------------------------------------------------------------ */
 /* a unit of several buckets: its gathers go out as one NCCL group */
@@ -362,7 +372,7 @@ static void test_grouped_unit(void) {
       pthread_create(&threads[r], NULL, unit_worker, &args[r]);
     }
     for (int r = 0; r < n; ++r) pthread_join(threads[r], NULL);
-    free(w);
+    emu_world_destroy(w);
     long grouped = emu_nccl_grouped_collectives() - before;
     CHECK(grouped == 3L * UNIT_BUCKETS * n, "world %d: %ld gathers launched in groups, expected %d", n, grouped,
           3 * UNIT_BUCKETS * n);
@@ -430,7 +440,7 @@ static void duo_setup(duo* d, int n_connect, double timeout_s) {
 
 static void duo_free(duo* d) {
   for (int r = 0; r < 2; ++r) free(d->full[r]);
-  free(d->world);
+  emu_world_destroy(d->world);
 }
 
 static double seconds_since(const struct timespec* a) {
@@ -791,7 +801,7 @@ static void test_watchdog(void) {
   stall_thread args[2] = {{w, 0}, {w, 1}};
   for (int r = 0; r < 2; ++r) pthread_create(&threads[r], NULL, stall_worker, &args[r]);
   for (int r = 0; r < 2; ++r) pthread_join(threads[r], NULL);
-  free(w);
+  emu_world_destroy(w);
 }
 
 /* ------------------------------------------------------------------------------------------ */
