@@ -132,12 +132,6 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
     return DistContext(group, gather_group, mesh, rank, world, device, t)
 
 
-def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    """dist.all_gather_single where it exists (torch >= 2.13), else all_gather_into_tensor."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
-
-
 def check_same_model(records, ctx: DistContext) -> None:
     """Every rank must shard the same model: one cheap all-reduce of a fingerprint; only on a
     mismatch are the descriptions gathered, to name the first differing parameter."""

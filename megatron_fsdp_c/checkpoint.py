@@ -1,78 +1,25 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP).
 
-[Note: uneven DTensor chunks]
-DTensor assumes Shard(0) splits like torch.chunk; ours are whole-row slices of a flat bucket, so
-rank r's rows of a parameter start wherever the layout put them. DTensor defers checkpoint
-metadata to its local tensor when that tensor has `__create_write_items__` /
-`__create_chunk_list__`, so every Shard(0) tensor handed to DCP (parameters in the model state
-dict, optimizer states) gets those two attributes with its true global row offset and size. DCP
-then writes each rank's real rows and, on load, reads whatever overlapping rows another world
-size wrote: resharding falls out of DCP's offset arithmetic. Ranks whose slice is empty write
-and read nothing.
+Parameters and optimizer states are torch's own Shard(0) DTensors (see [Note: chunked layout]
+in csrc/core/mfsdp_layout.h), so DCP writes each rank's rows and reshards on load with its own
+offset arithmetic: nothing here patches chunk metadata.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 __all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict"]
-
-
-def chunk_of(record):
-    """(offsets, sizes) of this rank's rows of `record`'s parameter, or None when replicated."""
-    placement = record.dist_param.placements[0]
-    if not isinstance(placement, Shard):
-        return None
-    shape = record.shape
-    row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    lo, hi, _ = record.local_slice
-    first, count = (lo // row, (hi - lo) // row) if row else (0, 0)
-    return torch.Size([first] + [0] * (len(shape) - 1)), torch.Size([count] + list(shape[1:]))
-
-
-def attach_chunk(tensor: DTensor, chunk) -> None:
-    """Gives DCP the true global position of `tensor`'s local rows (see the note)."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    if chunk is None or not isinstance(tensor, DTensor):
-        return
-    offsets, sizes = chunk
-    empty = math.prod(sizes) == 0
-
-    def create_write_items(fqn, obj):
-        if empty:
-            return []
-        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                                                      properties=TensorProperties.create_from_tensor(obj.to_local()),
-                                                      size=obj.size()))]
-
-    def create_chunk_list():
-        return [] if empty else [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
-
-    local = tensor._local_tensor
-    local.__create_write_items__ = create_write_items
-    local.__create_chunk_list__ = create_chunk_list
 
 
 def register_model_hooks(model) -> None:
     """State-dict hooks on the wrapped module (they run for model.state_dict() and for
     model.module.state_dict() alike)."""
     records = model.param_buffer.records
-    chunks = {name: chunk_of(r) for r in records for name in r.aliases}
-
-    def on_save(module, state_dict, prefix, local_metadata):
-        for name, chunk in chunks.items():
-            value = state_dict.get(prefix + name)
-            if isinstance(value, DTensor):
-                attach_chunk(value, chunk)
-        return state_dict
 
     def before_load(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         # A full (unsharded) tensor, e.g. from a plain model's checkpoint: keep this rank's rows.
@@ -85,9 +32,9 @@ def register_model_hooks(model) -> None:
                 if tuple(value.shape) != tuple(r.shape):
                     continue  # load_state_dict reports the size mismatch
                 local = r.dist_param.to_local()
-                lo, hi, _ = r.local_slice
+                first, n = r.local
                 flat = value.detach().reshape(-1)
-                rows = flat[lo:hi] if r.dist_param.placements[0].is_shard() else flat
+                rows = flat[first:first + n] if r.dist_param.placements[0].is_shard() else flat
                 state_dict[key] = DTensor.from_local(rows.reshape(local.shape).to(local.dtype),
                                                      r.dist_param.device_mesh, r.dist_param.placements,
                                                      run_check=False, shape=r.shape, stride=r.dist_param.stride())
@@ -95,7 +42,6 @@ def register_model_hooks(model) -> None:
     def after_load(module, incompatible_keys):
         model.param_buffer.engine.install_main_weights(True)  # compute weights follow at once
 
-    model.module._register_state_dict_hook(on_save)
     model.module._register_load_state_dict_pre_hook(before_load, with_module=True)
     model.module.register_load_state_dict_post_hook(after_load)
 
@@ -107,13 +53,8 @@ def _staged_copy(tree):
     if isinstance(tree, list):
         return [_staged_copy(v) for v in tree]
     if isinstance(tree, DTensor):
-        local = tree._local_tensor
-        copy = DTensor.from_local(local.clone(), tree.device_mesh, tree.placements, run_check=False,
+        return DTensor.from_local(tree._local_tensor.clone(), tree.device_mesh, tree.placements, run_check=False,
                                   shape=tree.shape, stride=tree.stride())
-        for attr in ("__create_write_items__", "__create_chunk_list__"):
-            if attr in local.__dict__:
-                setattr(copy._local_tensor, attr, local.__dict__[attr])
-        return copy
     if isinstance(tree, torch.Tensor):
         return tree.clone()
     return tree

@@ -82,6 +82,7 @@ class HookManager:
         self.prev_in_order: Dict[int, int] = {}
         self.in_backward = False
         self.sync_this_backward = False
+        self.used = owner._used  # see [Note: unused parameters] in megatron_fsdp.py
         self.handles = []
         self._register()
 
@@ -97,7 +98,7 @@ class HookManager:
         for rec in self.owner.param_buffer.records:
             if rec.requires_grad:
                 self.handles.append(rec.param.register_post_accumulate_grad_hook(
-                    functools.partial(self.grad_hook, rec.bucket, rec.item)))
+                    functools.partial(self.grad_hook, rec.index, rec.bucket, rec.item)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -188,12 +189,13 @@ class HookManager:
         if unit.releasable:
             self.engine.reshard(unit.releasable)
 
-    def grad_hook(self, bucket: int, item: int, param: torch.Tensor) -> None:
+    def grad_hook(self, index: int, bucket: int, item: int, param: torch.Tensor) -> None:
         self.start_backward()
         grad = param.grad
         if grad is None:
             return
         param.grad = None
+        self.used[index] = 1
         self.engine.grad_ready(bucket, item, grad if grad.is_contiguous() else grad.contiguous())
 
     def end_backward(self) -> None:

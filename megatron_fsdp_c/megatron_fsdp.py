@@ -11,7 +11,17 @@ Microbatch semantics (documented differences from Megatron-FSDP are marked *):
   * Megatron-FSDP never reduces ZeRO-0/1 gradients when auto-sync is off and
   `is_last_microbatch` was not set; here the step's `finish_grad_sync()` always does.
 - Gradients appear on the distributed parameters (`.grad` DTensors) after a syncing backward or
-  `finish_grad_sync()`.
+  `finish_grad_sync()`. A parameter that no rank used since its gradient was last set to None
+  keeps `.grad is None`, as under DDP, so optimizers skip it (no weight decay): see
+  [Note: unused parameters].
+
+[Note: unused parameters]
+The gradient hooks mark each parameter used locally (a byte per parameter, cleared when its
+optimizer zeroes it). At each sync one small all-reduce (MAX over those bytes) tells every rank
+which parameters some rank used; a parameter becomes "has a gradient" then, and loses it only
+when zero_grad(set_to_none=True) clears it, exactly torch's own `.grad` life cycle. Parameters
+used on some ranks only still get the others' zeros in the reduction (see [Note: collective
+order] in csrc/comm/pipeline.c).
 """
 from __future__ import annotations
 
@@ -27,7 +37,7 @@ import torch.nn as nn
 
 from . import _C
 from .checkpoint import register_model_hooks
-from ._distributed import DistContext, all_gather_flat, check_same_model
+from ._distributed import DistContext, check_same_model
 from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
@@ -73,6 +83,7 @@ class MegatronFSDP(nn.Module):
         self._no_sync_depth = 0
         self._grads_pending = False
         self._holds_dist_params = False
+        self._record_of = {}  # id(distributed parameter) -> its record
         # CPU only: after a backward, trim the heap once resident memory grew by more than this
         # (see [Note: host heap trim] in csrc/python/module.c); 0 disables.
         self._host_trim_bytes = _host_trim_bytes() if dist_ctx.device.type == "cpu" else 0
@@ -100,6 +111,10 @@ class MegatronFSDP(nn.Module):
         else:
             self.param_buffer.load_params()
         self.param_buffer.build_dist_params(self)
+        n = len(records)
+        self._used = bytearray(n)      # used locally since the last zero (set by the gradient hooks)
+        self._has_grad = bytearray(n)  # what torch would say: .grad is not None
+        self._record_of = {id(r.dist_param): r for r in records}
         register_model_hooks(self)
         self.hooks = HookManager(self, fsdp_unit_modules)
         self._swap_params(dist=True)
@@ -161,17 +176,36 @@ class MegatronFSDP(nn.Module):
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Finishes every gradient reduction (reducing no_shard/ZeRO-1 gradients exactly once)
-        and attaches the `.grad` DTensors to the distributed parameters."""
+        and attaches the `.grad` DTensors to the distributed parameters that have a gradient
+        (see [Note: unused parameters])."""
         if self.hooks.in_backward:
             raise RuntimeError("finish_grad_sync() called inside a backward pass; call it after backward()")
         self.param_buffer.engine.sync_grads()
+        used = self._used_anywhere()
+        has = self._has_grad
         for r in self.param_buffer.records:
             if r.grad_dtensor is not None:
-                r.dist_param.grad = r.grad_dtensor
+                if used[r.index]:
+                    has[r.index] = 1
+                r.dist_param.grad = r.grad_dtensor if has[r.index] else None
         if self.report_nan_in_param_grad:
             self._check_nonfinite_grads()
         self.microbatch_count = 0
         self._grads_pending = False
+
+    def _used_anywhere(self) -> bytes:
+        """The used-parameter bytes OR-ed over the data-parallel ranks (one small collective)."""
+        ctx = self.dist_ctx
+        if ctx.world == 1:
+            return bytes(self._used)
+        flags = torch.frombuffer(bytearray(self._used), dtype=torch.uint8).to(ctx.device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
+        return bytes(flags.cpu().numpy()) if flags.is_cuda else bytes(flags.numpy())
+
+    def _sync_grads_for_step(self) -> None:
+        """What an optimizer step needs first: any gradient not yet reduced and attached."""
+        if not self.model_auto_sync or self._grads_pending:
+            self.finish_grad_sync()
 
     def _check_nonfinite_grads(self) -> None:
         engine = self.param_buffer.engine
@@ -190,10 +224,33 @@ class MegatronFSDP(nn.Module):
         self.param_buffer.engine.zero_grads()
         for r in self.param_buffer.records:
             r.dist_param.grad = None
+        self._used[:] = bytes(len(self._used))
+        self._has_grad[:] = bytes(len(self._has_grad))
         self._grads_pending = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad_buffer()
+
+    def _zero_grads_of(self, params, set_to_none: bool) -> None:
+        """An optimizer's zero_grad: clears the gradients of `params` (those of this model) only."""
+        mine = [r for r in (self._record_of.get(id(p)) for p in params) if r is not None and r.grad_dtensor is not None]
+        if not mine:
+            return
+        engine = self.param_buffer.engine
+        if len(mine) == sum(r.grad_dtensor is not None for r in self.param_buffer.records):
+            engine.zero_grads()
+            self._grads_pending = False
+        else:
+            by_bucket = {}
+            for r in mine:
+                by_bucket.setdefault(r.bucket, []).append(r.item)
+            for b, items in by_bucket.items():
+                engine.zero_item_grads(b, items)
+        for r in mine:
+            self._used[r.index] = 0
+            if set_to_none:
+                self._has_grad[r.index] = 0
+                r.dist_param.grad = None
 
     def install_optimized_model_weights(self) -> None:
         """Main weights -> compute weights after an optimizer step; the next forward's
@@ -272,29 +329,14 @@ class MegatronFSDP(nn.Module):
     @torch.no_grad()
     def full_parameters(self) -> dict:
         """{name: full tensor} of the main weights, gathered on every rank (collective)."""
-        return self._gather_full(_C.BUF_MAIN_SHARD)
+        return {r.name: r.dist_param.full_tensor().clone() for r in self.param_buffer.records}
 
     @torch.no_grad()
     def full_grads(self) -> dict:
         """{name: full tensor} of the optimizer gradients (after a sync), gathered on every
         rank (collective); frozen parameters are left out."""
-        return self._gather_full(_C.BUF_OPT_GRAD)
-
-    def _gather_full(self, kind: int) -> dict:
-        buf, ctx = self.param_buffer, self.dist_ctx
-        fulls = {}
-        for b, bp in enumerate(buf.plan):
-            shard = buf.engine.tensor(b, kind)
-            if shard is None:
-                continue
-            if bp["shards"] > 1:
-                full = torch.empty(bp["bucket_size"], dtype=shard.dtype, device=shard.device)
-                all_gather_flat(full, shard, ctx.group)
-            else:
-                full = shard
-            fulls[b] = full
-        return {r.name: fulls[r.bucket].narrow(0, buf.plan[r.bucket]["offsets"][r.item], r.param.numel())
-                .view(r.shape).clone() for r in buf.records if r.bucket in fulls}
+        return {r.name: r.grad_dtensor.full_tensor().clone() for r in self.param_buffer.records
+                if r.grad_dtensor is not None}
 
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
         """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state,
@@ -309,6 +351,7 @@ class MegatronFSDP(nn.Module):
                 temporary += nbytes(weight_full)
             else:
                 persistent["param"] += nbytes(weight_full)
+            temporary += nbytes(t(_C.BUF_GATHER))
             persistent["param"] += nbytes(t(_C.BUF_WEIGHT_SHARD)) + nbytes(t(_C.BUF_MAIN_SHARD))
             grad_full = t(_C.BUF_GRAD)
             if spec["grad_mode"] == _C.GRAD_SCATTER_ACCUMULATE:

@@ -1,42 +1,55 @@
-"""The optimizer side: fully_shard_optimizer, the local-shard step, and optimizer state dicts.
+"""The optimizer side: fully_shard_optimizer and the local-shard step.
+
+[Note: optimizer protocols]
+A sharded model changes three things about a step: gradients may still be in flight (finish the
+sync first), the update must reach the compute weights (install them after), and zero_grad must
+also clear the engine's gradient buffers. Everything else is the user's optimizer, untouched:
+- `step` becomes a bound method of the instance (LR schedulers wrap it through `__func__`),
+  doing sync -> torch's own hook wrapper (global and per-instance step pre/post hooks, as
+  `Optimizer.profile_hook_step` runs them) around the optimizer's own update -> install. Pre
+  hooks therefore see synced DTensor gradients; post hooks see updated DTensor parameters.
+- `zero_grad` is bound too, and clears only this optimizer's parameters (several optimizers
+  over disjoint parts of one model work in any call order).
+- `optimizer.state` holds DTensor states placed like their parameters, so `state_dict()`,
+  `get_optimizer_state_dict`, DCP and pickling see what they would under FSDP2.
+- `add_param_group` and parameters of several wrapped models in one optimizer just work: the
+  models are found from the parameters at each step.
 
 [Note: local-shard step]
-Users see DTensor parameters (param_groups, clip_grad_norm_, state_dict). Stepping DTensors op by
-op costs a DTensor dispatch per tensor op (about 20 ms a step on the CPU test GPT, a third of
-it; FSDP2 users report the same, pytorch #134191). Every optimizer update is elementwise, so the
-patched step runs the unmodified optimizer on plain "twin" parameters that alias each DTensor's
-local shard (same storage), with the gradient shard as .grad, and moves the states back under
-the DTensor keys afterwards. States are therefore plain local tensors in optimizer.state;
-optimizer.state_dict() wraps them back into DTensors (with the uneven-shard metadata DCP needs)
-and load_state_dict unwraps them.
+Stepping DTensors op by op costs a DTensor dispatch per tensor op (about 20 ms a step on the CPU
+test GPT, a third of it; FSDP2 users report the same, pytorch #134191). Every optimizer update
+is elementwise, so the update runs the unmodified optimizer on plain "twin" parameters that
+alias each DTensor's local shard (same storage), with the local gradient as .grad, and with the
+local tensors of the DTensor states; afterwards the states are rewrapped (a state updated in
+place keeps its DTensor wrapper, so this costs a dict lookup per state).
 """
 from __future__ import annotations
 
-import functools
-import inspect
+import types
 import weakref
-from typing import Dict
+from typing import Dict, List
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import attach_chunk, chunk_of
-
 __all__ = ["fully_shard_optimizer", "remap_optimizer"]
 
 
-def model_of(optimizer):
+def _model_of_param(p):
+    ref = getattr(p, "_mfsdp_model_ref", None)
+    return ref() if ref is not None else None
+
+
+def models_of(optimizer) -> List:
+    """The wrapped models whose parameters `optimizer` holds, in first-seen order."""
+    seen: Dict[int, object] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            ref = getattr(p, "_mfsdp_model_ref", None)
-            model = ref() if ref is not None else None
-            if model is not None:
-                return model
-    raise ValueError(
-        "fully_shard_optimizer: the optimizer holds no megatron_fsdp_c parameters; build it on "
-        "model.parameters() of the model fully_shard returned (or use fully_shard(module, optimizer))"
-    )
+            model = _model_of_param(p)
+            if model is not None and id(model) not in seen:
+                seen[id(model)] = model
+    return list(seen.values())
 
 
 def remap_optimizer(model, optimizer: torch.optim.Optimizer) -> None:
@@ -60,51 +73,107 @@ def remap_optimizer(model, optimizer: torch.optim.Optimizer) -> None:
         optimizer.state.clear()
 
 
-class LocalStep:
-    """Runs an optimizer's own step() on plain twins of the DTensor parameters (see the note)."""
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
 
-    def __init__(self, model, optimizer, base_step):
-        self.optimizer = optimizer
-        self.base_step = base_step
+
+class ShardedStepState:
+    """What fully_shard_optimizer keeps per optimizer (as `optimizer._mfsdp`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        cls = type(optimizer)
+        # The optimizer's own update, without torch's hook wrapper (we run that ourselves).
+        self.raw_step = cls.step.__wrapped__ if getattr(cls.step, "hooked", False) else cls.step
+        self.hooked_step = torch.optim.Optimizer.profile_hook_step(self._local_update)
+        self.base_zero_grad = cls.zero_grad
         self.twins: Dict[int, nn.Parameter] = {}
-        for r in model.param_buffer.records:
-            local = r.dist_param._local_tensor
-            self.twins[id(r.dist_param)] = nn.Parameter(local, requires_grad=r.dist_param.requires_grad)
+        self.wrappers: Dict[tuple, DTensor] = {}  # (id(param), state key) -> DTensor state
 
-    def __call__(self, *args, **kwargs):
-        opt = self.optimizer
-        state = opt.state
-        swapped = []  # (group, original params)
-        pairs = []
-        for group in opt.param_groups:
+    def twin(self, p: nn.Parameter) -> nn.Parameter:
+        """A plain Parameter aliasing `p`'s local shard (see [Note: local-shard step])."""
+        twin = self.twins.get(id(p))
+        if twin is None or twin.data.data_ptr() != p._local_tensor.data_ptr():
+            twin = self.twins[id(p)] = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
+        return twin
+
+    def wrap(self, key, value, p: DTensor):
+        """A state tensor of the local shard's shape, as a DTensor placed like `p` (cached)."""
+        if key == "step" or not isinstance(value, torch.Tensor) or isinstance(value, DTensor) \
+                or value.shape != p._local_tensor.shape:
+            return value
+        w = self.wrappers.get((id(p), key))
+        if w is None or not _same_memory(w._local_tensor, value):  # a state updated in place keeps its wrapper
+            w = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                   stride=p.stride())
+            self.wrappers[(id(p), key)] = w
+        return w
+
+    def _local_update(self, optimizer, *args, **kwargs):
+        """The optimizer's own update on plain twins of the DTensor parameters."""
+        state = optimizer.state
+        swapped, pairs = [], []
+        for group in optimizer.param_groups:
             originals = group["params"]
             local = []
             for p in originals:
-                twin = self.twins.get(id(p))
-                if twin is None:
+                if not isinstance(p, DTensor) or _model_of_param(p) is None:
                     local.append(p)
                     continue
+                twin = self.twin(p)
                 g = p.grad
                 twin.grad = None if g is None else (g._local_tensor if isinstance(g, DTensor) else g)
                 if p in state:
-                    state[twin] = state.pop(p)
+                    state[twin] = {k: (v._local_tensor if isinstance(v, DTensor) else v)
+                                   for k, v in state.pop(p).items()}
                 pairs.append((p, twin))
                 local.append(twin)
             swapped.append((group, originals))
             group["params"] = local
         try:
-            return self.base_step(*args, **kwargs)
+            return self.raw_step(optimizer, *args, **kwargs)
         finally:
             for group, originals in swapped:
                 group["params"] = originals
             for p, twin in pairs:
                 twin.grad = None
                 if twin in state:
-                    state[p] = state.pop(twin)
+                    state[p] = {k: self.wrap(k, v, p) for k, v in state.pop(twin).items()}
+
+
+def _make_step():
+    """A fresh `step` function per optimizer (a scheduler's mark on it stays with that optimizer)."""
+
+    def step(self, *args, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True,
+             **kwargs):
+        """Finishes gradient sync, runs the optimizer (and its step hooks) on the local shards,
+        and installs the updated weights (see [Note: optimizer protocols] in
+        megatron_fsdp_c/optimizer.py)."""
+        models = models_of(self)
+        if sync_grad_before_optimizer_step:
+            for model in models:
+                model._sync_grads_for_step()
+        self._opt_called = True  # what an LR scheduler's step wrapper records
+        result = self._mfsdp.hooked_step(self, *args, **kwargs)
+        if install_optimized_model_weights:
+            for model in models:
+                model.install_optimized_model_weights()
+        return result
+
+    return step
+
+
+def _sharded_zero_grad(self, set_to_none: bool = True, *, zero_grad_buffer: bool = True):
+    """zero_grad of this optimizer's parameters only, engine gradient buffers included."""
+    self._mfsdp.base_zero_grad(self, set_to_none)
+    if zero_grad_buffer:
+        params = [p for group in self.param_groups for p in group["params"]]
+        for model in models_of(self):
+            model._zero_grads_of(params, set_to_none)
 
 
 @torch.no_grad()
-def init_optimizer_state(optimizer, step) -> None:
+def init_optimizer_state(optimizer) -> None:
     """Creates every optimizer state now, numerically inert (Megatron-FSDP's trick), so that a
     fresh optimizer has tensors for a checkpoint to load into: zero gradients, lr and weight decay
     0, one step, step counters back to 0. Empty shards get (empty) states too, so every rank's
@@ -122,7 +191,7 @@ def init_optimizer_state(optimizer, step) -> None:
     for p in params:
         p.grad = torch.zeros_like(p)
     try:
-        step()
+        optimizer._mfsdp._local_update(optimizer)
     finally:
         for g, saved in zip(optimizer.param_groups, saved_groups):
             g.update(saved)
@@ -136,79 +205,31 @@ def init_optimizer_state(optimizer, step) -> None:
                 state["step"] = 0
 
 
-def register_state_dict_hooks(model, optimizer) -> None:
-    """state_dict() gives DTensor states with DCP metadata; load_state_dict() takes them back
-    as local tensors."""
-    record_of = {id(r.dist_param): r for r in model.param_buffer.records}
-
-    def params_in_order(opt):
-        return [p for group in opt.param_groups for p in group["params"]]
-
-    def on_save(opt, state_dict):
-        packed = state_dict["state"]
-        for index, p in enumerate(params_in_order(opt)):
-            r = record_of.get(id(p))
-            if r is None or index not in packed:
-                continue
-            local_shape = r.dist_param._local_tensor.shape
-            wrapped = {}
-            for key, value in packed[index].items():
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == local_shape \
-                        and value.dim() > 0:
-                    value = DTensor.from_local(value, r.dist_param.device_mesh, r.dist_param.placements,
-                                               run_check=False, shape=r.shape, stride=r.dist_param.stride())
-                    attach_chunk(value, chunk_of(r))
-                wrapped[key] = value
-            packed[index] = wrapped  # a new dict: the live state keeps its local tensors
-        return state_dict
-
-    def after_load(opt):
-        for p in params_in_order(opt):
-            if id(p) in record_of and p in opt.state:
-                st = opt.state[p]
-                for key, value in list(st.items()):
-                    if isinstance(value, DTensor):
-                        st[key] = value.to_local()
-
-    optimizer.register_state_dict_post_hook(on_save)
-    optimizer.register_load_state_dict_post_hook(after_load)
-
-
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
-    """Patches `optimizer` in place: step() syncs gradients first, updates the local shards
-    (see [Note: local-shard step]) and installs the updated weights after; zero_grad() also
-    zeroes the gradient buffers. States are created now, numerically inert, so a checkpoint can
-    be loaded into a fresh optimizer; state_dict() carries the uneven-shard metadata DCP needs."""
+    """Makes `optimizer` step sharded parameters (see [Note: optimizer protocols]): step() syncs
+    gradients first, updates the local shards and installs the updated weights after;
+    zero_grad() also clears the engine's gradient buffers of its own parameters. States are
+    created now, numerically inert, so a checkpoint can be loaded into a fresh optimizer.
+    `preproc_state_dict_for_dcp_ckpt` is accepted for Megatron-FSDP compatibility: the states
+    are true DTensors, so DCP needs no preprocessing."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fully_shard_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if getattr(optimizer, "_megatron_fsdp_patched", False):
         return optimizer
-    model = model_of(optimizer)
-    base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
-    local_step = LocalStep(model, optimizer, base_step)
-
-    @functools.wraps(base_step)
-    def step(*args, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True,
-             **kwargs):
-        if sync_grad_before_optimizer_step and (not model.model_auto_sync or model._grads_pending):
-            model.finish_grad_sync()
-        result = local_step(*args, **kwargs)
-        if install_optimized_model_weights:
-            model.install_optimized_model_weights()
-        return result
-
-    @functools.wraps(base_zero_grad)
-    def zero_grad(*args, zero_grad_buffer: bool = True, **kwargs):
-        base_zero_grad(*args, **kwargs)
-        if zero_grad_buffer:
-            model.zero_grad_buffer()
-
-    step.__signature__ = inspect.signature(step)
-    init_optimizer_state(optimizer, local_step)
-    if preproc_state_dict_for_dcp_ckpt:
-        register_state_dict_hooks(model, optimizer)
-    optimizer.step = step
-    optimizer.zero_grad = zero_grad
+    models = models_of(optimizer)
+    if not models:
+        raise ValueError(
+            "fully_shard_optimizer: the optimizer holds no megatron_fsdp_c parameters; build it on "
+            "model.parameters() of the model fully_shard returned (or use fully_shard(module, optimizer))"
+        )
+    optimizer._mfsdp = ShardedStepState(optimizer)
+    previous = optimizer.__dict__.get("step")
+    step = _make_step()
+    if previous is not None and getattr(previous, "_wrapped_by_lr_sched", False):
+        step._wrapped_by_lr_sched = True  # a scheduler made before fully_shard keeps tracking steps
+    optimizer.step = types.MethodType(step, optimizer)
+    optimizer.zero_grad = types.MethodType(_sharded_zero_grad, optimizer)
+    init_optimizer_state(optimizer)
     optimizer._megatron_fsdp_patched = True
-    optimizer._megatron_fsdp_model = weakref.proxy(model)
+    optimizer._megatron_fsdp_model = weakref.proxy(models[0])
     return optimizer

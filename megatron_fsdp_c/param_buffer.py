@@ -4,14 +4,15 @@
    bucket's full-weight buffer (WEIGHT). Under ZeRO-3 that buffer's storage exists only while
    the unit runs; the view stays valid (see [Note: storage resize] in csrc/comm/pipeline.c).
 2. The distributed parameter: an nn.Parameter holding a DTensor whose local tensor is a view
-   of this rank's rows of the main weights (MAIN_SHARD): uneven Shard(0), or Replicate() for
-   no_shard and replicated parameters. The optimizer steps it in place.
+   of this rank's rows of the main weights: torch's own Shard(0) (rank r holds the torch.chunk
+   rows [r*ceil(R/W), ...), see [Note: chunked layout] in csrc/core/mfsdp_layout.h), or
+   Replicate() for no_shard and replicated parameters. The optimizer steps it in place.
 3. The gradient DTensor: same placement, a view of the optimizer-gradient buffer (OPT_GRAD).
 
 Outside forward/backward the module holds the distributed parameters (so printing, state_dict
 and optimizers see valid tensors); the wrapper swaps the compute parameters in for each pass.
 
-The bucket math itself (grouping, offsets, row-aligned shards) lives in C:
+The bucket math itself (grouping, both layouts, every rank's rows) lives in C:
 csrc/core/mfsdp_layout.h, reached through _C.plan.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ParamRecord:
     replicated: bool = False        # fsdp_no_shard or 0-d: one full copy per rank
     bucket: int = -1
     item: int = -1
-    local_slice: tuple = (0, 0, 0)  # (lo, hi, offset in shard) of this rank's elements
+    local: tuple = (0, 0)           # (first element, count) of this rank's rows of the parameter
     dist_param: Optional[nn.Parameter] = None
     grad_dtensor: Optional[DTensor] = None
     origin: Optional[nn.Parameter] = None  # the Parameter object the user saw (meta init replaces it)
@@ -150,9 +151,9 @@ class ParamBuffer:
         for b, bp in enumerate(self.plan):
             spec = self._bucket_spec(bp, dtype_of[bp["dtype"]], policy)
             specs.append(spec)
-            for i, (pi, sl) in enumerate(zip(bp["params"], bp["slices"])):
+            for i, (pi, local) in enumerate(zip(bp["params"], bp["local"])):
                 rec = records[pi]
-                rec.bucket, rec.item, rec.local_slice = b, i, sl
+                rec.bucket, rec.item, rec.local = b, i, local
             if spec["grad_mode"] != _C.GRAD_NONE:
                 width = torch.empty((), dtype=dtype_of[spec["comm_dtype"]]).element_size()
                 max_grad_bytes = max(max_grad_bytes, bp["bucket_size"] * width)
@@ -180,7 +181,8 @@ class ParamBuffer:
             grad_mode = _C.GRAD_SCATTER_ACCUMULATE
         return dict(
             shards=bp["shards"], shard_rank=bp["shard_rank"], shard_size=bp["shard_size"],
-            offsets=bp["offsets"], numels=bp["numels"], n_items=bp["n_items"],
+            weight_size=bp["weight_size"], numels=bp["numels"], pieces=bp["pieces"],
+            param_offsets=bp["param_offsets"], shard_offsets=bp["shard_offsets"],
             param_dtype=codes[dtype], main_dtype=codes[main], grad_dtype=codes[grad], comm_dtype=codes[comm],
             weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
                                 and self.strategy == 3),
@@ -205,7 +207,7 @@ class ParamBuffer:
     def point_compute_params(self, records: List[ParamRecord]) -> None:
         for r in records:
             full = self.engine.tensor(r.bucket, _C.BUF_WEIGHT)
-            offset = self.plan[r.bucket]["offsets"][r.item]
+            offset = self.plan[r.bucket]["param_offsets"][r.item]
             r.param.data = full.narrow(0, offset, math.prod(r.shape)).view(r.shape)
 
     def load_from_meta(self, root: nn.Module, device: torch.device) -> dict:
@@ -278,27 +280,24 @@ class ParamBuffer:
     def build_dist_params(self, owner) -> None:
         mesh = self.ctx.mesh
         for r in self.records:
-            bp = self.plan[r.bucket]
             placement = Shard(0) if (self.strategy > 0 and not r.replicated) else Replicate()
-            main = self.engine.tensor(r.bucket, _C.BUF_MAIN_SHARD)
-            local = self._local_view(main, r, bp)
-            dt = DTensor.from_local(local, mesh, [placement], run_check=False, shape=r.shape,
-                                    stride=_contiguous_stride(r.shape))
+            dt = DTensor.from_local(self.local_view(r, _C.BUF_MAIN_SHARD), mesh, [placement], run_check=False,
+                                    shape=r.shape, stride=_contiguous_stride(r.shape))
             dp = nn.Parameter(dt, requires_grad=r.param.requires_grad)
             dp._megatron_fsdp_model = weakref.proxy(owner)  # Megatron-FSDP's attribute
             dp._mfsdp_model_ref = weakref.ref(owner)  # how fully_shard_optimizer finds the model
             r.dist_param = dp
-            opt_grad = self.engine.tensor(r.bucket, _C.BUF_OPT_GRAD)
-            if opt_grad is not None:
-                r.grad_dtensor = DTensor.from_local(self._local_view(opt_grad, r, bp), mesh, [placement],
+            if self.specs[r.bucket]["grad_mode"] != _C.GRAD_NONE:
+                r.grad_dtensor = DTensor.from_local(self.local_view(r, _C.BUF_OPT_GRAD), mesh, [placement],
                                                     run_check=False, shape=r.shape,
                                                     stride=_contiguous_stride(r.shape))
 
-    @staticmethod
-    def _local_view(buf: torch.Tensor, r: ParamRecord, bp: dict) -> torch.Tensor:
-        lo, hi, off = r.local_slice
-        flat = buf.narrow(0, off, hi - lo)
-        if bp["shards"] == 1 or r.replicated:
+    def local_view(self, r: ParamRecord, kind: int) -> torch.Tensor:
+        """This rank's rows of `r` in buffer `kind` (MAIN_SHARD or OPT_GRAD): a view shaped as
+        torch's Shard(0) local tensor (the whole parameter when the bucket is not sharded)."""
+        where, offset, n = self.engine.local_piece(r.bucket, r.item, kind)
+        flat = self.engine.tensor(r.bucket, where).narrow(0, offset, n)
+        if self.plan[r.bucket]["shards"] == 1 or r.replicated:
             return flat.view(r.shape)
         return flat.view(-1, *r.shape[1:]) if len(r.shape) > 1 else flat
 

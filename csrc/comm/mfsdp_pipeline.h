@@ -6,13 +6,21 @@
  * *when* (unshard this unit, this gradient is ready, backward ended); the pipeline decides
  * *what* (which collectives, into which buffers, with which scaling).
  *
- * Buffers of one bucket (S = shard_size, N = shards * S, r = shard rank):
- *   WEIGHT        full compute weights, N elements of param_dtype. Temporary under ZeRO-3.
- *   WEIGHT_SHARD  rank r's S elements: its own storage under ZeRO-3 when the main weights are
- *                 the compute weights; else a view of WEIGHT (under ZeRO-3 with wider main
- *                 weights, filled from MAIN_SHARD at each gather: [Note: cast on gather]).
- *   MAIN_SHARD    optimizer weights (main_dtype): own storage if main_dtype != param_dtype.
- *   GRAD          full gradients, N elements. ZeRO-2/3: temporary, in comm_dtype, filled each
+ * Buffers of one bucket (see [Note: chunked layout] in core/mfsdp_layout.h; S = shard_size,
+ * W = shards, r = shard rank; "rank-major" is W*S elements, "parameter-major" weight_size):
+ *   WEIGHT        full compute weights, parameter-major, param_dtype: every compute parameter
+ *                 is a view of it. Temporary under ZeRO-3.
+ *   GATHER        the all-gather output, rank-major, param_dtype, temporary: copied out to
+ *                 WEIGHT once the gather lands. Absent when the two layouts coincide: then the
+ *                 gather lands in WEIGHT itself.
+ *   WEIGHT_SHARD  rank r's S elements, the all-gather input: own storage under ZeRO-3 when the
+ *                 main weights are the compute weights; else a view of GATHER (or WEIGHT) at
+ *                 r*S, filled at each gather ([Note: cast on gather]).
+ *   MAIN_SHARD    optimizer weights (main_dtype), rank-major: own storage if main_dtype !=
+ *                 param_dtype, else a view of WEIGHT_SHARD. Absent under ZeRO-1/2 with equal
+ *                 dtypes and distinct layouts: the optimizer then updates this rank's rows
+ *                 inside WEIGHT (mfsdp_pipeline_local_piece says where each item's rows are).
+ *   GRAD          full gradients, rank-major. ZeRO-2/3: temporary, in comm_dtype, filled each
  *                 backward and reduce-scattered. no_shard/ZeRO-1: persistent, grad_dtype,
  *                 accumulates local gradients until the step's single reduction.
  *   GRAD_SLICE    view of GRAD at r*S: the reduce-scatter output.
@@ -28,6 +36,7 @@
 #include <stdint.h>
 
 #include "../core/mfsdp_kernels.h"
+#include "../core/mfsdp_layout.h"
 #include "mfsdp_transport.h"
 
 #ifdef __cplusplus
@@ -36,6 +45,7 @@ extern "C" {
 
 typedef enum mfsdp_buf_kind {
   MFSDP_BUF_WEIGHT = 0,
+  MFSDP_BUF_GATHER,
   MFSDP_BUF_WEIGHT_SHARD,
   MFSDP_BUF_MAIN_SHARD,
   MFSDP_BUF_GRAD,
@@ -70,12 +80,8 @@ typedef enum mfsdp_grad_state {
 } mfsdp_grad_state;
 
 typedef struct mfsdp_bucket_spec {
-  int32_t shards;      /* ranks the layout splits the bucket over (1: replicated) */
-  int32_t shard_rank;  /* this rank's index among them */
-  int64_t shard_size;
-  int32_t n_items;
-  const int64_t* offsets; /* copied */
-  const int64_t* numels;  /* copied */
+  mfsdp_bucket_layout layout; /* copied; layout.world is the number of shards (1: replicated) */
+  int32_t shard_rank;         /* this rank's index among the shards */
   int32_t param_dtype, main_dtype, grad_dtype, comm_dtype;
   int32_t weights_sharded;  /* full weights are temporary (ZeRO-3) */
   int32_t weights_regather; /* optimizer updates a shard of persistent weights (ZeRO-1/2) */
@@ -119,6 +125,11 @@ const mfsdp_buffer* mfsdp_pipeline_buffer(const mfsdp_pipeline* p, int32_t bucke
 int32_t mfsdp_pipeline_weight_state(const mfsdp_pipeline* p, int32_t bucket);
 int32_t mfsdp_pipeline_grad_state(const mfsdp_pipeline* p, int32_t bucket);
 void mfsdp_pipeline_stats(const mfsdp_pipeline* p, int32_t bucket, mfsdp_comm_stats* out); /* bucket -1: total */
+/* Where this rank's rows of item `item` live in buffer `kind` (MAIN_SHARD, OPT_GRAD,
+ * GRAD_SHARD, WEIGHT_SHARD): *where is the buffer that holds them (WEIGHT for main weights kept
+ * inside the full weights), at element *offset, *n elements (0 past the item's last row). */
+mfsdp_status mfsdp_pipeline_local_piece(const mfsdp_pipeline* p, int32_t bucket, int32_t item, int32_t kind,
+                                        int32_t* where, int64_t* offset, int64_t* n);
 /* Non-empty once a collective failed: every later call refuses with this text. */
 const char* mfsdp_pipeline_broken(const mfsdp_pipeline* p);
 
@@ -145,11 +156,20 @@ mfsdp_status mfsdp_pipeline_begin_backward(mfsdp_pipeline* p, int sync);
  * caller keeps `src` alive until end_backward). */
 mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t bucket, int32_t item, const void* src,
                                        int32_t src_dtype, int64_t numel, void* keepalive);
+/* The buckets' gradients of this backward are final (their unit did not run in this forward on
+ * this rank): what arrived, zeros for the rest; they may launch in their turn. */
+mfsdp_status mfsdp_pipeline_seal(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
 mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p);
+/* The order in which every rank launches gradient reductions: a permutation of the buckets
+ * (default: descending id). See [Note: collective order] in pipeline.c. */
+mfsdp_status mfsdp_pipeline_set_reduce_order(mfsdp_pipeline* p, const int32_t* order, int32_t n);
 /* Reduce whatever no_shard / ZeRO-1 gradients are not yet reduced (exactly once per step),
  * finish every in-flight reduction, and fill OPT_GRAD. */
 mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p);
 mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p);
+/* Zeroes the main gradients of some items only (one optimizer of several over one model);
+ * `items` are distinct. */
+mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t bucket, const int32_t* items, int32_t n);
 /* Switches every trainable bucket to communicating gradients in `dtype` (-1: the grad dtype).
  * Only temporary buffers change; refused while gradients are half reduced. */
 mfsdp_status mfsdp_pipeline_set_comm_dtype(mfsdp_pipeline* p, int32_t dtype);

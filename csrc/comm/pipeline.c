@@ -1,17 +1,24 @@
 /* pipeline.c: the bucket state machine and collective pipeline (see mfsdp_pipeline.h).
  *
  * [Note: storage resize]
- * Temporary buffers (ZeRO-3 full weights, ZeRO-2/3 full gradients, comm copies) keep one
- * tensor object for the life of the model and only resize its storage between 0 and full size.
- * Parameter views and tensors autograd saved for backward point into that storage object, so
- * they stay valid across release and re-gather: no per-parameter work on the hot path.
+ * Temporary buffers (ZeRO-3 full weights, gather outputs, ZeRO-2/3 full gradients, comm
+ * copies) keep one tensor object for the life of the model and only resize its storage between
+ * 0 and full size. Parameter views and tensors autograd saved for backward point into that
+ * storage object, so they stay valid across release and re-gather: no per-parameter work on
+ * the hot path.
  *
  * [Note: collective order]
- * Every rank must issue the same collectives in the same order. Gathers run in the order the
- * caller lists buckets (unit order); reductions run when a bucket's last gradient arrives,
- * which autograd does in the same order on every rank for the same graph, and the leftovers at
- * the end of backward run in bucket order. Every gradient bucket is reduced on every backward
- * (unused parameters contribute zeros), so ranks that skip a parameter stay in step.
+ * Every rank must issue the same collectives in the same order, whatever order its gradients
+ * arrive in: a graph may differ across ranks (LayerDrop, a data-dependent branch, an MoE expert
+ * that got no tokens here), and so may autograd's order. Gathers run in the order the caller
+ * lists them (the hooks keep one shared unit order, see [Note: gather order] in hooks.py).
+ * Reductions follow one launch order shared by every rank (`order`: by default later units
+ * first, the order backward normally completes them, then buckets outside every unit): a
+ * complete bucket waits until every bucket before it in that order has been launched, and in
+ * every backward each bucket that reduces is launched exactly once -- complete, sealed (its
+ * unit did not run here, mfsdp_pipeline_seal), or at the end of backward with zeros for what
+ * this rank did not use. So the n-th reduction is the same bucket on every rank, as in DDP
+ * (which launches its buckets in index order for the same reason).
  *
  * [Note: reduce once per step]
  * no_shard and ZeRO-1 accumulate local gradients in the persistent GRAD and reduce them once
@@ -26,7 +33,9 @@
  * per parameter, the pipeline keeps each gradient alive (memory ops retain/drop) until its
  * bucket is complete, then packs them all with one `pack` call: scaled copies into the
  * temporary comm bucket (ZeRO-2/3) or adds into the persistent local sum (no_shard/ZeRO-1).
- * Buckets left incomplete are packed at the end of backward.
+ * Each gradient goes in as one pack item per rank, straight to its rank-major place (see
+ * [Note: chunked layout] in core/mfsdp_layout.h). Buckets left incomplete are packed at the
+ * end of backward. The copy-out of a gather into the full weights is one pack as well.
  *
  * [Note: exchange reduction]
  * A reduce-scatter in bf16 sums in bf16: every partial sum on the ring is rounded to 8 bits.
@@ -36,21 +45,42 @@
  * rounded once (to the wire dtype) and the sum never is.
  *
  * [Note: cast on gather]
- * Under ZeRO-3 with main weights wider than the compute weights (bf16 model, fp32 main), the
- * only persistent copy of a rank's rows is the main shard. Each gather casts it into this
- * rank's slice of the freshly materialised full buffer and all-gathers in place, so no
- * compute-dtype shard is kept between passes: 2 bytes a parameter / world less than keeping
- * one, the same held memory as FSDP2, for one cast of S elements per gather. */
+ * When the main weights are wider than the compute weights (bf16 model, fp32 main) and the
+ * bucket is gathered (ZeRO-1/2/3 over several ranks), the only persistent copy of a rank's rows
+ * is the main shard. Each gather casts it into this rank's slice of the freshly materialised
+ * gather buffer and all-gathers in place, so no compute-dtype shard is kept between passes:
+ * under ZeRO-3 that is 2 bytes a parameter / world less than keeping one, the same held memory
+ * as FSDP2, for one cast of S elements per gather. */
 #include "mfsdp_pipeline.h"
 
 #include <stdlib.h>
 #include <string.h>
 
+/* Beyond this many padding runs, zeroing a temporary gradient bucket is one fill of all of it. */
+#define MAX_HOLE_FILLS 64
+/* Pack items handed to one `pack` call: a bucket's pieces go out in chunks of this many. */
+#define PACK_CHUNK 256
+
+/* A gradient of this backward waiting for its bucket to complete ([Note: one pack per bucket]). */
+typedef struct pending_grad {
+  const void* src;
+  int32_t dtype;
+  int32_t item;
+  void* handle; /* keeps the gradient's memory alive until packed (may be NULL) */
+} pending_grad;
+
 typedef struct bucket {
-  mfsdp_bucket_spec spec; /* offsets/numels point at the copies below */
-  int64_t* offsets;
+  mfsdp_bucket_spec spec; /* spec.layout's arrays point at the copies below */
   int64_t* numels;
-  int64_t full_size; /* shards * shard_size */
+  int64_t* pieces;
+  int64_t* param_offsets;
+  int64_t* shard_offsets;
+  int32_t W;          /* shards */
+  int64_t S;          /* shard size */
+  int64_t full_size;  /* rank-major elements: W * S (what the collectives move) */
+  int identity;       /* rank-major and parameter-major coincide: gathers land in WEIGHT */
+  int gathered;       /* full weights come from all-gathers (ZeRO-3, or ZeRO-1/2 over several shards) */
+  int gather_kind;    /* GATHER, or WEIGHT when identity */
   mfsdp_buffer buf[MFSDP_BUF_COUNT];
   int8_t present[MFSDP_BUF_COUNT];
   int8_t owner[MFSDP_BUF_COUNT];        /* kind whose storage this buffer uses (itself for owners) */
@@ -63,11 +93,11 @@ typedef struct bucket {
   mfsdp_work* reduce_work;
   int32_t n_ready;
   int8_t launched; /* its reduction was issued in this backward (it may have completed since) */
+  int8_t complete; /* every gradient of this backward is in (or it was sealed): it may launch */
   uint8_t* ready;
-  mfsdp_pack_item* pending; /* gradients of this backward not yet packed (see [Note: one pack per bucket]) */
-  void** pending_handles;   /* what keeps each pending gradient's memory alive */
+  pending_grad* pending; /* this backward's gradients not yet packed */
   int32_t n_pending;
-  int64_t* holes; /* [start, end) pairs of GRAD not covered by any item */
+  int64_t* holes; /* [start, end) pairs of the rank-major GRAD not covered by any item's rows */
   int32_t n_holes;
   int8_t initializing;
   mfsdp_comm_stats stats;
@@ -81,7 +111,10 @@ struct mfsdp_pipeline {
   int32_t* queue; /* FIFO of buckets with a reduction in flight */
   int32_t q_head, q_len;
   int64_t q_bytes;
+  int32_t* order;     /* the launch order of reductions, shared by every rank ([Note: collective order]) */
+  int32_t next;       /* position in `order` of the next bucket to launch in this backward */
   int in_backward, sync;
+  int reduce_due;     /* a backward left no_shard/ZeRO-1 gradients unreduced: the step's sync reduces */
   char broken[512];
 };
 
@@ -144,18 +177,25 @@ static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, in
   return MFSDP_OK;
 }
 
+static int own_main(const bucket* bk) { return bk->present[MFSDP_BUF_MAIN_SHARD] && bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD; }
+
 /* See [Note: cast on gather]. */
-static int casts_on_gather(const mfsdp_bucket_spec* s) {
-  return s->weights_sharded && s->grad_mode != MFSDP_GRAD_NONE && s->main_dtype != s->param_dtype;
+static int casts_on_gather(const bucket* bk) {
+  return bk->gathered && own_main(bk) && bk->owner[MFSDP_BUF_WEIGHT_SHARD] != MFSDP_BUF_WEIGHT_SHARD;
 }
+
+/* ZeRO-1/2 with main == compute dtype and distinct layouts: the main weights are this rank's
+ * rows inside WEIGHT (no MAIN_SHARD buffer); a gather first packs them into its own slice. */
+static int main_in_weight(const bucket* bk) { return !bk->present[MFSDP_BUF_MAIN_SHARD]; }
 
 /* Low-precision communication, high-precision accumulation: when a reduce-scatter would sum
  * in a dtype narrower than the main gradients, the pipeline exchanges the narrow pieces instead
  * (all-to-all: the same bytes on the wire as a reduce-scatter) and sums them itself in the
  * gradient dtype, rounding once. See [Note: exchange reduction]. */
-static int exchanges(const mfsdp_pipeline* p, const mfsdp_bucket_spec* s) {
+static int exchanges(const mfsdp_pipeline* p, const bucket* bk) {
+  const mfsdp_bucket_spec* s = &bk->spec;
   if (s->grad_mode == MFSDP_GRAD_NONE || p->cfg.dp_world < 2) return 0;
-  if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && s->shards < 2) return 0;
+  if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && bk->W < 2) return 0;
   return mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
 }
 
@@ -186,12 +226,12 @@ static mfsdp_status release_temporaries(mfsdp_pipeline* p, bucket* bk) {
 /* The temporary buffers that depend on the communication dtype (see mfsdp_pipeline.h). */
 static mfsdp_status create_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
-  int64_t S = s->shard_size, N = bk->full_size, off = (int64_t)s->shard_rank * S;
+  int64_t S = bk->S, N = bk->full_size, off = (int64_t)s->shard_rank * S;
   if (s->grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
   if (s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, N, s->comm_dtype, 1));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, off, S));
-  } else if (s->grad_mode == MFSDP_GRAD_ALL_REDUCE && exchanges(p, s)) {
+  } else if (s->grad_mode == MFSDP_GRAD_ALL_REDUCE && exchanges(p, bk)) {
     int64_t B = exchange_block(p, bk);
     N = B * p->cfg.dp_world;
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, N, s->comm_dtype, 1));
@@ -200,7 +240,7 @@ static mfsdp_status create_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, N, s->comm_dtype, 1));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, off, S));
   }
-  if (exchanges(p, s)) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, N, s->comm_dtype, 1));
+  if (exchanges(p, bk)) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, N, s->comm_dtype, 1));
   return MFSDP_OK;
 }
 
@@ -217,18 +257,21 @@ static void drop_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
 /* Creates the buffers of one bucket per the table in mfsdp_pipeline.h. */
 static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
-  int64_t S = s->shard_size, N = bk->full_size, off = (int64_t)s->shard_rank * S;
+  int64_t S = bk->S, N = bk->full_size, off = (int64_t)s->shard_rank * S;
   int grads = s->grad_mode != MFSDP_GRAD_NONE;
   int accumulate = s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE;
+  int wide_main = grads && s->main_dtype != s->param_dtype;
 
-  MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, N, s->param_dtype, s->weights_sharded));
-  if (s->weights_sharded && !casts_on_gather(s))
+  MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, s->layout.weight_size, s->param_dtype, s->weights_sharded));
+  if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, N, s->param_dtype, 1));
+  bk->gather_kind = bk->present[MFSDP_BUF_GATHER] ? MFSDP_BUF_GATHER : MFSDP_BUF_WEIGHT;
+  if (s->weights_sharded && !wide_main)
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, S, s->param_dtype, 0));
   else
-    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, MFSDP_BUF_WEIGHT, off, S));
-  if (grads && s->main_dtype != s->param_dtype)
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, bk->gather_kind, off, S));
+  if (wide_main)
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, S, s->main_dtype, 0));
-  else
+  else if (!(bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded)) /* else: main_in_weight */
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, 0, S));
   if (grads) {
     if (accumulate) {
@@ -248,38 +291,103 @@ static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
   return release_temporaries(p, bk);
 }
 
+/* Rank r's piece of item i in the rank-major layout: elements [*first, +*n) of the item. */
+static void piece(const bucket* bk, int32_t i, int32_t r, int64_t* first, int64_t* n) {
+  mfsdp_piece_of(bk->numels[i], bk->pieces[i], r, first, n);
+}
+
+/* The runs of the rank-major GRAD holding no item's rows (see [Note: chunked layout]):
+ * alignment gaps, the missing rows of the last ranks' pieces, each shard's tail. */
 static mfsdp_status compute_holes(bucket* bk) {
-  int32_t n = bk->spec.n_items;
-  bk->holes = malloc((size_t)(2 * (n + 1)) * sizeof *bk->holes);
+  int32_t n = bk->spec.layout.n_items;
+  bk->holes = malloc((size_t)(2 * ((int64_t)bk->W * (n + 1))) * sizeof *bk->holes);
   if (bk->holes == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "hole table");
-  int64_t cursor = 0;
-  for (int32_t i = 0; i < n; ++i) {
-    if (bk->offsets[i] > cursor) {
-      bk->holes[2 * bk->n_holes] = cursor;
-      bk->holes[2 * bk->n_holes + 1] = bk->offsets[i];
-      bk->n_holes++;
+  for (int32_t r = 0; r < bk->W; ++r) {
+    int64_t cursor = (int64_t)r * bk->S;
+    for (int32_t i = 0; i < n; ++i) { /* pieces are laid out in item order */
+      int64_t first, len;
+      piece(bk, i, r, &first, &len);
+      if (len == 0) continue;
+      int64_t start = (int64_t)r * bk->S + bk->shard_offsets[i];
+      if (start > cursor) {
+        if (bk->n_holes > 0 && bk->holes[2 * bk->n_holes - 1] == cursor) {
+          bk->holes[2 * bk->n_holes - 1] = start; /* continues the previous hole */
+        } else {
+          bk->holes[2 * bk->n_holes] = cursor;
+          bk->holes[2 * bk->n_holes + 1] = start;
+          bk->n_holes++;
+        }
+      }
+      cursor = start + len;
     }
-    int64_t end = bk->offsets[i] + bk->numels[i];
-    if (end > cursor) cursor = end;
+    int64_t end = (int64_t)(r + 1) * bk->S;
+    if (cursor < end) {
+      if (bk->n_holes > 0 && bk->holes[2 * bk->n_holes - 1] == cursor) {
+        bk->holes[2 * bk->n_holes - 1] = end;
+      } else {
+        bk->holes[2 * bk->n_holes] = cursor;
+        bk->holes[2 * bk->n_holes + 1] = end;
+        bk->n_holes++;
+      }
+    }
   }
-  if (cursor < bk->full_size) {
-    bk->holes[2 * bk->n_holes] = cursor;
-    bk->holes[2 * bk->n_holes + 1] = bk->full_size;
-    bk->n_holes++;
-  }
+  int64_t* fit = realloc(bk->holes, (size_t)(2 * bk->n_holes + 2) * sizeof *fit);
+  if (fit) bk->holes = fit;
   return MFSDP_OK;
+}
+
+/* Pieces collected into chunks of pack items: one `pack` call per chunk. */
+typedef struct packer {
+  mfsdp_pipeline* p;
+  void* dst;
+  int32_t dst_dtype;
+  double alpha;
+  int accumulate;
+  int32_t n;
+  mfsdp_pack_item items[PACK_CHUNK];
+} packer;
+
+static mfsdp_status packer_flush(packer* k) {
+  if (k->n == 0) return MFSDP_OK;
+  mfsdp_status st = k->p->be.kernels->pack(k->p->be.kernels_ctx, k->dst, k->dst_dtype, k->items, k->n, k->alpha,
+                                           k->accumulate);
+  k->n = 0;
+  return st;
+}
+
+static mfsdp_status packer_add(packer* k, const void* src, int32_t src_dtype, int64_t dst_offset, int64_t n) {
+  if (n == 0) return MFSDP_OK;
+  if (k->n == PACK_CHUNK) MFSDP_CHECK(packer_flush(k));
+  k->items[k->n++] = (mfsdp_pack_item){src, src_dtype, dst_offset, n};
+  return MFSDP_OK;
+}
+
+/* This rank's rows of every item, from the parameter-major `src` (e.g. WEIGHT) into the
+ * rank-major shard `dst` (S elements, cast to dst_dtype). Padding of dst is left as it is. */
+static mfsdp_status pack_own_rows(mfsdp_pipeline* p, bucket* bk, void* dst, int32_t dst_dtype, const mfsdp_buffer* src) {
+  packer k = {p, dst, dst_dtype, 1.0, 0, 0, {{0}}};
+  int32_t r = bk->spec.shard_rank;
+  for (int32_t i = 0; i < bk->spec.layout.n_items; ++i) {
+    int64_t first, n;
+    piece(bk, i, r, &first, &n);
+    MFSDP_CHECK(packer_add(&k, at(src, bk->param_offsets[i] + first), src->dtype, bk->shard_offsets[i], n));
+  }
+  return packer_flush(&k);
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* creation */
 
 static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_bucket_spec* s, int32_t i) {
-  if (s->shards < 1 || s->shard_rank < 0 || s->shard_rank >= s->shards || s->shard_size < 1 || s->n_items < 0)
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: shards %d, rank %d, shard size %lld", i, s->shards,
-                      s->shard_rank, (long long)s->shard_size);
-  if (s->shards != 1 && s->shards != cfg->dp_world)
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: %d shards but data-parallel size %d", i, s->shards,
+  const mfsdp_bucket_layout* l = &s->layout;
+  if (l->world < 1 || s->shard_rank < 0 || s->shard_rank >= l->world || l->n_items < 0)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: %d shards, rank %d, %d items", i, l->world,
+                      s->shard_rank, l->n_items);
+  if (l->world != 1 && l->world != cfg->dp_world)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: %d shards but data-parallel size %d", i, l->world,
                       cfg->dp_world);
+  mfsdp_status st = mfsdp_layout_validate(l, NULL);
+  if (st != MFSDP_OK) return MFSDP_FAIL(st, "bucket %d: %s", i, mfsdp_last_error());
   if (!mfsdp_dtype_valid(s->param_dtype) || s->grad_mode < MFSDP_GRAD_NONE ||
       s->grad_mode > MFSDP_GRAD_SCATTER_ACCUMULATE)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: bad dtype or grad mode", i);
@@ -287,18 +395,21 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
       (!mfsdp_dtype_is_float(s->main_dtype) || !mfsdp_dtype_is_float(s->grad_dtype) ||
        !mfsdp_dtype_is_float(s->comm_dtype) || !mfsdp_dtype_is_float(s->param_dtype)))
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: gradients need floating dtypes", i);
-  if (s->weights_sharded && s->shards == 1 && !cfg->force_comm)
+  if (s->weights_sharded && l->world == 1 && !cfg->force_comm)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: sharded weights need more than one shard", i);
+  if (l->world > 1 && !s->weights_sharded && !s->weights_regather)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: %d shards but its weights are never gathered", i,
+                      l->world);
   if ((s->grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE || s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) &&
-      s->shards != cfg->dp_world)
+      l->world != cfg->dp_world)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: reduce-scatter needs one shard per rank", i);
-  int64_t full = (int64_t)s->shards * s->shard_size;
-  for (int32_t k = 0; k < s->n_items; ++k)
-    if (s->offsets[k] < 0 || s->numels[k] < 0 || s->offsets[k] + s->numels[k] > full ||
-        (k > 0 && s->offsets[k] < s->offsets[k - 1] + s->numels[k - 1]))
-      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: [%lld, +%lld) outside or overlapping", i,
-                        k, (long long)s->offsets[k], (long long)s->numels[k]);
   return MFSDP_OK;
+}
+
+static int64_t* copy_i64(const int64_t* src, int32_t n) {
+  int64_t* out = malloc((size_t)(n ? n : 1) * sizeof *out);
+  if (out && n) memcpy(out, src, (size_t)n * sizeof *out);
+  return out;
 }
 
 mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp_backend* be,
@@ -318,36 +429,42 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
   p->n = n;
   p->b = calloc((size_t)(n ? n : 1), sizeof *p->b);
   p->queue = malloc((size_t)(n ? n : 1) * sizeof *p->queue);
+  p->order = malloc((size_t)(n ? n : 1) * sizeof *p->order);
   mfsdp_status st = MFSDP_OK;
-  if (p->b == NULL || p->queue == NULL) {
+  if (p->b == NULL || p->queue == NULL || p->order == NULL) {
     st = MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "%d buckets", n);
     goto fail;
   }
   for (int32_t i = 0; i < n; ++i) {
     bucket* bk = &p->b[i];
+    const mfsdp_bucket_layout* l = &specs[i].layout;
+    int32_t items = l->n_items;
     bk->spec = specs[i];
-    int32_t items = specs[i].n_items;
-    bk->offsets = malloc((size_t)(items ? items : 1) * sizeof *bk->offsets);
-    bk->numels = malloc((size_t)(items ? items : 1) * sizeof *bk->numels);
+    bk->numels = copy_i64(l->numels, items);
+    bk->pieces = copy_i64(l->pieces, items);
+    bk->param_offsets = copy_i64(l->param_offsets, items);
+    bk->shard_offsets = copy_i64(l->shard_offsets, items);
     bk->ready = calloc((size_t)(items ? items : 1), 1);
     bk->pending = calloc((size_t)(items ? items : 1), sizeof *bk->pending);
-    bk->pending_handles = calloc((size_t)(items ? items : 1), sizeof *bk->pending_handles);
-    if (!bk->offsets || !bk->numels || !bk->ready || !bk->pending || !bk->pending_handles) {
+    if (!bk->numels || !bk->pieces || !bk->param_offsets || !bk->shard_offsets || !bk->ready || !bk->pending) {
       st = MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "bucket %d tables", i);
       goto fail;
     }
-    if (items) {
-      memcpy(bk->offsets, specs[i].offsets, (size_t)items * sizeof *bk->offsets);
-      memcpy(bk->numels, specs[i].numels, (size_t)items * sizeof *bk->numels);
-    }
-    bk->spec.offsets = bk->offsets;
-    bk->spec.numels = bk->numels;
-    bk->full_size = (int64_t)specs[i].shards * specs[i].shard_size;
+    bk->spec.layout.numels = bk->numels;
+    bk->spec.layout.pieces = bk->pieces;
+    bk->spec.layout.param_offsets = bk->param_offsets;
+    bk->spec.layout.shard_offsets = bk->shard_offsets;
+    bk->W = l->world;
+    bk->S = l->shard_size;
+    bk->full_size = (int64_t)l->world * l->shard_size;
+    bk->identity = mfsdp_layout_is_identity(l);
+    bk->gathered = specs[i].weights_sharded || (specs[i].weights_regather && l->world > 1);
     for (int k = 0; k < MFSDP_BUF_COUNT; ++k) bk->owner[k] = -1;
     MFSDP_CHECK_GOTO(compute_holes(bk), st, fail);
     MFSDP_CHECK_GOTO(create_buffers(p, bk), st, fail);
     bk->wstate = specs[i].weights_sharded ? MFSDP_W_EMPTY : MFSDP_W_READY;
     bk->gstate = MFSDP_G_CLEAN;
+    p->order[i] = n - 1 - i; /* until the caller sets one: later buckets first */
   }
   *out = p;
   return MFSDP_OK;
@@ -370,18 +487,37 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
         if (bk->present[k] && bk->present[j] && bk->buf[j].handle == bk->buf[k].handle) shared[k] = 1;
     for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
       if (bk->present[k] && !shared[k]) p->be.memory->destroy(p->be.memory_ctx, &bk->buf[k]);
-    free(bk->offsets);
     free(bk->numels);
+    free(bk->pieces);
+    free(bk->param_offsets);
+    free(bk->shard_offsets);
     free(bk->ready);
-    for (int32_t k = 0; bk->pending_handles && k < bk->n_pending; ++k)
-      if (bk->pending_handles[k]) p->be.memory->drop(p->be.memory_ctx, bk->pending_handles[k]);
+    for (int32_t k = 0; bk->pending && k < bk->n_pending; ++k)
+      if (bk->pending[k].handle) p->be.memory->drop(p->be.memory_ctx, bk->pending[k].handle);
     free(bk->pending);
-    free(bk->pending_handles);
     free(bk->holes);
   }
   free(p->b);
   free(p->queue);
+  free(p->order);
   free(p);
+}
+
+mfsdp_status mfsdp_pipeline_set_reduce_order(mfsdp_pipeline* p, const int32_t* order, int32_t n) {
+  if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "the reduction order cannot change inside a backward");
+  if (n != p->n) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "reduction order of %d buckets, expected %d", n, p->n);
+  char* seen = calloc((size_t)(n ? n : 1), 1);
+  if (seen == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "order check");
+  for (int32_t i = 0; i < n; ++i) {
+    if (order[i] < 0 || order[i] >= n || seen[order[i]]) {
+      free(seen);
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "reduction order is not a permutation of the %d buckets", n);
+    }
+    seen[order[i]] = 1;
+  }
+  free(seen);
+  memcpy(p->order, order, (size_t)n * sizeof *order);
+  return MFSDP_OK;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -412,6 +548,29 @@ void mfsdp_pipeline_stats(const mfsdp_pipeline* p, int32_t b, mfsdp_comm_stats* 
   }
 }
 
+mfsdp_status mfsdp_pipeline_local_piece(const mfsdp_pipeline* p, int32_t b, int32_t item, int32_t kind,
+                                        int32_t* where, int64_t* offset, int64_t* n) {
+  if (b < 0 || b >= p->n) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d out of range [0, %d)", b, p->n);
+  const bucket* bk = &p->b[b];
+  if (item < 0 || item >= bk->spec.layout.n_items)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no item %d", b, item);
+  if (kind != MFSDP_BUF_MAIN_SHARD && kind != MFSDP_BUF_OPT_GRAD && kind != MFSDP_BUF_GRAD_SHARD &&
+      kind != MFSDP_BUF_WEIGHT_SHARD)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "local_piece: buffer kind %d is not a shard", kind);
+  int64_t first;
+  piece(bk, item, bk->spec.shard_rank, &first, n);
+  if (kind == MFSDP_BUF_MAIN_SHARD && main_in_weight(bk)) {
+    *where = MFSDP_BUF_WEIGHT;
+    *offset = bk->param_offsets[item] + first;
+  } else if (!bk->present[kind]) {
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no buffer of kind %d", b, kind);
+  } else {
+    *where = kind;
+    *offset = bk->shard_offsets[item];
+  }
+  return MFSDP_OK;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* guards and transport calls */
 
@@ -439,7 +598,7 @@ static mfsdp_status check_bucket(const mfsdp_pipeline* p, int32_t b) {
 
 static int communicates(const mfsdp_pipeline* p, const bucket* bk) {
   if (p->cfg.force_comm) return 1; /* single-rank collectives: exercises a transport on one device */
-  return p->cfg.dp_world > 1 && (bk->spec.shards > 1 || bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE);
+  return p->cfg.dp_world > 1 && (bk->W > 1 || bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE);
 }
 
 static mfsdp_status wait_work(mfsdp_pipeline* p, mfsdp_work** work) {
@@ -452,20 +611,30 @@ static mfsdp_status wait_work(mfsdp_pipeline* p, mfsdp_work** work) {
 /* ------------------------------------------------------------------------------------------ */
 /* initialisation */
 
-/* Two ways in. Full (meta = 0): the full weights are materialised, items are copied into them
- * and init_end derives shard and main weights from them. Direct (meta = 1, for meta-device
- * models materialised one module at a time): each item's own rows go straight to the shard
- * and main weights, so no full bucket ever exists; ZeRO-3 buckets stay EMPTY. */
+static mfsdp_status zero_buffer(mfsdp_pipeline* p, bucket* bk, int kind) {
+  const mfsdp_buffer* b = &bk->buf[kind];
+  return p->be.kernels->fill_zero(p->be.kernels_ctx, b->data, b->dtype, b->numel);
+}
+
+static mfsdp_status finish_gather(mfsdp_pipeline* p, bucket* bk);
+
+/* Two ways in. Full (direct = 0): the full weights are materialised, items are copied into
+ * them and init_end derives shard and main weights from them. Direct (direct = 1, for
+ * meta-device models materialised one module at a time): each item's own rows go straight to
+ * the shard and main weights, so no full bucket ever exists; ZeRO-3 buckets stay EMPTY. */
 mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t b, int direct) {
   MFSDP_CHECK(healthy(p));
   MFSDP_CHECK(check_bucket(p, b));
   bucket* bk = &p->b[b];
   if (bk->initializing) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_begin twice", b);
-  if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(wait_work(p, &bk->gather_work));
+  if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(finish_gather(p, bk));
   if (!direct || !bk->spec.weights_sharded) {
     MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_WEIGHT));
-    MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT].data, bk->spec.param_dtype,
-                                         bk->full_size));
+    MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT));
+  }
+  if (direct) { /* the shards receive rows item by item: their padding must be zero */
+    if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT_SHARD));
+    if (own_main(bk)) MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_MAIN_SHARD));
   }
   bk->initializing = direct ? 2 : 1;
   return MFSDP_OK;
@@ -477,26 +646,27 @@ mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t b, int32_t item,
   bucket* bk = &p->b[b];
   if (!bk->initializing)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: set_item outside init_begin/init_end", b);
-  if (item < 0 || item >= bk->spec.n_items || numel != bk->numels[item])
+  if (item < 0 || item >= bk->spec.layout.n_items || numel != bk->numels[item])
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: %lld elements given, %lld expected", b, item,
-                      (long long)numel, item >= 0 && item < bk->spec.n_items ? (long long)bk->numels[item] : -1LL);
+                      (long long)numel,
+                      item >= 0 && item < bk->spec.layout.n_items ? (long long)bk->numels[item] : -1LL);
   const mfsdp_kernel_ops* k = p->be.kernels;
   if (bk->initializing == 1 || !bk->spec.weights_sharded)
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT], bk->offsets[item]), bk->spec.param_dtype,
-                        src, src_dtype, numel, 1.0));
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT], bk->param_offsets[item]),
+                        bk->spec.param_dtype, src, src_dtype, numel, 1.0));
   if (bk->initializing == 1) return MFSDP_OK;
   /* direct: this rank's rows of the item, into the persistent shard buffers */
-  int64_t S = bk->spec.shard_size, s0 = (int64_t)bk->spec.shard_rank * S;
-  int64_t a = bk->offsets[item] > s0 ? bk->offsets[item] : s0;
-  int64_t z = bk->offsets[item] + numel < s0 + S ? bk->offsets[item] + numel : s0 + S;
-  if (a >= z) return MFSDP_OK;
-  const void* from = (const char*)src + (a - bk->offsets[item]) * elem_size(src_dtype);
-  if (bk->spec.weights_sharded && !casts_on_gather(&bk->spec))
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], a - s0), bk->spec.param_dtype, from,
-                        src_dtype, z - a, 1.0));
-  if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD)
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_MAIN_SHARD], a - s0), bk->spec.main_dtype, from,
-                        src_dtype, z - a, 1.0));
+  int64_t first, n;
+  piece(bk, item, bk->spec.shard_rank, &first, &n);
+  if (n == 0) return MFSDP_OK;
+  const void* from = (const char*)src + first * elem_size(src_dtype);
+  int64_t to = bk->shard_offsets[item];
+  if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], to), bk->spec.param_dtype, from,
+                        src_dtype, n, 1.0));
+  if (own_main(bk))
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_MAIN_SHARD], to), bk->spec.main_dtype, from,
+                        src_dtype, n, 1.0));
   return MFSDP_OK;
 }
 
@@ -504,15 +674,16 @@ mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
   MFSDP_CHECK(check_bucket(p, b));
   bucket* bk = &p->b[b];
   if (!bk->initializing) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_end without init_begin", b);
-  const mfsdp_kernel_ops* k = p->be.kernels;
-  int64_t S = bk->spec.shard_size, off = (int64_t)bk->spec.shard_rank * S;
-  if (bk->initializing == 1) {
-    if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
-      MFSDP_CHECK(k->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
-                          at(&bk->buf[MFSDP_BUF_WEIGHT], off), bk->spec.param_dtype, S, 1.0));
-    if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD)
-      MFSDP_CHECK(k->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype,
-                          bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype, S, 1.0));
+  if (bk->initializing == 1) { /* derive the shards from the full weights; padding zero */
+    const mfsdp_buffer* w = &bk->buf[MFSDP_BUF_WEIGHT];
+    if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) {
+      MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT_SHARD));
+      MFSDP_CHECK(pack_own_rows(p, bk, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype, w));
+    }
+    if (own_main(bk)) {
+      MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_MAIN_SHARD));
+      MFSDP_CHECK(pack_own_rows(p, bk, bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, w));
+    }
   }
   bk->initializing = 0;
   if (bk->spec.weights_sharded) {
@@ -527,21 +698,55 @@ mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
 /* ------------------------------------------------------------------------------------------ */
 /* weights */
 
-/* Main weights -> this rank's compute rows, cast once. */
-static mfsdp_status cast_main_to_shard(mfsdp_pipeline* p, bucket* bk) {
-  return p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
-                             bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->spec.shard_size, 1.0);
+/* This rank's slice of the gather buffer (WEIGHT_SHARD) from wherever its rows live. */
+static mfsdp_status fill_own_slice(mfsdp_pipeline* p, bucket* bk) {
+  void* slice = bk->buf[MFSDP_BUF_WEIGHT_SHARD].data;
+  if (casts_on_gather(bk)) /* see [Note: cast on gather] */
+    return p->be.kernels->copy(p->be.kernels_ctx, slice, bk->spec.param_dtype, bk->buf[MFSDP_BUF_MAIN_SHARD].data,
+                               bk->spec.main_dtype, bk->S, 1.0);
+  if (main_in_weight(bk)) return pack_own_rows(p, bk, slice, bk->spec.param_dtype, &bk->buf[MFSDP_BUF_WEIGHT]);
+  return MFSDP_OK; /* an own WEIGHT_SHARD, or the slice already is this rank's part of WEIGHT */
 }
 
 static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
-  if (casts_on_gather(&bk->spec)) MFSDP_CHECK(cast_main_to_shard(p, bk)); /* see [Note: cast on gather] */
+  MFSDP_CHECK(materialize(p, bk, bk->gather_kind));
+  MFSDP_CHECK(fill_own_slice(p, bk));
   bk->wstate = MFSDP_W_GATHERING;
   if (!communicates(p, bk)) return MFSDP_OK;
-  mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[MFSDP_BUF_WEIGHT],
+  mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[bk->gather_kind],
                                                 &bk->buf[MFSDP_BUF_WEIGHT_SHARD], &bk->gather_work);
   if (st != MFSDP_OK) return comm_failed(p, st);
   bk->stats.all_gathers++;
   bk->stats.all_gather_bytes += bk->full_size * elem_size(bk->spec.param_dtype);
+  return MFSDP_OK;
+}
+
+/* Rank-major gather -> parameter-major full weights (see [Note: chunked layout]). Under
+ * ZeRO-1/2 with the main weights inside WEIGHT, this rank's own rows are already in place. */
+static mfsdp_status copy_out(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GATHER];
+  packer k = {p, bk->buf[MFSDP_BUF_WEIGHT].data, bk->spec.param_dtype, 1.0, 0, 0, {{0}}};
+  int32_t skip = main_in_weight(bk) ? bk->spec.shard_rank : -1;
+  for (int32_t i = 0; i < bk->spec.layout.n_items; ++i)
+    for (int32_t r = 0; r < bk->W; ++r) {
+      if (r == skip) continue;
+      int64_t first, n;
+      piece(bk, i, r, &first, &n);
+      MFSDP_CHECK(packer_add(&k, at(g, (int64_t)r * bk->S + bk->shard_offsets[i]), g->dtype,
+                             bk->param_offsets[i] + first, n));
+    }
+  return packer_flush(&k);
+}
+
+/* The gather has been issued: wait for it and copy it out; full weights usable after this. */
+static mfsdp_status finish_gather(mfsdp_pipeline* p, bucket* bk) {
+  MFSDP_CHECK(wait_work(p, &bk->gather_work));
+  if (bk->gather_kind == MFSDP_BUF_GATHER) {
+    MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_WEIGHT));
+    MFSDP_CHECK(copy_out(p, bk));
+    MFSDP_CHECK(release(p, bk, MFSDP_BUF_GATHER));
+  }
+  bk->wstate = MFSDP_W_READY;
   return MFSDP_OK;
 }
 
@@ -555,12 +760,7 @@ mfsdp_status mfsdp_pipeline_unshard(mfsdp_pipeline* p, const int32_t* ids, int32
   mfsdp_status st = MFSDP_OK;
   for (int32_t i = 0; i < n && st == MFSDP_OK; ++i) {
     bucket* bk = &p->b[ids[i]];
-    if (bk->wstate == MFSDP_W_EMPTY) {
-      st = materialize(p, bk, MFSDP_BUF_WEIGHT);
-      if (st == MFSDP_OK) st = start_gather(p, bk);
-    } else if (bk->wstate == MFSDP_W_STALE) {
-      st = start_gather(p, bk);
-    }
+    if (bk->wstate == MFSDP_W_EMPTY || bk->wstate == MFSDP_W_STALE) st = start_gather(p, bk);
   }
   if (group) { /* always closed, even after an error: NCCL groups must balance */
     mfsdp_status end = t->group_end(p->be.transport_ctx);
@@ -575,13 +775,18 @@ mfsdp_status mfsdp_pipeline_wait_unshard(mfsdp_pipeline* p, const int32_t* ids, 
     MFSDP_CHECK(check_bucket(p, ids[i]));
     bucket* bk = &p->b[ids[i]];
     if (bk->wstate == MFSDP_W_GATHERING) {
-      MFSDP_CHECK(wait_work(p, &bk->gather_work));
-      bk->wstate = MFSDP_W_READY;
+      MFSDP_CHECK(finish_gather(p, bk));
     } else if (bk->wstate != MFSDP_W_READY) {
       return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: waited for weights that were never gathered", ids[i]);
     }
   }
   return MFSDP_OK;
+}
+
+/* Drops an in-flight gather's result (its values are about to be released or are stale). */
+static mfsdp_status abandon_gather(mfsdp_pipeline* p, bucket* bk) {
+  MFSDP_CHECK(wait_work(p, &bk->gather_work));
+  return release(p, bk, MFSDP_BUF_GATHER);
 }
 
 mfsdp_status mfsdp_pipeline_reshard(mfsdp_pipeline* p, const int32_t* ids, int32_t n) {
@@ -590,7 +795,7 @@ mfsdp_status mfsdp_pipeline_reshard(mfsdp_pipeline* p, const int32_t* ids, int32
     MFSDP_CHECK(check_bucket(p, ids[i]));
     bucket* bk = &p->b[ids[i]];
     if (!bk->spec.weights_sharded || bk->wstate == MFSDP_W_EMPTY) continue;
-    if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(wait_work(p, &bk->gather_work));
+    if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(abandon_gather(p, bk));
     MFSDP_CHECK(release(p, bk, MFSDP_BUF_WEIGHT));
     bk->wstate = MFSDP_W_EMPTY;
   }
@@ -602,15 +807,21 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     if (bk->spec.grad_mode == MFSDP_GRAD_NONE && !include_frozen) continue;
-    int on_gather = casts_on_gather(&bk->spec); /* the next gather casts: nothing to do now */
-    if (bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD && !on_gather) MFSDP_CHECK(cast_main_to_shard(p, bk));
-    if (bk->spec.shards == 1 && !on_gather) continue; /* the shard is the whole bucket: nothing to spread */
-    if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(wait_work(p, &bk->gather_work));
-    if (bk->wstate != MFSDP_W_EMPTY) bk->wstate = MFSDP_W_STALE;
+    if (!bk->gathered) { /* the shard is the whole bucket: main -> compute weights now */
+      if (own_main(bk))
+        MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
+                                        bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->S, 1.0));
+      continue;
+    }
+    if (bk->wstate == MFSDP_W_GATHERING) { /* carries the old values: drop it */
+      MFSDP_CHECK(abandon_gather(p, bk));
+      if (bk->spec.weights_sharded) MFSDP_CHECK(release(p, bk, MFSDP_BUF_WEIGHT));
+      bk->wstate = bk->spec.weights_sharded ? MFSDP_W_EMPTY : MFSDP_W_STALE;
+    }
+    if (bk->wstate != MFSDP_W_EMPTY) bk->wstate = MFSDP_W_STALE; /* the next unshard spreads the new values */
   }
   return MFSDP_OK;
 }
-
 /* ------------------------------------------------------------------------------------------ */
 /* gradients */
 
@@ -619,8 +830,10 @@ static int64_t reduce_bytes(const bucket* bk) {
   return b->numel * elem_size(b->dtype);
 }
 
+/* Zeroes the padding of a freshly materialised temporary GRAD (one fill when it has many runs). */
 static mfsdp_status zero_holes(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+  if (bk->n_holes > MAX_HOLE_FILLS) return p->be.kernels->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size);
   for (int32_t h = 0; h < bk->n_holes; ++h)
     MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, at(g, bk->holes[2 * h]), g->dtype,
                                          bk->holes[2 * h + 1] - bk->holes[2 * h]));
@@ -631,10 +844,10 @@ static mfsdp_status zero_holes(mfsdp_pipeline* p, bucket* bk) {
  * comm dtype) into `dst` (grad dtype) in rank order, rounding in the grad dtype. */
 static mfsdp_status sum_exchanged(mfsdp_pipeline* p, bucket* bk, void* dst, int zero_first) {
   const mfsdp_kernel_ops* k = p->be.kernels;
-  int64_t S = bk->spec.shard_size;
-  double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / bk->spec.shards : 1.0;
+  int64_t S = bk->S;
+  double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / bk->W : 1.0;
   if (zero_first) MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, dst, bk->spec.grad_dtype, S));
-  for (int32_t r = 0; r < bk->spec.shards; ++r)
+  for (int32_t r = 0; r < bk->W; ++r)
     MFSDP_CHECK(k->accumulate(p->be.kernels_ctx, dst, bk->spec.grad_dtype, at(&bk->buf[MFSDP_BUF_EXCHANGE], r * S),
                               bk->spec.comm_dtype, S, alpha));
   return release(p, bk, MFSDP_BUF_EXCHANGE);
@@ -676,8 +889,8 @@ static mfsdp_status complete_front(mfsdp_pipeline* p) {
   MFSDP_CHECK(wait_work(p, &bk->reduce_work));
   const mfsdp_kernel_ops* k = p->be.kernels;
   void* kc = p->be.kernels_ctx;
-  int64_t S = bk->spec.shard_size;
-  int exchanged = exchanges(p, &bk->spec);
+  int64_t S = bk->S;
+  int exchanged = exchanges(p, bk);
   switch (bk->spec.grad_mode) {
     case MFSDP_GRAD_SCATTER_ACCUMULATE:
       if (exchanged)
@@ -732,7 +945,7 @@ static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
   mfsdp_status st = MFSDP_OK;
   int comm = communicates(p, bk);
   mfsdp_work* work = NULL;
-  int exchange = exchanges(p, &bk->spec);
+  int exchange = exchanges(p, bk);
   int full = MFSDP_BUF_GRAD, slice = MFSDP_BUF_GRAD_SLICE;
   double premul = 1.0;
   if (bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE) { /* ACCUMULATE scaled while packing */
@@ -790,13 +1003,55 @@ static mfsdp_status rebase(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
   if (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
     if (p->cfg.dp_world > 1) MFSDP_CHECK(k->scale(kc, g->data, g->dtype, bk->full_size, 1.0 / (world * f)));
-  } else if (bk->spec.shards > 1) {
-    int64_t S = bk->spec.shard_size, off = (int64_t)bk->spec.shard_rank * S;
+  } else if (bk->W > 1) {
+    int64_t S = bk->S, off = (int64_t)bk->spec.shard_rank * S;
     MFSDP_CHECK(k->fill_zero(kc, g->data, g->dtype, off));
     MFSDP_CHECK(k->fill_zero(kc, at(g, off + S), g->dtype, bk->full_size - off - S));
     MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SLICE].data, g->dtype, S, 1.0 / f));
   }
   bk->gstate = MFSDP_G_DIRTY;
+  return MFSDP_OK;
+}
+
+/* Makes a bucket's gradient buffer ready to reduce and launches it: ZeRO-2/3 buckets get zeros
+ * where this rank had no gradient; a no_shard/ZeRO-1 sum that was already reduced is rebased so
+ * that this reduction counts it once ([Note: reduce once per step]). */
+static mfsdp_status launch_bucket(mfsdp_pipeline* p, int32_t id) {
+  bucket* bk = &p->b[id];
+  if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(complete_until(p, id));
+  if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
+    const mfsdp_kernel_ops* k = p->be.kernels;
+    MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
+    const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+    if (bk->gstate == MFSDP_G_CLEAN) { /* nothing of this backward packed here */
+      MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
+    } else if (bk->n_ready < bk->spec.layout.n_items) {
+      for (int32_t j = 0; j < bk->spec.layout.n_items; ++j)
+        for (int32_t r = 0; r < bk->W && !bk->ready[j]; ++r)
+          MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, at(g, (int64_t)r * bk->S + bk->shard_offsets[j]), g->dtype,
+                                   bk->pieces[j]));
+    }
+  } else if (bk->gstate == MFSDP_G_REDUCED) {
+    MFSDP_CHECK(rebase(p, bk));
+  }
+  return launch_reduce(p, id);
+}
+
+/* Launches, in the shared order, every bucket whose turn has come and whose gradients are
+ * complete ([Note: collective order]). ZeRO-2/3 buckets reduce in every backward, no_shard and
+ * ZeRO-1 buckets only in a syncing one. */
+static mfsdp_status launch_in_order(mfsdp_pipeline* p) {
+  while (p->next < p->n) {
+    int32_t id = p->order[p->next];
+    bucket* bk = &p->b[id];
+    int reduces = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ||
+                  (p->sync && bk->spec.grad_mode != MFSDP_GRAD_NONE);
+    if (reduces) {
+      if (!bk->complete) break;
+      MFSDP_CHECK(launch_bucket(p, id));
+    }
+    p->next++;
+  }
   return MFSDP_OK;
 }
 
@@ -807,14 +1062,17 @@ mfsdp_status mfsdp_pipeline_begin_backward(mfsdp_pipeline* p, int sync) {
     bucket* bk = &p->b[i];
     bk->n_ready = 0;
     bk->launched = 0;
-    if (bk->spec.n_items) memset(bk->ready, 0, (size_t)bk->spec.n_items);
+    bk->complete = 0;
+    if (bk->spec.layout.n_items) memset(bk->ready, 0, (size_t)bk->spec.layout.n_items);
   }
   p->in_backward = 1;
   p->sync = !!sync;
+  p->next = 0;
   return MFSDP_OK;
 }
 
-/* Packs the bucket's pending gradients (see [Note: one pack per bucket]). */
+/* Packs the bucket's pending gradients, each as one piece per rank straight to its rank-major
+ * place (see [Note: one pack per bucket]). */
 static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
   if (bk->n_pending == 0) return MFSDP_OK;
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
@@ -829,12 +1087,22 @@ static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
     if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(complete_until(p, id));
     if (bk->gstate == MFSDP_G_REDUCED) MFSDP_CHECK(rebase(p, bk));
   }
-  double alpha = accumulate ? 1.0 : p->cfg.grad_prescale;
-  mfsdp_status st = p->be.kernels->pack(p->be.kernels_ctx, g->data, g->dtype, bk->pending, bk->n_pending, alpha,
-                                        accumulate);
-  for (int32_t k = 0; k < bk->n_pending; ++k) {
-    if (bk->pending_handles[k]) p->be.memory->drop(p->be.memory_ctx, bk->pending_handles[k]);
-    bk->pending_handles[k] = NULL;
+  packer k = {p, g->data, g->dtype, accumulate ? 1.0 : p->cfg.grad_prescale, accumulate, 0, {{0}}};
+  mfsdp_status st = MFSDP_OK;
+  for (int32_t j = 0; j < bk->n_pending && st == MFSDP_OK; ++j) {
+    const pending_grad* pg = &bk->pending[j];
+    int64_t width = elem_size(pg->dtype);
+    for (int32_t r = 0; r < bk->W && st == MFSDP_OK; ++r) {
+      int64_t first, n;
+      piece(bk, pg->item, r, &first, &n);
+      st = packer_add(&k, (const char*)pg->src + first * width, pg->dtype,
+                      (int64_t)r * bk->S + bk->shard_offsets[pg->item], n);
+    }
+  }
+  if (st == MFSDP_OK) st = packer_flush(&k);
+  for (int32_t j = 0; j < bk->n_pending; ++j) {
+    if (bk->pending[j].handle) p->be.memory->drop(p->be.memory_ctx, bk->pending[j].handle);
+    bk->pending[j].handle = NULL;
   }
   bk->n_pending = 0;
   MFSDP_CHECK(st);
@@ -850,55 +1118,53 @@ mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t b, int32_t ite
   if (!p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: gradient outside a backward pass", b);
   if (bk->spec.grad_mode == MFSDP_GRAD_NONE)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d holds frozen parameters: no gradient expected", b);
-  if (item < 0 || item >= bk->spec.n_items || numel != bk->numels[item])
+  int32_t n_items = bk->spec.layout.n_items;
+  if (item < 0 || item >= n_items || numel != bk->numels[item])
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: gradient of %lld elements, expected %lld", b,
-                      item, (long long)numel, item >= 0 && item < bk->spec.n_items ? (long long)bk->numels[item] : -1LL);
+                      item, (long long)numel, item >= 0 && item < n_items ? (long long)bk->numels[item] : -1LL);
   if (bk->ready[item])
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d item %d: gradient reported twice in one backward", b, item);
-  if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && bk->gstate == MFSDP_G_REDUCING)
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: gradient arrived after its reduction started", b);
+  if (bk->launched || bk->complete)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE,
+                      "bucket %d item %d: gradient arrived after its bucket was reduced in this backward (a parameter "
+                      "of a unit that did not run in this forward, or used after its unit's backward?)", b, item);
   if (!mfsdp_dtype_is_float(src_dtype))
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: gradient of dtype %s", b, item,
                       mfsdp_dtype_name(src_dtype));
   if (keepalive) p->be.memory->retain(p->be.memory_ctx, keepalive);
-  bk->pending[bk->n_pending] = (mfsdp_pack_item){src, src_dtype, bk->offsets[item], numel};
-  bk->pending_handles[bk->n_pending] = keepalive;
-  bk->n_pending++;
+  bk->pending[bk->n_pending++] = (pending_grad){src, src_dtype, item, keepalive};
   bk->ready[item] = 1;
   bk->n_ready++;
-  if (bk->n_ready == bk->spec.n_items) {
+  if (bk->n_ready == n_items) {
     MFSDP_CHECK(flush_pending(p, bk));
-    if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync) MFSDP_CHECK(launch_reduce(p, b));
+    bk->complete = 1;
+    MFSDP_CHECK(launch_in_order(p));
   }
   return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_seal(mfsdp_pipeline* p, const int32_t* ids, int32_t n) {
+  MFSDP_CHECK(healthy(p));
+  if (!p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "seal outside a backward pass");
+  for (int32_t i = 0; i < n; ++i) {
+    MFSDP_CHECK(check_bucket(p, ids[i]));
+    bucket* bk = &p->b[ids[i]];
+    MFSDP_CHECK(flush_pending(p, bk));
+    bk->complete = 1;
+  }
+  return launch_in_order(p);
 }
 
 mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p) {
   MFSDP_CHECK(healthy(p));
   if (!p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "end_backward without begin_backward");
-  const mfsdp_kernel_ops* k = p->be.kernels;
-  for (int32_t i = 0; i < p->n; ++i) MFSDP_CHECK(flush_pending(p, &p->b[i])); /* incomplete buckets */
-  for (int32_t i = 0; i < p->n; ++i) {
-    bucket* bk = &p->b[i];
-    if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && !bk->launched) {
-      /* Parameters unused in this backward contribute zeros (see [Note: collective order]). */
-      MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
-      const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
-      if (bk->gstate == MFSDP_G_CLEAN) {
-        MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
-      } else {
-        for (int32_t j = 0; j < bk->spec.n_items; ++j)
-          if (!bk->ready[j])
-            MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, at(g, bk->offsets[j]), g->dtype, bk->numels[j]));
-      }
-      MFSDP_CHECK(launch_reduce(p, i));
-    } else if (p->sync && (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE ||
-                           bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
-               (bk->gstate == MFSDP_G_CLEAN || bk->gstate == MFSDP_G_DIRTY)) {
-      MFSDP_CHECK(launch_reduce(p, i));
-    }
+  for (int32_t i = 0; i < p->n; ++i) { /* incomplete buckets: what arrived, then zeros for the rest */
+    MFSDP_CHECK(flush_pending(p, &p->b[i]));
+    p->b[i].complete = 1;
   }
+  MFSDP_CHECK(launch_in_order(p));
   MFSDP_CHECK(complete_all(p));
+  p->reduce_due = !p->sync;
   p->in_backward = 0;
   return MFSDP_OK;
 }
@@ -906,19 +1172,20 @@ mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p) {
 mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
   MFSDP_CHECK(healthy(p));
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient sync requested inside a backward pass");
-  for (int32_t i = 0; i < p->n; ++i) {
-    bucket* bk = &p->b[i];
-    if ((bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
-        (bk->gstate == MFSDP_G_CLEAN || bk->gstate == MFSDP_G_DIRTY))
-      MFSDP_CHECK(launch_reduce(p, i));
+  if (p->reduce_due) { /* every no_shard/ZeRO-1 bucket, on every rank, in the shared order */
+    for (int32_t k = 0; k < p->n; ++k) {
+      bucket* bk = &p->b[p->order[k]];
+      if (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE)
+        MFSDP_CHECK(launch_bucket(p, p->order[k]));
+    }
+    p->reduce_due = 0;
   }
   MFSDP_CHECK(complete_all(p));
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype,
-                                      bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype, bk->spec.shard_size,
-                                      1.0));
+                                      bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype, bk->S, 1.0));
   }
   return MFSDP_OK;
 }
@@ -927,6 +1194,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
   MFSDP_CHECK(healthy(p));
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "zero_grad inside a backward pass");
   MFSDP_CHECK(complete_all(p));
+  p->reduce_due = 0; /* nothing left to reduce */
   const mfsdp_kernel_ops* k = p->be.kernels;
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
@@ -934,10 +1202,38 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
     int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD : MFSDP_BUF_GRAD;
     MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[target].data, bk->buf[target].dtype, bk->buf[target].numel));
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
-      MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype,
-                               bk->spec.shard_size));
+      MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->S));
     bk->gstate = MFSDP_G_CLEAN;
   }
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const int32_t* items, int32_t n) {
+  MFSDP_CHECK(healthy(p));
+  MFSDP_CHECK(check_bucket(p, b));
+  if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "zero_grad inside a backward pass");
+  bucket* bk = &p->b[b];
+  if (bk->spec.grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
+  if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(complete_until(p, b));
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  void* kc = p->be.kernels_ctx;
+  int persistent = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE; /* GRAD holds every rank's pieces */
+  const mfsdp_buffer* g = &bk->buf[persistent ? MFSDP_BUF_GRAD : MFSDP_BUF_GRAD_SHARD];
+  for (int32_t j = 0; j < n; ++j) {
+    int32_t i = items[j];
+    if (i < 0 || i >= bk->spec.layout.n_items)
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no item %d", b, i);
+    if (persistent) {
+      for (int32_t r = 0; r < bk->W; ++r)
+        MFSDP_CHECK(k->fill_zero(kc, at(g, (int64_t)r * bk->S + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
+    } else {
+      MFSDP_CHECK(k->fill_zero(kc, at(g, bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
+    }
+    if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
+      MFSDP_CHECK(k->fill_zero(kc, at(&bk->buf[MFSDP_BUF_OPT_GRAD], bk->shard_offsets[i]), bk->spec.main_dtype,
+                               bk->pieces[i]));
+  }
+  if (n == bk->spec.layout.n_items) bk->gstate = MFSDP_G_CLEAN;
   return MFSDP_OK;
 }
 
@@ -976,10 +1272,7 @@ mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p) {
   MFSDP_CHECK(complete_all(p));
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
-    if (bk->wstate == MFSDP_W_GATHERING) {
-      MFSDP_CHECK(wait_work(p, &bk->gather_work));
-      bk->wstate = MFSDP_W_READY;
-    }
+    if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(finish_gather(p, bk));
   }
   p->in_backward = 0;
   return MFSDP_OK;
@@ -989,13 +1282,11 @@ mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t b, i
   MFSDP_CHECK(check_bucket(p, b));
   bucket* bk = &p->b[b];
   *count = 0;
-  if (bk->spec.grad_mode == MFSDP_GRAD_NONE || item < 0 || item >= bk->spec.n_items)
+  if (bk->spec.grad_mode == MFSDP_GRAD_NONE || item < 0 || item >= bk->spec.layout.n_items)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d has no gradient", b, item);
-  int64_t S = bk->spec.shard_size, s0 = (int64_t)bk->spec.shard_rank * S;
-  int64_t a = bk->offsets[item] > s0 ? bk->offsets[item] : s0;
-  int64_t z = bk->offsets[item] + bk->numels[item];
-  if (z > s0 + S) z = s0 + S;
-  if (a >= z) return MFSDP_OK;
+  int64_t first, n;
+  piece(bk, item, bk->spec.shard_rank, &first, &n);
+  if (n == 0) return MFSDP_OK;
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD_SHARD];
-  return p->be.kernels->count_nonfinite(p->be.kernels_ctx, at(g, a - s0), g->dtype, z - a, count);
+  return p->be.kernels->count_nonfinite(p->be.kernels_ctx, at(g, bk->shard_offsets[item]), g->dtype, n, count);
 }

@@ -1,18 +1,30 @@
-/* mfsdp_layout.h: the bucket math. Which parameters share a bucket, where each one lives in
- * the flat bucket, and which whole rows of it every rank owns.
+/* mfsdp_layout.h: the bucket math. Which parameters share a bucket, and where every element
+ * lives in the bucket's two layouts.
  *
- * [Note: row-aligned shards]
- * A bucket of `world` shards has shard_size S, a multiple of the bucket's chunk L = lcm of its
- * items' row sizes (and of the 16-byte alignment). Every item starts at a multiple of its own
- * row size. A shard boundary k*S is then a multiple of every row size, so it can only fall
- * between two rows of an item: each rank's slice of each parameter is whole rows, and the
- * slice viewed as (-1, *shape[1:]) is an uneven Shard(0) piece of the parameter. Gaps between
- * items and the tail up to world*S are padding; the engine keeps padding zero.
+ * [Note: chunked layout]
+ * A parameter's dim-0 rows (a row is shape[1:].numel() elements; 1-d parameters have rows of
+ * one element) are split over the `world` ranks exactly as torch's Shard(0) splits them, by the
+ * torch.chunk rule: with c = ceil(rows / world), rank r holds rows [r*c, min(rows, (r+1)*c)),
+ * so the last ranks may hold fewer rows, or none. Every DTensor the library hands out is
+ * therefore a true Shard(0) DTensor that torch can redistribute, gather and checkpoint
+ * unaided.
  *
- * Grouping: parameters are grouped by the key (unit, dtype, requires_grad, replicated); groups
- * keep first-seen order. Inside a group items are ordered by row size, largest first (fewest
- * alignment gaps). A group is cut into several buckets when an item would blow the chunk up
- * beyond the padding budget, or (groups outside every unit only) when it exceeds the size cap. */
+ * A bucket keeps its items in two layouts:
+ *   parameter-major  the full weights the module computes with: item i's numel elements start
+ *                    at param_offsets[i], so every compute parameter is a view, never a copy;
+ *   rank-major       what the collectives move: `world` shards of shard_size elements each;
+ *                    item i's piece (c * row elements; the last ranks' pieces are partly or
+ *                    wholly padding) starts at shard_offsets[i] inside every shard.
+ * An all-gather delivers rank-major; one pack per bucket copies it out to parameter-major (as
+ * FSDP2 does). Gradients are packed straight into rank-major at no extra cost, so a
+ * reduce-scatter leaves each rank exactly its Shard(0) rows. The layouts coincide when the
+ * bucket is not sharded (world 1), or holds one parameter whose pieces need no padding: then a
+ * gather runs in place and nothing is copied (mfsdp_layout_is_identity).
+ *
+ * Grouping: parameters are grouped by the key (unit, dtype, requires_grad, replicated), groups
+ * in first-seen order, items in registration order. Groups outside every unit are cut into
+ * buckets of at most bucket_cap elements. Offsets in both layouts and the shard size are
+ * multiples of the alignment. */
 #ifndef MFSDP_LAYOUT_H
 #define MFSDP_LAYOUT_H
 
@@ -33,17 +45,23 @@ typedef struct mfsdp_param_info {
   int32_t replicated;    /* fsdp_no_shard: one full copy per rank, never sharded */
 } mfsdp_param_info;
 
+/* Where a bucket's items live; shared by the planner and the pipeline. */
+typedef struct mfsdp_bucket_layout {
+  int32_t world;                /* ranks the bucket is split over (1: not sharded) */
+  int32_t n_items;
+  const int64_t* numels;
+  const int64_t* pieces;        /* elements of every rank's piece of each item: ceil(rows/world) * row */
+  const int64_t* param_offsets; /* parameter-major start of each item */
+  const int64_t* shard_offsets; /* start of each item's piece inside every shard */
+  int64_t weight_size;          /* parameter-major elements */
+  int64_t shard_size;           /* rank-major elements per rank; world * shard_size in all */
+} mfsdp_bucket_layout;
+
 typedef struct mfsdp_bucket_plan {
   int32_t unit, dtype, requires_grad, replicated;
-  int32_t world;       /* ranks the bucket is split over (1: not sharded) */
-  int32_t n_items;
   int32_t* params;     /* caller's parameter indices, in layout order */
-  int64_t* offsets;    /* element offset of each item in the bucket */
-  int64_t* numels;
-  int64_t* rows;
-  int64_t chunk;       /* shard_size is a multiple of it */
-  int64_t shard_size;  /* elements per rank */
-  int64_t bucket_size; /* world * shard_size */
+  int64_t* row_sizes;  /* elements per dim-0 row of each item */
+  mfsdp_bucket_layout layout; /* its arrays are owned by the plan */
 } mfsdp_bucket_plan;
 
 typedef struct mfsdp_plan {
@@ -54,23 +72,25 @@ typedef struct mfsdp_plan {
 /* Groups `params` into buckets and lays each one out.
  * shard_world: ranks to shard over (1 for no_shard); replicated params always use 1.
  * bucket_cap: max elements of a bucket outside every unit (<= 0: no cap).
- * align_bytes: shard boundaries are multiples of this many bytes (power of two, >= 1). */
+ * align_bytes: offsets and shard sizes are multiples of this many bytes (power of two, >= 1). */
 mfsdp_status mfsdp_plan_build(const mfsdp_param_info* params, int32_t n_params, int32_t shard_world,
                               int64_t bucket_cap, int32_t align_bytes, mfsdp_plan* out);
 void mfsdp_plan_free(mfsdp_plan* plan);
 
-/* Rank `rank`'s part of item `item`: elements [*lo, *hi) of the item (relative to its start),
- * stored at *shard_offset inside that rank's shard. Empty parts have *lo == *hi. */
-void mfsdp_item_shard_slice(const mfsdp_bucket_plan* bucket, int32_t item, int32_t rank, int64_t* lo,
-                            int64_t* hi, int64_t* shard_offset);
+/* Rank `rank`'s rows of an item of `numel` elements cut in pieces of `piece` elements:
+ * elements [*first, *first + *n) of the item; *n is 0 for a rank past the last row. */
+void mfsdp_piece_of(int64_t numel, int64_t piece, int32_t rank, int64_t* first, int64_t* n);
 
-/* Checks every invariant of the note above; returns MFSDP_OK or the first violation. Used by
- * the C tests and the fuzz target, cheap enough to run on every plan in debug builds. */
+/* 1 when the rank-major and parameter-major layouts are the same memory order. */
+int mfsdp_layout_is_identity(const mfsdp_bucket_layout* layout);
+
+/* Checks a layout (offsets in range, disjoint, pieces of whole rows tiling every item); returns
+ * MFSDP_OK or the first violation. row_sizes may be NULL (row checks skipped). */
+mfsdp_status mfsdp_layout_validate(const mfsdp_bucket_layout* layout, const int64_t* row_sizes);
+
+/* Checks every invariant of the note above on a whole plan; used by the C tests, the fuzz
+ * target and the Python glue. */
 mfsdp_status mfsdp_plan_validate(const mfsdp_plan* plan, const mfsdp_param_info* params, int32_t n_params);
-
-int64_t mfsdp_gcd(int64_t a, int64_t b);
-/* lcm, or -1 on overflow past INT64_MAX / 4. */
-int64_t mfsdp_lcm(int64_t a, int64_t b);
 
 #ifdef __cplusplus
 }

@@ -84,6 +84,15 @@ static int64_t* dict_i64s(PyObject* d, const char* key, int32_t* n) {
   return out;
 }
 
+static void free_spec(mfsdp_bucket_spec* s) {
+  PyMem_Free((void*)s->layout.numels);
+  PyMem_Free((void*)s->layout.pieces);
+  PyMem_Free((void*)s->layout.param_offsets);
+  PyMem_Free((void*)s->layout.shard_offsets);
+  memset(&s->layout, 0, sizeof s->layout);
+}
+
+/* A bucket dict as _C.plan makes it (plus the dtypes and modes the wrapper adds). */
 static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
   if (!PyDict_Check(d)) {
     PyErr_SetString(PyExc_TypeError, "bucket spec must be a dict");
@@ -92,20 +101,22 @@ static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
   long long v[11];
   static const char* keys[11] = {"shards",     "shard_rank", "shard_size",      "param_dtype",      "main_dtype",
                                  "grad_dtype", "comm_dtype", "weights_sharded", "weights_regather", "grad_mode",
-                                 "n_items"};
+                                 "weight_size"};
   for (int i = 0; i < 11; ++i)
     if (dict_long(d, keys[i], &v[i]) < 0) return -1;
-  int32_t n_off = 0, n_num = 0;
-  int64_t* offsets = dict_i64s(d, "offsets", &n_off);
-  int64_t* numels = offsets ? dict_i64s(d, "numels", &n_num) : NULL;
-  if (numels == NULL || n_off != n_num || n_off != v[10]) {
-    PyMem_Free(offsets);
-    PyMem_Free(numels);
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bucket spec: offsets/numels/n_items disagree");
+  int32_t n[4] = {0, 0, 0, 0};
+  static const char* arrays[4] = {"numels", "pieces", "param_offsets", "shard_offsets"};
+  int64_t* a[4] = {NULL, NULL, NULL, NULL};
+  for (int i = 0; i < 4; ++i)
+    if ((a[i] = dict_i64s(d, arrays[i], &n[i])) == NULL) break;
+  *s = (mfsdp_bucket_spec){{(int32_t)v[0], n[0], a[0], a[1], a[2], a[3], v[10], v[2]}, (int32_t)v[1],
+                           (int32_t)v[3], (int32_t)v[4], (int32_t)v[5], (int32_t)v[6], (int32_t)v[7], (int32_t)v[8],
+                           (int32_t)v[9]};
+  if (!a[0] || !a[1] || !a[2] || !a[3] || n[1] != n[0] || n[2] != n[0] || n[3] != n[0]) {
+    free_spec(s);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bucket spec: item tables of different lengths");
     return -1;
   }
-  *s = (mfsdp_bucket_spec){(int32_t)v[0], (int32_t)v[1], v[2], n_off, offsets, numels, (int32_t)v[3], (int32_t)v[4],
-                           (int32_t)v[5], (int32_t)v[6], (int32_t)v[7], (int32_t)v[8], (int32_t)v[9]};
   return 0;
 }
 
@@ -210,10 +221,7 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   }
   rc = 0;
 exit:
-  for (Py_ssize_t i = 0; i < parsed; ++i) {
-    PyMem_Free((void*)specs[i].offsets);
-    PyMem_Free((void*)specs[i].numels);
-  }
+  for (Py_ssize_t i = 0; i < parsed; ++i) free_spec(&specs[i]);
   PyMem_Free(specs);
   Py_DECREF(fast);
   return rc;
@@ -291,6 +299,10 @@ static PyObject* engine_wait_unshard(PyObject* self, PyObject* ids) {
   return over_ids(self, ids, mfsdp_pipeline_wait_unshard);
 }
 static PyObject* engine_reshard(PyObject* self, PyObject* ids) { return over_ids(self, ids, mfsdp_pipeline_reshard); }
+static PyObject* engine_seal(PyObject* self, PyObject* ids) { return over_ids(self, ids, mfsdp_pipeline_seal); }
+static PyObject* engine_set_reduce_order(PyObject* self, PyObject* ids) {
+  return over_ids(self, ids, mfsdp_pipeline_set_reduce_order);
+}
 
 static PyObject* run(PyObject* self, mfsdp_status (*fn)(mfsdp_pipeline*)) {
   engine_object* e = (engine_object*)self;
@@ -430,6 +442,46 @@ static PyObject* engine_tensor(PyObject* self, PyObject* args) {
   return Py_NewRef((PyObject*)buf->handle);
 }
 
+static PyObject* engine_zero_item_grads(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  int b;
+  PyObject* items;
+  if (!PyArg_ParseTuple(args, "iO:zero_item_grads", &b, &items) || !ready(e)) return NULL;
+  PyObject* fast = PySequence_Fast(items, "zero_item_grads: items must be a sequence of ints");
+  if (fast == NULL) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  int32_t* arr = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *arr);
+  PyObject* result = NULL;
+  if (arr == NULL) {
+    PyErr_NoMemory();
+    goto exit;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (v == -1 && PyErr_Occurred()) goto exit;
+    arr[i] = (int32_t)v;
+  }
+  e->busy = 1;
+  mfsdp_status s = mfsdp_pipeline_zero_item_grads(e->pipeline, b, arr, (int32_t)n);
+  e->busy = 0;
+  result = s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
+exit:
+  PyMem_Free(arr);
+  Py_DECREF(fast);
+  return result;
+}
+
+static PyObject* engine_local_piece(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  int b, i, kind;
+  if (!PyArg_ParseTuple(args, "iii:local_piece", &b, &i, &kind) || !ready(e)) return NULL;
+  int32_t where;
+  int64_t offset, n;
+  mfsdp_status s = mfsdp_pipeline_local_piece(e->pipeline, b, i, kind, &where, &offset, &n);
+  if (s != MFSDP_OK) return fail(self, s);
+  return Py_BuildValue("(iLL)", (int)where, (long long)offset, (long long)n);
+}
+
 static PyObject* engine_weight_state(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
   long b = PyLong_AsLong(arg);
@@ -513,14 +565,22 @@ static PyMethodDef engine_methods[] = {
     {"begin_backward", engine_begin_backward, METH_O, "begin_backward(sync): a backward pass starts."},
     {"grad_ready", (PyCFunction)(void (*)(void))engine_grad_ready, METH_FASTCALL,
      "grad_ready(bucket, item, grad): one parameter's gradient of this backward."},
+    {"seal", engine_seal, METH_O,
+     "seal(buckets): these buckets get no more gradients in this backward (their unit did not run here)."},
     {"end_backward", engine_end_backward, METH_NOARGS, "end_backward(): flush and finish this backward's reductions."},
+    {"set_reduce_order", engine_set_reduce_order, METH_O,
+     "set_reduce_order(buckets): the order every rank launches gradient reductions in (a permutation)."},
     {"sync_grads", engine_sync_grads, METH_NOARGS,
      "sync_grads(): reduce pending no_shard/ZeRO-1 gradients once, finish all reductions, fill OPT_GRAD."},
     {"zero_grads", engine_zero_grads, METH_NOARGS, "zero_grads(): zero the main gradient buffers."},
+    {"zero_item_grads", engine_zero_item_grads, METH_VARARGS,
+     "zero_item_grads(bucket, items): zero the main gradients of some items of a bucket."},
     {"drain", engine_drain, METH_NOARGS, "drain(): finish every in-flight collective."},
     {"set_comm_dtype", engine_set_comm_dtype, METH_O,
      "set_comm_dtype(dtype or None): communicate gradients in `dtype` (None: the main gradient dtype)."},
     {"tensor", engine_tensor, METH_VARARGS, "tensor(bucket, kind) -> the buffer's torch tensor, or None."},
+    {"local_piece", engine_local_piece, METH_VARARGS,
+     "local_piece(bucket, item, kind) -> (buffer kind, offset, n): where this rank's rows of the item live."},
     {"weight_state", engine_weight_state, METH_O, "weight_state(bucket) -> 'empty'|'gathering'|'ready'|'stale'."},
     {"grad_state", engine_grad_state, METH_O, "grad_state(bucket) -> 'clean'|'dirty'|'reducing'|'reduced'."},
     {"stats", engine_stats, METH_VARARGS, "stats(bucket=-1) -> collective counts and bytes."},

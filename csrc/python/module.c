@@ -110,8 +110,9 @@ PyDoc_STRVAR(plan_doc,
              "plan(params, shard_world, rank, bucket_cap, align_bytes) -> list[dict]\n\n"
              "Groups parameters into buckets and lays each out (csrc/core/mfsdp_layout.h).\n"
              "params: sequence of (numel, row, dtype_code, unit, requires_grad, replicated).\n"
-             "Each bucket dict carries its key, item parameter indices, offsets, shard size and\n"
-             "`slices`: (lo, hi, shard_offset) of every item for `rank`. The plan is validated.");
+             "Each bucket dict carries its key, item parameter indices, both layouts (param_offsets,\n"
+             "shard_offsets, pieces, weight_size, shard_size) and `local`: (first, n) of this rank's\n"
+             "rows of every item. The plan is validated.");
 
 static PyObject* to_tuple_i64(const int64_t* v, int32_t n) {
   PyObject* t = PyTuple_New(n);
@@ -127,39 +128,46 @@ static PyObject* to_tuple_i64(const int64_t* v, int32_t n) {
 }
 
 static PyObject* bucket_to_dict(const mfsdp_bucket_plan* b, int32_t rank) {
-  PyObject* params = PyTuple_New(b->n_items);
-  PyObject* slices = PyTuple_New(b->n_items);
-  PyObject* offsets = to_tuple_i64(b->offsets, b->n_items);
-  PyObject* numels = to_tuple_i64(b->numels, b->n_items);
-  PyObject* rows = to_tuple_i64(b->rows, b->n_items);
+  const mfsdp_bucket_layout* l = &b->layout;
+  int32_t r = l->world > 1 ? rank : 0;
+  PyObject* params = PyTuple_New(l->n_items);
+  PyObject* local = PyTuple_New(l->n_items);
+  PyObject* numels = to_tuple_i64(l->numels, l->n_items);
+  PyObject* pieces = to_tuple_i64(l->pieces, l->n_items);
+  PyObject* param_offsets = to_tuple_i64(l->param_offsets, l->n_items);
+  PyObject* shard_offsets = to_tuple_i64(l->shard_offsets, l->n_items);
+  PyObject* row_sizes = to_tuple_i64(b->row_sizes, l->n_items);
   PyObject* d = NULL;
-  if (!params || !slices || !offsets || !numels || !rows) goto exit;
-  int32_t r = b->world > 1 ? rank : 0;
-  for (int32_t i = 0; i < b->n_items; ++i) {
-    int64_t lo, hi, off;
-    mfsdp_item_shard_slice(b, i, r, &lo, &hi, &off);
+  if (!params || !local || !numels || !pieces || !param_offsets || !shard_offsets || !row_sizes) goto exit;
+  for (int32_t i = 0; i < l->n_items; ++i) {
+    int64_t first, n;
+    mfsdp_piece_of(l->numels[i], l->pieces[i], r, &first, &n);
     PyObject* p = PyLong_FromLong(b->params[i]);
-    PyObject* s = Py_BuildValue("(LLL)", (long long)lo, (long long)hi, (long long)off);
+    PyObject* s = Py_BuildValue("(LL)", (long long)first, (long long)n);
     if (!p || !s) {
       Py_XDECREF(p);
       Py_XDECREF(s);
       goto exit;
     }
     PyTuple_SET_ITEM(params, i, p);
-    PyTuple_SET_ITEM(slices, i, s);
+    PyTuple_SET_ITEM(local, i, s);
   }
-  d = Py_BuildValue("{s:i,s:i,s:O,s:O,s:i,s:i,s:O,s:O,s:O,s:O,s:L,s:L,s:L,s:i}", "unit", b->unit, "dtype", b->dtype,
-                    "requires_grad", b->requires_grad ? Py_True : Py_False, "replicated",
-                    b->replicated ? Py_True : Py_False, "shards", b->world, "shard_rank", r, "params", params,
-                    "offsets", offsets, "numels", numels, "rows", rows, "chunk", (long long)b->chunk, "shard_size",
-                    (long long)b->shard_size, "bucket_size", (long long)b->bucket_size, "n_items", b->n_items);
-  if (d && PyDict_SetItemString(d, "slices", slices) < 0) Py_CLEAR(d);
+  d = Py_BuildValue("{s:i,s:i,s:O,s:O,s:i,s:i,s:O,s:O,s:O,s:O,s:O,s:O,s:L,s:L,s:L,s:i,s:O}", "unit", b->unit, "dtype",
+                    b->dtype, "requires_grad", b->requires_grad ? Py_True : Py_False, "replicated",
+                    b->replicated ? Py_True : Py_False, "shards", l->world, "shard_rank", r, "params", params,
+                    "numels", numels, "pieces", pieces, "param_offsets", param_offsets, "shard_offsets",
+                    shard_offsets, "row_sizes", row_sizes, "weight_size", (long long)l->weight_size, "shard_size",
+                    (long long)l->shard_size, "bucket_size", (long long)l->world * l->shard_size, "n_items",
+                    l->n_items, "local", local);
+  if (d && PyDict_SetItemString(d, "identity", mfsdp_layout_is_identity(l) ? Py_True : Py_False) < 0) Py_CLEAR(d);
 exit:
   Py_XDECREF(params);
-  Py_XDECREF(slices);
-  Py_XDECREF(offsets);
+  Py_XDECREF(local);
   Py_XDECREF(numels);
-  Py_XDECREF(rows);
+  Py_XDECREF(pieces);
+  Py_XDECREF(param_offsets);
+  Py_XDECREF(shard_offsets);
+  Py_XDECREF(row_sizes);
   return d;
 }
 
@@ -368,8 +376,9 @@ static int module_exec(PyObject* module) {
   PyModule_AddIntConstant(module, "GRAD_ALL_REDUCE", MFSDP_GRAD_ALL_REDUCE);
   PyModule_AddIntConstant(module, "GRAD_SCATTER_IN_PLACE", MFSDP_GRAD_SCATTER_IN_PLACE);
   PyModule_AddIntConstant(module, "GRAD_SCATTER_ACCUMULATE", MFSDP_GRAD_SCATTER_ACCUMULATE);
-  static const char* kinds[MFSDP_BUF_COUNT] = {"WEIGHT",   "WEIGHT_SHARD", "MAIN_SHARD", "GRAD",    "GRAD_SLICE",
-                                               "GRAD_SHARD", "OPT_GRAD",   "COMM",       "COMM_SLICE", "EXCHANGE"};
+  static const char* kinds[MFSDP_BUF_COUNT] = {"WEIGHT",     "GATHER",   "WEIGHT_SHARD", "MAIN_SHARD",
+                                               "GRAD",       "GRAD_SLICE", "GRAD_SHARD", "OPT_GRAD",
+                                               "COMM",       "COMM_SLICE", "EXCHANGE"};
   for (int k = 0; k < MFSDP_BUF_COUNT; ++k) {
     char name[32];
     snprintf(name, sizeof name, "BUF_%s", kinds[k]);

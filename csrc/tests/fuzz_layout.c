@@ -2,10 +2,10 @@
  *
  * Random parameter lists (shapes, dtypes, units, frozen/replicated flags), world sizes, size
  * caps and alignments. For each plan: mfsdp_plan_validate (every parameter in exactly one
- * bucket, keys consistent, items aligned and disjoint, shards a multiple of the chunk, every
- * slice whole rows, shards tile each item), then a round trip: values packed at the item
- * offsets, cut into per-rank shards and reassembled from each rank's slices must come back
- * exactly, and every padding element must stay zero. Usage: fuzz_layout [seconds] [seed]. */
+ * bucket, keys consistent, offsets aligned and disjoint in both layouts, pieces of whole rows
+ * tiling each item), each rank's piece is exactly its torch.chunk rows, and a round trip:
+ * values laid out parameter-major, cut into rank-major shards and copied back out must come
+ * back exactly, with every padding element zero. Usage: fuzz_layout [seconds] [seed]. */
 #include <time.h>
 
 #include "harness.h"
@@ -34,31 +34,56 @@ static int one_case(uint64_t* rng) {
   CHECK(s == MFSDP_OK, "validate: %s", mfsdp_last_error());
   for (int b = 0; b < plan.n_buckets; ++b) {
     const mfsdp_bucket_plan* bp = &plan.buckets[b];
-    int64_t elem = mfsdp_dtype_size(bp->dtype);
-    CHECK((bp->shard_size * elem) % (align < elem ? elem : align) == 0 || align > bp->chunk * elem,
-          "shard of %lld elements not aligned to %d bytes", (long long)bp->shard_size, align);
-    /* pack item i's element j as the value (i + 1) * 100003 + j into a zeroed bucket */
-    int64_t* bucket = calloc((size_t)bp->bucket_size, sizeof *bucket);
-    for (int i = 0; i < bp->n_items; ++i)
-      for (int64_t j = 0; j < bp->numels[i]; ++j) bucket[bp->offsets[i] + j] = (int64_t)(i + 1) * 100003 + j;
-    int64_t nonzero_items = 0, nonzero_bucket = 0;
-    for (int i = 0; i < bp->n_items; ++i) nonzero_items += bp->numels[i];
-    for (int64_t k = 0; k < bp->bucket_size; ++k) nonzero_bucket += bucket[k] != 0;
-    CHECK(nonzero_bucket == nonzero_items, "items overlap or leak into padding");
-    for (int i = 0; i < bp->n_items; ++i) {
-      int64_t* back = calloc((size_t)(bp->numels[i] ? bp->numels[i] : 1), sizeof *back);
-      for (int r = 0; r < bp->world; ++r) {
-        int64_t lo, hi, off;
-        mfsdp_item_shard_slice(bp, i, r, &lo, &hi, &off);
-        const int64_t* shard = bucket + (int64_t)r * bp->shard_size;
-        for (int64_t j = lo; j < hi; ++j) back[j] = shard[off + (j - lo)];
+    const mfsdp_bucket_layout* L = &bp->layout;
+    int64_t elem = mfsdp_dtype_size(bp->dtype), unit = align > elem ? align / elem : 1;
+    CHECK(L->shard_size % unit == 0 && L->weight_size % unit == 0, "sizes %lld / %lld not aligned to %d bytes",
+          (long long)L->shard_size, (long long)L->weight_size, align);
+    /* item i's element j is the value (i + 1) * 100003 + j: lay it out parameter-major, cut it
+     * into rank-major shards the way a reduce-scatter input is packed, check each piece is the
+     * torch.chunk rows of its rank, then copy out as after an all-gather: exact round trip. */
+    int64_t* weights = calloc((size_t)L->weight_size, sizeof *weights);
+    int64_t* shards = calloc((size_t)(L->world * L->shard_size), sizeof *shards);
+    for (int i = 0; i < L->n_items; ++i)
+      for (int64_t j = 0; j < L->numels[i]; ++j) weights[L->param_offsets[i] + j] = (int64_t)(i + 1) * 100003 + j;
+    int64_t nonzero_items = 0, nonzero = 0;
+    for (int i = 0; i < L->n_items; ++i) nonzero_items += L->numels[i];
+    for (int64_t k = 0; k < L->weight_size; ++k) nonzero += weights[k] != 0;
+    CHECK(nonzero == nonzero_items, "items overlap or leak into padding (parameter-major)");
+    for (int i = 0; i < L->n_items; ++i) {
+      int64_t rows = L->numels[i] / bp->row_sizes[i], chunk = (rows + L->world - 1) / L->world, covered = 0;
+      for (int r = 0; r < L->world; ++r) {
+        int64_t first, n;
+        mfsdp_piece_of(L->numels[i], L->pieces[i], r, &first, &n);
+        int64_t lo_row = r * chunk < rows ? r * chunk : rows, hi_row = (r + 1) * chunk < rows ? (r + 1) * chunk : rows;
+        CHECK(first == lo_row * bp->row_sizes[i] && n == (hi_row - lo_row) * bp->row_sizes[i],
+              "bucket %d item %d rank %d: piece [%lld, +%lld) is not torch.chunk rows [%lld, %lld)", b, i, r,
+              (long long)first, (long long)n, (long long)lo_row, (long long)hi_row);
+        memcpy(shards + r * L->shard_size + L->shard_offsets[i], weights + L->param_offsets[i] + first,
+               (size_t)n * sizeof *shards);
+        covered += n;
       }
-      int wrong = 0;
-      for (int64_t j = 0; j < bp->numels[i]; ++j) wrong += back[j] != (int64_t)(i + 1) * 100003 + j;
-      CHECK(wrong == 0, "bucket %d item %d: %d elements lost between shards", b, i, wrong);
-      free(back);
+      CHECK(covered == L->numels[i], "bucket %d item %d: pieces cover %lld of %lld", b, i, (long long)covered,
+            (long long)L->numels[i]);
     }
-    free(bucket);
+    nonzero = 0;
+    for (int64_t k = 0; k < L->world * L->shard_size; ++k) nonzero += shards[k] != 0;
+    CHECK(nonzero == nonzero_items, "pieces overlap or leak into padding (rank-major)");
+    if (mfsdp_layout_is_identity(L))
+      CHECK(L->weight_size == L->world * L->shard_size &&
+                memcmp(weights, shards, (size_t)L->weight_size * sizeof *weights) == 0,
+            "bucket %d: identity layout differs from its rank-major form", b);
+    int64_t* back = calloc((size_t)L->weight_size, sizeof *back);
+    for (int i = 0; i < L->n_items; ++i)
+      for (int r = 0; r < L->world; ++r) {
+        int64_t first, n;
+        mfsdp_piece_of(L->numels[i], L->pieces[i], r, &first, &n);
+        memcpy(back + L->param_offsets[i] + first, shards + r * L->shard_size + L->shard_offsets[i],
+               (size_t)n * sizeof *back);
+      }
+    CHECK(memcmp(back, weights, (size_t)L->weight_size * sizeof *back) == 0, "bucket %d: copy-out round trip differs", b);
+    free(back);
+    free(shards);
+    free(weights);
   }
   mfsdp_plan_free(&plan);
   free(p);

@@ -130,9 +130,23 @@ void loop_world_destroy(loop_world* w) {
   pthread_mutex_destroy(&w->lock);
 }
 
-/* Counts collectives and, past fail_after, fails this one on every rank alike. */
-static mfsdp_status maybe_fail(loop_rank* r) {
+/* Counts collectives and, past fail_after, fails this one on every rank alike. Every rank must
+ * issue the same collective: kind, size and dtype are compared across ranks first. */
+static mfsdp_status maybe_fail(loop_rank* r, int kind, const mfsdp_buffer* b) {
   loop_world* w = r->world;
+  w->shape[r->rank][0] = kind;
+  w->shape[r->rank][1] = b->numel;
+  w->shape[r->rank][2] = b->dtype;
+  pthread_barrier_wait(&w->barrier);
+  int differ = 0;
+  for (int k = 0; k < w->n; ++k)
+    differ |= memcmp(w->shape[k], w->shape[0], sizeof w->shape[0]) != 0;
+  pthread_barrier_wait(&w->barrier);
+  if (differ) {
+    if (r->rank == 0) w->mismatches++;
+    return MFSDP_FAIL(MFSDP_ERR_COMM, "collective mismatch: rank %d issued kind %d of %lld elements, rank 0 kind %d "
+                      "of %lld", r->rank, kind, (long long)b->numel, (int)w->shape[0][0], (long long)w->shape[0][1]);
+  }
   pthread_barrier_wait(&w->barrier);
   if (r->rank == 0) w->calls++;
   pthread_barrier_wait(&w->barrier);
@@ -146,7 +160,7 @@ static mfsdp_status loop_all_gather(void* ctx, const mfsdp_buffer* full, const m
   loop_rank* r = ctx;
   loop_world* w = r->world;
   *work = NULL;
-  MFSDP_CHECK(maybe_fail(r));
+  MFSDP_CHECK(maybe_fail(r, 0, full));
   int64_t bytes = shard->numel * mfsdp_dtype_size(shard->dtype);
   w->slot[r->rank] = shard->data;
   pthread_barrier_wait(&w->barrier);
@@ -173,7 +187,7 @@ static mfsdp_status loop_reduce(loop_rank* r, const mfsdp_buffer* out, const mfs
   if (premul != 1.0) return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "no fused pre-multiplier");
   loop_world* w = r->world;
   *work = NULL;
-  MFSDP_CHECK(maybe_fail(r));
+  MFSDP_CHECK(maybe_fail(r, 1, in));
   double* tmp = malloc((size_t)(out->numel ? out->numel : 1) * sizeof *tmp);
   if (tmp == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "reduction tmp");
   w->slot[r->rank] = in->data;
@@ -201,7 +215,7 @@ static mfsdp_status loop_all_to_all(void* ctx, const mfsdp_buffer* out, const mf
   loop_rank* r = ctx;
   loop_world* w = r->world;
   *work = NULL;
-  MFSDP_CHECK(maybe_fail(r));
+  MFSDP_CHECK(maybe_fail(r, 2, in));
   int64_t block = in->numel / w->n, bytes = block * mfsdp_dtype_size(in->dtype);
   w->slot[r->rank] = in->data;
   pthread_barrier_wait(&w->barrier);

@@ -62,6 +62,8 @@ typedef struct loop_world {
   int n;
   pthread_barrier_t barrier;
   const void* slot[LOOP_MAX_WORLD];
+  int64_t shape[LOOP_MAX_WORLD][3]; /* (kind, numel, dtype) each rank issued: must agree */
+  int mismatches;                   /* collectives whose ranks disagreed (a real transport would hang or abort) */
   int fail_after; /* collectives before an injected failure; < 0: never */
   int calls;
   pthread_mutex_t lock;

@@ -77,8 +77,8 @@ static void* pipe_worker(void* arg) {
   mfsdp_plan plan;
   CHECK_OK(mfsdp_plan_build(infos, N_ITEMS, shard_world, 0, 16, &plan));
   mfsdp_bucket_plan* bp = &plan.buckets[0];
-  mfsdp_bucket_spec spec = {bp->world, bp->world > 1 ? r : 0, bp->shard_size, bp->n_items, bp->offsets, bp->numels,
-                            c->param_dtype, c->main_dtype, c->grad_dtype, c->comm_dtype,
+  const mfsdp_bucket_layout* L = &bp->layout;
+  mfsdp_bucket_spec spec = {*L, L->world > 1 ? r : 0, c->param_dtype, c->main_dtype, c->grad_dtype, c->comm_dtype,
                             c->weights_sharded && (W > 1 || t->force_comm), c->regather && (W > 1 || t->force_comm),
                             c->grad_mode};
   mfsdp_backend be;
@@ -93,15 +93,14 @@ static void* pipe_worker(void* arg) {
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
   if (p == NULL) goto done;
   int pdt = c->param_dtype;
-  int64_t S = bp->shard_size, first = (int64_t)spec.shard_rank * S;
 
   /* init from float32 values */
   CHECK_OK(mfsdp_pipeline_init_begin(p, 0, c->direct_init));
-  for (int i = 0; i < bp->n_items; ++i) {
+  for (int i = 0; i < L->n_items; ++i) {
     int item_param = bp->params[i];
-    float* v = malloc((size_t)bp->numels[i] * sizeof *v + 4);
-    for (int64_t j = 0; j < bp->numels[i]; ++j) v[j] = (float)init_value(item_param, j);
-    CHECK_OK(mfsdp_pipeline_set_item(p, 0, i, v, MFSDP_F32, bp->numels[i]));
+    float* v = malloc((size_t)L->numels[i] * sizeof *v + 4);
+    for (int64_t j = 0; j < L->numels[i]; ++j) v[j] = (float)init_value(item_param, j);
+    CHECK_OK(mfsdp_pipeline_set_item(p, 0, i, v, MFSDP_F32, L->numels[i]));
     t->rig->rank_sync(dev); /* the copy may still read v */
     free(v);
   }
@@ -113,24 +112,25 @@ static void* pipe_worker(void* arg) {
     CHECK(mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT_SHARD)->data == NULL, "%s: no compute-dtype shard is held",
           c->name);
 
-  /* gather: every item whole, padding zero */
+  /* gather: every item whole (parameter-major), padding zero */
   int32_t ids[1] = {0};
   CHECK_OK(mfsdp_pipeline_unshard(p, ids, 1));
   CHECK_OK(mfsdp_pipeline_wait_unshard(p, ids, 1));
   t->rig->rank_sync(dev);
   int wrong = 0;
-  for (int i = 0; i < bp->n_items; ++i) {
-    for (int64_t j = 0; j < bp->numels[i]; ++j) {
+  for (int i = 0; i < L->n_items; ++i) {
+    for (int64_t j = 0; j < L->numels[i]; ++j) {
       double rounded[1]; /* the float32 source value rounded to the parameter dtype */
       store_from_double(rounded, pdt, 0, (float)init_value(bp->params[i], j));
-      wrong += load_as_double(weight->data, pdt, bp->offsets[i] + j) != load_as_double(rounded, pdt, 0);
+      wrong += load_as_double(weight->data, pdt, L->param_offsets[i] + j) != load_as_double(rounded, pdt, 0);
     }
   }
   double pad_sum = 0;
-  for (int64_t k = 0; k < bp->bucket_size; ++k) pad_sum += fabs(load_as_double(weight->data, pdt, k));
+  for (int64_t k = 0; k < L->weight_size; ++k) pad_sum += fabs(load_as_double(weight->data, pdt, k));
   double item_sum = 0;
-  for (int i = 0; i < bp->n_items; ++i)
-    for (int64_t j = 0; j < bp->numels[i]; ++j) item_sum += fabs(load_as_double(weight->data, pdt, bp->offsets[i] + j));
+  for (int i = 0; i < L->n_items; ++i)
+    for (int64_t j = 0; j < L->numels[i]; ++j)
+      item_sum += fabs(load_as_double(weight->data, pdt, L->param_offsets[i] + j));
   CHECK(wrong == 0, "%s rank %d: %d gathered weights wrong", c->name, r, wrong);
   CHECK(fabs(pad_sum - item_sum) < 1e-9, "%s rank %d: padding is not zero", c->name, r);
   CHECK_OK(mfsdp_pipeline_reshard(p, ids, 1));
@@ -154,17 +154,17 @@ static void* pipe_worker(void* arg) {
     int last = mb == c->micro - 1;
     CHECK_OK(mfsdp_pipeline_begin_backward(p, c->sync_each || last));
     float* grads[N_ITEMS] = {0}; /* alive until packed: the pipeline packs a bucket at once */
-    for (int i = bp->n_items - 1; i >= 0; --i) {
-      float* g = grads[i] = malloc((size_t)bp->numels[i] * sizeof *g + 4);
-      for (int64_t j = 0; j < bp->numels[i]; ++j) g[j] = (float)grad_value(r, mb, bp->params[i], j);
-      CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, bp->numels[i], NULL));
+    for (int i = L->n_items - 1; i >= 0; --i) {
+      float* g = grads[i] = malloc((size_t)L->numels[i] * sizeof *g + 4);
+      for (int64_t j = 0; j < L->numels[i]; ++j) g[j] = (float)grad_value(r, mb, bp->params[i], j);
+      CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, L->numels[i], NULL));
       if (i == 0)
-        CHECK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, bp->numels[i], NULL) == MFSDP_ERR_INVALID_STATE,
+        CHECK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, L->numels[i], NULL) == MFSDP_ERR_INVALID_STATE,
               "a gradient reported twice is refused");
     }
     CHECK_OK(mfsdp_pipeline_end_backward(p));
     t->rig->rank_sync(dev); /* packs may still read the gradients */
-    for (int i = 0; i < bp->n_items; ++i) free(grads[i]);
+    for (int i = 0; i < L->n_items; ++i) free(grads[i]);
   }
   CHECK_OK(mfsdp_pipeline_sync_grads(p));
   t->rig->rank_sync(dev);
@@ -172,14 +172,16 @@ static void* pipe_worker(void* arg) {
   double scale = c->op == MFSDP_REDUCE_AVG ? 1.0 / W : prescale;
   double tol = tolerance(c->comm_dtype) + tolerance(c->grad_dtype);
   wrong = 0;
-  for (int i = 0; i < bp->n_items; ++i) {
-    for (int64_t j = 0; j < bp->numels[i]; ++j) {
-      int64_t pos = bp->offsets[i] + j;
-      if (pos < first || pos >= first + S) continue;
+  for (int i = 0; i < L->n_items; ++i) { /* this rank's rows of each item: its Shard(0) piece */
+    int32_t where;
+    int64_t at_off, first, n;
+    CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_OPT_GRAD, &where, &at_off, &n));
+    mfsdp_piece_of(L->numels[i], L->pieces[i], spec.shard_rank, &first, &n);
+    for (int64_t j = first; j < first + n; ++j) {
       double want = 0;
       for (int mb = 0; mb < c->micro; ++mb)
         for (int k = 0; k < W; ++k) want += grad_value(k, mb, bp->params[i], j) * scale;
-      double got = load_as_double(og->data, c->main_dtype, pos - first);
+      double got = load_as_double(og->data, c->main_dtype, at_off + j - first);
       if (fabs(got - want) > tol * (fabs(want) + 1e-3)) {
         if (wrong < 3) fprintf(stderr, "  %s rank %d item %d elem %lld: got %g want %g\n", c->name, r, i, (long long)j, got, want);
         wrong++;
@@ -188,19 +190,24 @@ static void* pipe_worker(void* arg) {
   }
   CHECK(wrong == 0, "%s rank %d: %d reduced gradients wrong", c->name, r, wrong);
 
-  /* optimizer step: main += 1 on this rank's shard, install, gather: everyone sees +1 */
-  const mfsdp_buffer* main = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_MAIN_SHARD);
-  for (int64_t k = 0; k < S; ++k)
-    store_from_double(main->data, c->main_dtype, k, load_as_double(main->data, c->main_dtype, k) + 1.0);
+  /* optimizer step: main += 1 on this rank's rows, install, gather: everyone sees +1 */
+  for (int i = 0; i < L->n_items; ++i) {
+    int32_t where;
+    int64_t at_off, n;
+    CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_MAIN_SHARD, &where, &at_off, &n));
+    const mfsdp_buffer* main = mfsdp_pipeline_buffer(p, 0, where);
+    for (int64_t k = at_off; k < at_off + n; ++k)
+      store_from_double(main->data, main->dtype, k, load_as_double(main->data, main->dtype, k) + 1.0);
+  }
   CHECK_OK(mfsdp_pipeline_install_main_weights(p, 0));
   CHECK_OK(mfsdp_pipeline_unshard(p, ids, 1));
   CHECK_OK(mfsdp_pipeline_wait_unshard(p, ids, 1));
   t->rig->rank_sync(dev);
   wrong = 0;
-  for (int i = 0; i < bp->n_items; ++i)
-    for (int64_t j = 0; j < bp->numels[i]; ++j) {
+  for (int i = 0; i < L->n_items; ++i)
+    for (int64_t j = 0; j < L->numels[i]; ++j) {
       double want = init_value(bp->params[i], j) + 1.0;
-      double got = load_as_double(weight->data, pdt, bp->offsets[i] + j);
+      double got = load_as_double(weight->data, pdt, L->param_offsets[i] + j);
       wrong += fabs(got - want) > tolerance(pdt) * 2 * (fabs(want) + 1e-3);
     }
   CHECK(wrong == 0, "%s rank %d: %d weights not updated after install + gather", c->name, r, wrong);
@@ -208,14 +215,15 @@ static void* pipe_worker(void* arg) {
   t->rig->rank_sync(dev);
   const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD);
   double gsum = 0;
-  for (int64_t k = 0; k < S; ++k) gsum += fabs(load_as_double(gs->data, c->grad_dtype, k));
+  for (int64_t k = 0; k < L->shard_size; ++k) gsum += fabs(load_as_double(gs->data, c->grad_dtype, k));
   CHECK(gsum == 0.0, "%s: zero_grads leaves %g", c->name, gsum);
   mfsdp_comm_stats st;
   mfsdp_pipeline_stats(p, -1, &st);
   if (W == 1 && !t->force_comm)
     CHECK(st.all_gathers + st.reduce_scatters + st.all_reduces == 0, "world 1 never communicates");
   if (W > 1 || t->force_comm)
-    CHECK(st.reduce_scatters + st.all_reduces > 0 && (st.all_gathers > 0) == (spec.weights_sharded || (spec.weights_regather && spec.shards > 1)),
+    CHECK(st.reduce_scatters + st.all_reduces > 0 &&
+              (st.all_gathers > 0) == (spec.weights_sharded || (spec.weights_regather && L->world > 1)),
           "%s world %d: collectives went through %s (ag %lld rs %lld ar %lld)", c->name, W, t->rig->name,
           (long long)st.all_gathers, (long long)st.reduce_scatters, (long long)st.all_reduces);
 done:

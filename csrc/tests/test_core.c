@@ -146,50 +146,51 @@ static void test_kernels(void) {
 /* layout */
 
 static void test_layout(void) {
-  /* A transformer block (d = 48) at world 4: one bucket, every slice whole rows. */
+  /* A transformer block (d = 48) at world 4: one bucket; each rank holds torch.chunk rows. */
   mfsdp_param_info block[] = {
       {48, 1, MFSDP_F32, 0, 1, 0},      {48, 1, MFSDP_F32, 0, 1, 0},      /* ln */
       {144 * 48, 48, MFSDP_F32, 0, 1, 0}, {48 * 48, 48, MFSDP_F32, 0, 1, 0}, /* qkv, proj */
       {192 * 48, 48, MFSDP_F32, 0, 1, 0}, {192, 1, MFSDP_F32, 0, 1, 0},    /* fc */
-      {48 * 192, 192, MFSDP_F32, 0, 1, 0}, {48, 1, MFSDP_F32, 0, 1, 0},    /* out */
+      {48 * 192, 192, MFSDP_F32, 0, 1, 0}, {45, 1, MFSDP_F32, 0, 1, 0},    /* out, an odd bias */
   };
   int n = (int)(sizeof block / sizeof block[0]);
   mfsdp_plan plan;
   CHECK_OK(mfsdp_plan_build(block, n, 4, 0, 16, &plan));
   CHECK(plan.n_buckets == 1, "one bucket for one unit, got %d", plan.n_buckets);
   CHECK_OK(mfsdp_plan_validate(&plan, block, n));
-  CHECK(plan.buckets[0].rows[0] == 192, "largest rows first");
-  int64_t total = 0;
-  for (int i = 0; i < n; ++i) total += block[i].numel;
-  CHECK(plan.buckets[0].bucket_size - total <= 4 * plan.buckets[0].chunk, "padding within world * chunk");
+  const mfsdp_bucket_layout* L = &plan.buckets[0].layout;
+  for (int i = 0; i < n; ++i) CHECK(plan.buckets[0].params[i] == i, "items keep registration order");
+  CHECK(L->pieces[2] == 36 * 48, "144 rows over 4 ranks: pieces of 36 rows, got %lld", (long long)L->pieces[2]);
+  CHECK(L->pieces[7] == 12, "45 rows over 4: torch.chunk gives 12, got %lld", (long long)L->pieces[7]);
+  int64_t first, len;
+  mfsdp_piece_of(L->numels[7], L->pieces[7], 3, &first, &len);
+  CHECK(first == 36 && len == 9, "rank 3 holds rows 36..44 of 45 (%lld, +%lld)", (long long)first, (long long)len);
+  CHECK(L->shard_size % 4 == 0 && L->weight_size % 4 == 0, "16-byte aligned sizes");
+  CHECK(!mfsdp_layout_is_identity(L), "a block has two distinct layouts");
   mfsdp_plan_free(&plan);
 
-  /* Keys split groups; a param smaller than the world leaves empty shards; numel 0 is fine. */
+  /* Keys split groups; a param with fewer rows than ranks leaves empty pieces; numel 0 is fine;
+   * one evenly split parameter needs no copy-out. */
   mfsdp_param_info mixed[] = {
       {10, 5, MFSDP_F32, -1, 1, 0}, {6, 3, MFSDP_F32, -1, 1, 0}, {4, 1, MFSDP_BF16, -1, 1, 0},
       {8, 4, MFSDP_F32, -1, 0, 0},  {3, 1, MFSDP_F32, 0, 1, 0},  {0, 1, MFSDP_F32, 0, 1, 0},
-      {7, 1, MFSDP_F32, -1, 1, 1},
+      {7, 1, MFSDP_F32, -1, 1, 1},  {64, 4, MFSDP_F32, 1, 1, 0},
   };
-  CHECK_OK(mfsdp_plan_build(mixed, 7, 4, 0, 16, &plan));
-  CHECK_OK(mfsdp_plan_validate(&plan, mixed, 7));
-  for (int b = 0; b < plan.n_buckets; ++b)
-    if (plan.buckets[b].replicated) CHECK(plan.buckets[b].world == 1, "replicated bucket is not sharded");
-  int empty_shards = 0;
-  for (int b = 0; b < plan.n_buckets; ++b)
-    for (int i = 0; i < plan.buckets[b].n_items; ++i)
-      for (int r = 0; r < plan.buckets[b].world; ++r) {
-        int64_t lo, hi, off;
-        mfsdp_item_shard_slice(&plan.buckets[b], i, r, &lo, &hi, &off);
-        empty_shards += lo == hi;
+  CHECK_OK(mfsdp_plan_build(mixed, 8, 4, 0, 16, &plan));
+  CHECK_OK(mfsdp_plan_validate(&plan, mixed, 8));
+  int empty_pieces = 0, identity = 0;
+  for (int b = 0; b < plan.n_buckets; ++b) {
+    const mfsdp_bucket_layout* l = &plan.buckets[b].layout;
+    if (plan.buckets[b].replicated) CHECK(l->world == 1 && mfsdp_layout_is_identity(l), "replicated: not sharded");
+    identity += l->world > 1 && mfsdp_layout_is_identity(l);
+    for (int i = 0; i < l->n_items; ++i)
+      for (int r = 0; r < l->world; ++r) {
+        mfsdp_piece_of(l->numels[i], l->pieces[i], r, &first, &len);
+        empty_pieces += len == 0;
       }
-  CHECK(empty_shards > 0, "small parameters leave some ranks empty");
-  mfsdp_plan_free(&plan);
-
-  /* Coprime rows would need a huge chunk: the group splits instead of padding. */
-  mfsdp_param_info coprime[] = {{4096 * 4097, 4097, MFSDP_F32, 0, 1, 0}, {4096 * 4096, 4096, MFSDP_F32, 0, 1, 0}};
-  CHECK_OK(mfsdp_plan_build(coprime, 2, 8, 0, 16, &plan));
-  CHECK_OK(mfsdp_plan_validate(&plan, coprime, 2));
-  CHECK(plan.n_buckets == 2, "coprime rows split into %d buckets", plan.n_buckets);
+  }
+  CHECK(empty_pieces > 0, "small parameters leave some ranks empty");
+  CHECK(identity == 1, "the 16 x 4 parameter alone in unit 1 gathers in place (%d)", identity);
   mfsdp_plan_free(&plan);
 
   /* The size cap splits parameters outside units, never a unit. */
@@ -205,19 +206,129 @@ static void test_layout(void) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* graphs that differ across ranks (see [Note: collective order] in pipeline.c) */
+
+#define DIV_UNITS 3
+#define DIV_WORLD 3
+
+typedef struct divergent_thread {
+  loop_world* world;
+  int rank, grad_mode, sync;
+} divergent_thread;
+
+/* Rank r's gradient of item i of unit u, or 0 when rank r did not use it: unit 1 is skipped
+ * (sealed) by rank 0, item 1 of unit 2 is unused on rank 2, unit 0's item 0 on every rank. */
+static int div_used(int r, int u, int i) { return !(r == 0 && u == 1) && !(r == 2 && u == 2 && i == 1) && !(u == 0 && i == 0); }
+static double div_grad(int r, int u, int i, int64_t j) { return div_used(r, u, i) ? (r + 1) * 0.5 + u + 0.01 * i + 1e-4 * j : 0; }
+
+static void* divergent_worker(void* arg) {
+  divergent_thread* t = arg;
+  int W = DIV_WORLD, r = t->rank;
+  mfsdp_param_info infos[DIV_UNITS * 2];
+  for (int u = 0; u < DIV_UNITS; ++u) { /* two items per unit, sizes differing by unit */
+    infos[2 * u] = (mfsdp_param_info){(u + 2) * 4 * 5, 5, MFSDP_F32, u, 1, 0};
+    infos[2 * u + 1] = (mfsdp_param_info){(u + 1) * 3, 1, MFSDP_F32, u, 1, 0};
+  }
+  int shard_world = t->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
+  mfsdp_plan plan;
+  CHECK_OK(mfsdp_plan_build(infos, DIV_UNITS * 2, shard_world, 0, 16, &plan));
+  mfsdp_bucket_spec specs[DIV_UNITS];
+  for (int b = 0; b < DIV_UNITS; ++b)
+    specs[b] = (mfsdp_bucket_spec){plan.buckets[b].layout, shard_world > 1 ? r : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32,
+                                   MFSDP_F32, 0, shard_world > 1, t->grad_mode};
+  loop_rank lr = {t->world, r};
+  mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, &lr, &mfsdp_cpu_kernels, NULL};
+  mfsdp_pipeline_config cfg = {W, r, 1.0, MFSDP_REDUCE_SUM, 1, 0}; /* a one-byte queue: every launch completes */
+  mfsdp_pipeline* p = NULL;
+  CHECK_OK(mfsdp_pipeline_create(&cfg, &be, specs, DIV_UNITS, &p));
+  if (p == NULL) goto out;
+  float* grads[DIV_UNITS][2] = {{0}};
+  CHECK_OK(mfsdp_pipeline_begin_backward(p, t->sync));
+  if (r == 0) {
+    int32_t skipped[1] = {1};
+    CHECK_OK(mfsdp_pipeline_seal(p, skipped, 1));
+  }
+  for (int k = 0; k < DIV_UNITS * 2; ++k) { /* each rank its own arrival order */
+    int n_slots = DIV_UNITS * 2;
+    int slot = r % 2 ? (n_slots - 1 - k + r) % n_slots : (k + 2 * r) % n_slots, u = slot / 2, i = slot % 2;
+    if (!div_used(r, u, i)) continue;
+    int64_t n = infos[slot].numel;
+    float* g = grads[u][i] = malloc((size_t)n * sizeof *g);
+    for (int64_t j = 0; j < n; ++j) g[j] = (float)div_grad(r, u, i, j);
+    int item = -1;
+    for (int q = 0; q < plan.buckets[u].layout.n_items; ++q)
+      if (plan.buckets[u].params[q] == slot) item = q;
+    CHECK_OK(mfsdp_pipeline_grad_ready(p, u, item, g, MFSDP_F32, n, NULL));
+  }
+  CHECK_OK(mfsdp_pipeline_end_backward(p));
+  CHECK_OK(mfsdp_pipeline_sync_grads(p));
+  int wrong = 0;
+  for (int u = 0; u < DIV_UNITS; ++u)
+    for (int q = 0; q < plan.buckets[u].layout.n_items; ++q) {
+      int slot = plan.buckets[u].params[q], i = slot % 2;
+      int32_t where;
+      int64_t off, first, n;
+      CHECK_OK(mfsdp_pipeline_local_piece(p, u, q, MFSDP_BUF_OPT_GRAD, &where, &off, &n));
+      mfsdp_piece_of(infos[slot].numel, plan.buckets[u].layout.pieces[q], specs[u].shard_rank, &first, &n);
+      const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, u, where);
+      for (int64_t j = first; j < first + n; ++j) {
+        double want = 0;
+        for (int k = 0; k < W; ++k) want += div_grad(k, u, i, j);
+        wrong += fabs(load_as_double(og->data, MFSDP_F32, off + j - first) - want) > 1e-4 * (fabs(want) + 1);
+      }
+    }
+  CHECK(wrong == 0, "grad mode %d sync %d rank %d: %d reduced gradients wrong", t->grad_mode, t->sync, r, wrong);
+  mfsdp_pipeline_destroy(p);
+  for (int u = 0; u < DIV_UNITS; ++u) {
+    free(grads[u][0]);
+    free(grads[u][1]);
+  }
+out:
+  mfsdp_plan_free(&plan);
+  return NULL;
+}
+
+/* Ranks deliver gradients in different orders, skip a whole unit (sealed) or single parameters:
+ * every collective still matches across ranks (the thread transport compares them) and the
+ * reduced gradients are the sums of what each rank used. */
+static void test_rank_divergent_graphs(void) {
+  const int modes[3][2] = {{MFSDP_GRAD_SCATTER_ACCUMULATE, 0}, {MFSDP_GRAD_SCATTER_IN_PLACE, 1},
+                           {MFSDP_GRAD_ALL_REDUCE, 1}};
+  for (int m = 0; m < 3; ++m) {
+    loop_world world;
+    loop_world_init(&world, DIV_WORLD);
+    pthread_t threads[DIV_WORLD];
+    divergent_thread args[DIV_WORLD];
+    for (int r = 0; r < DIV_WORLD; ++r) {
+      args[r] = (divergent_thread){&world, r, modes[m][0], modes[m][1]};
+      pthread_create(&threads[r], NULL, divergent_worker, &args[r]);
+    }
+    for (int r = 0; r < DIV_WORLD; ++r) pthread_join(threads[r], NULL);
+    CHECK(world.mismatches == 0, "grad mode %d: %d collectives differed across ranks", modes[m][0], world.mismatches);
+    loop_world_destroy(&world);
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* pipeline misuse (the cases at world sizes 1-4 are in pipeline_cases.c) */
 
 static void test_pipeline_misuse(void) {
   mfsdp_pipeline_config cfg = {2, 0, 0.5, MFSDP_REDUCE_SUM, 1 << 20, 0};
   mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, NULL, &mfsdp_cpu_kernels, NULL};
-  int64_t offsets[1] = {0}, numels[1] = {8};
-  mfsdp_bucket_spec bad = {2, 0, 2, 1, offsets, numels, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
+  int64_t offsets[1] = {0}, numels[1] = {8}, pieces[1] = {4}, small[1] = {1};
+  mfsdp_bucket_layout too_small = {2, 1, numels, small, offsets, offsets, 8, 2}; /* pieces cannot cover 8 */
+  mfsdp_bucket_spec bad = {too_small, 0, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
                            MFSDP_GRAD_SCATTER_ACCUMULATE};
   mfsdp_pipeline* p = NULL;
   CHECK(mfsdp_pipeline_create(&cfg, &be, &bad, 1, &p) == MFSDP_ERR_INVALID_ARGUMENT && p == NULL,
-        "item larger than the bucket refused");
-  mfsdp_bucket_spec ok = {1, 0, 8, 1, offsets, numels, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 0, 0,
-                          MFSDP_GRAD_ALL_REDUCE};
+        "pieces that do not cover the item refused");
+  mfsdp_bucket_layout never_gathered = {2, 1, numels, pieces, offsets, offsets, 8, 4};
+  bad = (mfsdp_bucket_spec){never_gathered, 0, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 0, 0,
+                            MFSDP_GRAD_SCATTER_ACCUMULATE};
+  CHECK(mfsdp_pipeline_create(&cfg, &be, &bad, 1, &p) == MFSDP_ERR_INVALID_ARGUMENT && p == NULL,
+        "sharded weights that are never gathered refused");
+  mfsdp_bucket_layout whole = {1, 1, numels, numels, offsets, offsets, 8, 8};
+  mfsdp_bucket_spec ok = {whole, 0, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 0, 0, MFSDP_GRAD_ALL_REDUCE};
   cfg.dp_world = 1;
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &ok, 1, &p));
   float g[8] = {0};
@@ -235,6 +346,7 @@ int main(void) {
   test_conversions();
   test_kernels();
   test_layout();
+  test_rank_divergent_graphs();
   run_pipeline_cases(&loop_rig, 4, 0);
   test_pipeline_misuse();
   if (test_failures) {

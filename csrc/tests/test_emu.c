@@ -312,8 +312,8 @@ static void* unit_worker(void* arg) {
   const int dtypes[UNIT_BUCKETS] = {MFSDP_F32, MFSDP_BF16, MFSDP_F64};
   mfsdp_bucket_spec specs[UNIT_BUCKETS];
   for (int b = 0; b < UNIT_BUCKETS; ++b)
-    specs[b] = (mfsdp_bucket_spec){bp->world, r, bp->shard_size, bp->n_items, bp->offsets, bp->numels, dtypes[b],
-                                   dtypes[b], dtypes[b], dtypes[b], 1, 0, MFSDP_GRAD_SCATTER_ACCUMULATE};
+    specs[b] = (mfsdp_bucket_spec){bp->layout, r, dtypes[b], dtypes[b], dtypes[b], dtypes[b], 1, 0,
+                                   MFSDP_GRAD_SCATTER_ACCUMULATE};
   mfsdp_backend be;
   void* dev = NULL;
   mfsdp_pipeline* p = NULL;
