@@ -58,9 +58,9 @@ def test_torch_transport_waits_without_timeout_on_cuda(monkeypatch, device):
         monkeypatch.setattr(torch.distributed, name, lambda *a, **k: _Work(calls), raising=False)
     timeout = datetime.timedelta(seconds=5)
     transport = _C.TorchTransport(None, None, device, timeout)
-    spec = dict(shards=1, shard_rank=0, shard_size=4, param_dtype=0, main_dtype=0, grad_dtype=0, comm_dtype=0,
-                weights_sharded=1, weights_regather=0, grad_mode=_C.GRAD_SCATTER_ACCUMULATE, n_items=1,
-                offsets=[0], numels=[4])
+    spec = _C.plan([(4, 1, 0, 0, True, False)], 1, 0, 0, 16)[0]  # one float32 parameter of 4 elements
+    spec.update(param_dtype=0, main_dtype=0, grad_dtype=0, comm_dtype=0, weights_sharded=1, weights_regather=0,
+                grad_mode=_C.GRAD_SCATTER_ACCUMULATE)
     engine = _C.Engine([spec], 1, 0, 1.0, "sum", 1 << 20, torch.device("cpu"), transport, True)
     engine.init_begin(0)
     engine.set_item(0, 0, torch.ones(4))

@@ -610,8 +610,8 @@ static void pipeline_destroy_in_flight(duo* d, int rank) {
   mfsdp_plan plan;
   CHECK_OK(mfsdp_plan_build(&info, 1, 2, 0, 16, &plan));
   mfsdp_bucket_plan* bp = &plan.buckets[0];
-  mfsdp_bucket_spec spec = {bp->world, rank, bp->shard_size, bp->n_items, bp->offsets, bp->numels, MFSDP_F32,
-                            MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0, MFSDP_GRAD_SCATTER_ACCUMULATE};
+  mfsdp_bucket_spec spec = {bp->layout, rank, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
+                            MFSDP_GRAD_SCATTER_ACCUMULATE};
   mfsdp_backend be = {&dev_memory_ops, r, &mfsdp_nccl_ops, r->nccl, mfsdp_cuda_kernels, r->kernels_ctx};
   mfsdp_pipeline_config cfg = {2, rank, 0.5, MFSDP_REDUCE_SUM, 1 << 20, 0};
   mfsdp_pipeline* p = NULL;
