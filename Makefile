@@ -14,7 +14,7 @@ TEST_HARNESS := $(TEST_HARNESS_C) csrc/tests/harness.h csrc/tests/pipeline_cases
 # The emulated device (csrc/tests/emu): the shipped kernels.cu and nccl_transport.c, compiled
 # for the host against an emulated CUDA runtime and NCCL.
 CXX ?= g++
-EMU_FLAGS := -O1 -g -fno-omit-frame-pointer -Wall -Wextra -Werror -Wno-unused-parameter -pthread \
+EMU_FLAGS := -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror -Wno-unused-parameter -pthread \
 	           -fsanitize=address,undefined -fno-sanitize-recover=undefined -DMFSDP_WITH_CUDA -Icsrc/tests/emu
 EMU_DEPS := csrc/tests/emu/cuda_runtime.h csrc/tests/emu/nccl.h csrc/tests/emu/emu_runtime.cpp \
 	          csrc/tests/emu/host_kernels.py csrc/cuda/kernels.cu csrc/cuda/nccl_transport.c csrc/tests/test_emu.c
@@ -64,7 +64,11 @@ cuda-check: $(VENV)/.ready
 	@if command -v nvcc >/dev/null 2>&1; then \
 	  $(PY) -m pip install -q nvidia-nccl-cu13 && \
 	  MFSDP_CUDA=1 $(PY) setup.py -q build_ext --build-temp build/cuda/tmp --build-lib build/cuda/lib && \
-	  echo "cuda-check: CUDA kernels + NCCL transport compiled and linked (build/cuda/lib)"; \
+	  nvcc -ptx -O3 -std=c++17 -arch=compute_$${MFSDP_CUDA_ARCH:-90} --expt-relaxed-constexpr \
+	    csrc/cuda/kernels.cu -o build/cuda/kernels.ptx && \
+	  if grep -n 'fma\.' build/cuda/kernels.ptx | head -3 | grep .; then \
+	    echo "cuda-check: kernels.cu contracts multiply-add into FMA (see [Note: no FMA])"; exit 1; fi && \
+	  echo "cuda-check: CUDA kernels + NCCL transport compiled and linked (build/cuda/lib), no FMA in the kernels"; \
 	else echo "cuda-check: nvcc not found, CUDA build skipped"; fi
 
 pytest: setup

@@ -1,10 +1,21 @@
 """Build of megatron_fsdp_c._C: a pure-C CPython extension (no pybind, no C++).
 
-CPU-only by default. With CUDA (nvcc on PATH and MFSDP_CUDA != 0, or MFSDP_CUDA=1) the .cu
-kernels are compiled by nvcc and NCCL is linked from the nvidia-nccl wheel or the toolkit
-(see csrc/cuda/README in the CUDA issue). The C sources are listed in one place: SOURCES.
+Which build (README, "Building on a CUDA machine"):
+  MFSDP_CUDA=auto (default): CUDA when the installed torch is a CUDA build (then a failing CUDA
+      build is an error, with the reason), CPU-only when torch is CPU-only.
+  MFSDP_CUDA=1: CUDA, or an error; MFSDP_CUDA=0: CPU-only.
+Where from: nvcc from PATH, CUDA_HOME, CUDA_PATH or /usr/local/cuda (Debian's /usr/bin/nvcc with
+/usr/include and /usr/lib/x86_64-linux-gnu too); NCCL from the library torch itself loads, else
+NCCL_HOME, the nvidia-nccl wheel, the toolkit or the system. MFSDP_CUDA_ARCH: the GPU
+architecture (default 90, H100).
+
+What must hold (checked here): torch must be importable (pip install --no-build-isolation),
+nvcc's CUDA major is torch's, and nccl.h is the NCCL torch runs. The CUDA runtime is linked
+statically and its symbols kept private, and libnccl.so.2 is linked by its soname with an rpath
+to torch's copy: in one process there is then one libnccl, torch's, and no second libcudart.so.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,46 +28,175 @@ ROOT = Path(__file__).parent.resolve()
 
 CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c"]
 COMM = ["csrc/comm/pipeline.c"]
-GLUE = ["csrc/python/module.c", "csrc/python/torch_backend.c", "csrc/python/engine.c"]
-CUDA_C = ["csrc/cuda/nccl_transport.c", "csrc/cuda/nccl_glue.c"]  # C, compiled by the C compiler
+GLUE = ["csrc/python/module.c", "csrc/python/torch_backend.c", "csrc/python/engine.c", "csrc/python/cuda_glue.c"]
+CUDA_C = ["csrc/cuda/nccl_transport.c"]  # C, compiled by the C compiler
 CUDA_CU = ["csrc/cuda/kernels.cu"]
 CPU_ONLY = ["csrc/cuda/cuda_absent.c"]
 
 C_FLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall", "-Wextra",
            "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
 
+LIB_DIRS = ("lib64", "lib", "targets/x86_64-linux/lib")
+SYSTEM_LIB = Path("/usr/lib/x86_64-linux-gnu")
+
+
+class CudaBuildError(Exception):
+    pass
+
+
+def say(text):
+    print(f"megatron_fsdp_c: {text}", file=sys.stderr)
+
+
+def torch_facts():
+    """(cuda version or None, torch's NCCL (major, minor, patch) or None, path of the libnccl
+    torch loaded or None), or None when torch cannot be imported here."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    cuda = torch.version.cuda
+    nccl_version = nccl_path = None
+    if cuda:
+        try:
+            v = torch.cuda.nccl.version()
+            nccl_version = tuple(v) if isinstance(v, tuple) else (v // 10000, v % 10000 // 100, v % 100)
+        except Exception:  # noqa: BLE001 - a torch without NCCL
+            pass
+        libs = set()
+        with open("/proc/self/maps") as f:  # the libnccl that importing torch mapped: torch's own
+            for line in f:
+                fields = line.split(None, 5)  # address perms offset device inode [path]
+                if len(fields) == 6 and "/libnccl" in fields[5]:
+                    libs.add(fields[5].strip())
+        nccl_path = sorted(libs)[0] if len(libs) == 1 else None
+    return cuda, nccl_version, nccl_path
+
+
+def find_nvcc():
+    candidates = [shutil.which("nvcc")]
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(str(Path(os.environ[var]) / "bin/nvcc"))
+    candidates += ["/usr/local/cuda/bin/nvcc", "/usr/bin/nvcc"]
+    for c in candidates:
+        if c and Path(c).exists():
+            return c, candidates
+    return None, [c for c in candidates if c]
+
+
+def nvcc_version(nvcc):
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        raise CudaBuildError(f"could not read the CUDA version from `{nvcc} --version`:\n{out}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def cuda_roots(nvcc):
+    roots = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            roots.append(Path(os.environ[var]))
+    roots += [Path(nvcc).resolve().parent.parent, Path("/usr/local/cuda"), Path("/usr")]
+    return roots
+
+
+def first(paths, what):
+    for p in paths:
+        if p.exists():
+            return p
+    raise CudaBuildError(f"{what} not found; looked in: {', '.join(map(str, paths))}")
+
+
+def nccl_header_version(header):
+    text = header.read_text(errors="replace")
+    parts = [re.search(rf"#define\s+NCCL_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
+    return tuple(int(m.group(1)) for m in parts) if all(parts) else None
+
+
+def nccl_wheel_dirs():
+    """nvidia/nccl of the nvidia-nccl wheel, wherever torch's site-packages are."""
+    dirs = []
+    try:
+        import nvidia.nccl as pkg
+        dirs += [Path(p) for p in pkg.__path__]
+    except ImportError:
+        pass
+    for entry in sys.path:
+        d = Path(entry) / "nvidia/nccl"
+        if d.is_dir() and d not in dirs:
+            dirs.append(d)
+    return dirs
+
+
+def find_nccl(roots, torch_nccl, torch_lib):
+    """(include dir, library file) of the NCCL to build against."""
+    home = [Path(os.environ["NCCL_HOME"])] if os.environ.get("NCCL_HOME") else []
+    if torch_lib:  # the library torch loads, and the headers that ship with it
+        lib = Path(torch_lib)
+        includes = [lib.parent.parent / "include"] + [h / "include" for h in home]
+    else:
+        libs = [h / d / "libnccl.so.2" for h in home for d in LIB_DIRS]
+        libs += [w / "lib/libnccl.so.2" for w in nccl_wheel_dirs()]
+        libs += [r / d / "libnccl.so.2" for r in roots for d in LIB_DIRS] + [SYSTEM_LIB / "libnccl.so.2"]
+        lib = first(libs, "libnccl.so.2 (set NCCL_HOME, or pip install nvidia-nccl-cu13)")
+        includes = [h / "include" for h in home] + [lib.parent.parent / "include"]
+    includes += [w / "include" for w in nccl_wheel_dirs()] + [r / "include" for r in roots]
+    header = first([d / "nccl.h" for d in includes], "nccl.h (set NCCL_HOME to an NCCL with include/ and lib/)")
+    version = nccl_header_version(header)
+    if torch_nccl and version and version[:2] != tuple(torch_nccl[:2]):
+        raise CudaBuildError(
+            f"{header} is NCCL {'.'.join(map(str, version))} but torch runs NCCL {'.'.join(map(str, torch_nccl))}: "
+            f"build against torch's (pip install nvidia-nccl-cu13=={'.'.join(map(str, torch_nccl))} ships its "
+            "headers, or set NCCL_HOME)")
+    return header.parent, lib, version
+
 
 def find_cuda():
-    """(nvcc, cuda_home, nccl_include, nccl_lib) or None when this build is CPU-only."""
+    """The CUDA build's settings, or None for a CPU-only build; exits with the reason when a
+    CUDA build is wanted and cannot be made."""
     want = os.environ.get("MFSDP_CUDA", "auto").lower()
     if want in ("0", "no", "off", "false"):
         return None
-    nvcc = shutil.which("nvcc") or (os.environ.get("CUDA_HOME") and str(Path(os.environ["CUDA_HOME"]) / "bin/nvcc"))
-    if not nvcc or not Path(nvcc).exists():
-        if want in ("1", "yes", "on", "true"):
-            sys.exit("MFSDP_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+    forced = want in ("1", "yes", "on", "true")
+    facts = torch_facts()
+    nvcc, looked = find_nvcc()
+    if facts is None and not forced:
+        if nvcc is None:
+            say("torch is not importable at build time and there is no nvcc: building CPU-only")
+            return None
+        sys.exit("megatron_fsdp_c: nvcc is here but torch is not importable at build time (pip's build isolation?), "
+                 "so the CUDA build cannot be matched to torch's CUDA and NCCL. Build with "
+                 "`pip install --no-build-isolation .` (or -e .) where torch is installed, or set MFSDP_CUDA=0 for a "
+                 "CPU-only build")
+    torch_cuda, torch_nccl, torch_lib = facts if facts else (None, None, None)
+    if not forced and not torch_cuda:
+        say("torch is a CPU build: building CPU-only (MFSDP_CUDA=1 forces a CUDA build)")
         return None
-    cuda_home = Path(nvcc).resolve().parent.parent  # nvcc may be a wrapper script: look for the headers
-    for candidate in (os.environ.get("CUDA_HOME"), cuda_home, "/usr/local/cuda"):
-        if candidate and (Path(candidate) / "include/cuda_runtime.h").exists():
-            cuda_home = Path(candidate)
-            break
-    nccl_inc = nccl_lib = None
-    try:  # the nvidia-nccl-cu13 wheel (pulled in by CUDA builds of torch, or installed by hand)
-        import nvidia.nccl as nccl_pkg  # noqa: F401
-        base = Path(list(nccl_pkg.__path__)[0])
-        if (base / "include/nccl.h").exists():
-            nccl_inc, nccl_lib = base / "include", base / "lib"
-    except ImportError:
-        pass
-    if nccl_inc is None and (cuda_home / "include/nccl.h").exists():
-        nccl_inc, nccl_lib = cuda_home / "include", cuda_home / "lib64"
-    if nccl_inc is None:
-        if want in ("1", "yes", "on", "true"):
-            sys.exit("MFSDP_CUDA=1 but nccl.h was not found: pip install nvidia-nccl-cu13")
-        print("megatron_fsdp_c: nvcc found but no NCCL headers; building CPU-only", file=sys.stderr)
-        return None
-    return nvcc, cuda_home, nccl_inc, nccl_lib
+    try:
+        if nvcc is None:
+            raise CudaBuildError(f"nvcc not found (looked at {', '.join(looked)}; set CUDA_HOME)")
+        major, minor = nvcc_version(nvcc)
+        if torch_cuda and int(torch_cuda.split(".")[0]) != major:
+            raise CudaBuildError(f"nvcc is CUDA {major}.{minor} but torch was built with CUDA {torch_cuda}: use the "
+                                 f"CUDA {torch_cuda.split('.')[0]} toolkit (CUDA_HOME) or a torch built for "
+                                 f"CUDA {major}")
+        roots = cuda_roots(nvcc)
+        include = first([r / "include/cuda_runtime.h" for r in roots], "cuda_runtime.h").parent
+        cudart = first([r / d / "libcudart_static.a" for r in roots for d in LIB_DIRS] +
+                       [SYSTEM_LIB / "libcudart_static.a"], "libcudart_static.a")
+        nccl_inc, nccl_lib, nccl_version = find_nccl(roots, torch_nccl, torch_lib)
+        if torch_cuda and torch_lib is None:
+            raise CudaBuildError("torch is a CUDA build but no libnccl was mapped when importing it (NCCL linked "
+                                 "into torch?): a second libnccl here would break both")
+    except CudaBuildError as e:
+        why = "was asked for (MFSDP_CUDA=1)" if forced else "is needed: torch is a CUDA build"
+        sys.exit(f"megatron_fsdp_c: the CUDA build {why}, but it cannot be made: {e}")
+    say(f"CUDA build: nvcc {major}.{minor} ({nvcc}), torch CUDA {torch_cuda or '- (CPU torch)'}; static cudart "
+        f"{cudart}; NCCL {'.'.join(map(str, nccl_version or ())) or '?'} headers {nccl_inc}, library {nccl_lib}"
+        f"{' (the one torch loads)' if torch_lib else ''}")
+    return dict(nvcc=nvcc, include=include, cudart=cudart, nccl_inc=nccl_inc, nccl_lib=nccl_lib)
 
 
 CUDA = find_cuda()
@@ -67,47 +207,46 @@ class BuildExt(build_ext):
 
     def build_extension(self, ext):
         if CUDA:
-            nvcc, cuda_home, nccl_inc, _ = CUDA
             out_dir = Path(self.build_temp) / "cuda"
             out_dir.mkdir(parents=True, exist_ok=True)
             arch = os.environ.get("MFSDP_CUDA_ARCH", "90")
             for src in CUDA_CU:
                 obj = out_dir / (Path(src).stem + ".o")
-                cmd = [nvcc, "-c", str(ROOT / src), "-o", str(obj), "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-                       f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(nccl_inc),
-                       "--expt-relaxed-constexpr", "-Xptxas", "-v" if os.environ.get("MFSDP_PTXAS_VERBOSE") else "-O3"]
+                cmd = [CUDA["nvcc"], "-c", str(ROOT / src), "-o", str(obj), "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+                       f"-gencode=arch=compute_{arch},code=sm_{arch}", "--expt-relaxed-constexpr",
+                       "-Xptxas", "-v" if os.environ.get("MFSDP_PTXAS_VERBOSE") else "-O3"]
                 print(" ".join(cmd))
-                subprocess.check_call(cmd)
+                try:
+                    subprocess.check_call(cmd)
+                except subprocess.CalledProcessError as e:
+                    sys.exit(f"megatron_fsdp_c: nvcc failed on {src} (exit {e.returncode}); see its output above")
                 ext.extra_objects.append(str(obj))
         super().build_extension(ext)
 
 
 def extension():
     sources = CORE + COMM + GLUE
-    include_dirs, library_dirs, libraries, macros, rpath = [], [], [], [], []
+    include_dirs, macros, link = [], [], []
     if CUDA:
-        _, cuda_home, nccl_inc, nccl_lib = CUDA
         sources += CUDA_C
-        include_dirs += [str(cuda_home / "include"), str(nccl_inc)]
-        library_dirs += [str(cuda_home / "lib64"), str(nccl_lib)]
-        libraries += ["cudart"]
+        include_dirs += [str(CUDA["include"]), str(CUDA["nccl_inc"])]
         macros += [("MFSDP_WITH_CUDA", "1")]
-        # libnccl.so.2 from the wheel has no unversioned symlink: link it by full name.
-        nccl_so = sorted(Path(nccl_lib).glob("libnccl.so*"))
-        extra_link = [str(nccl_so[-1])] if nccl_so else ["-lnccl"]
-        rpath += [str(nccl_lib), "$ORIGIN/../nvidia/nccl/lib"]
+        nccl_dir = CUDA["nccl_lib"].parent
+        # NEEDED libnccl.so.2 (its soname): torch's copy when torch is imported first (as the
+        # package does), else found through the rpath: an installed wheel's site-packages, then
+        # the directory it was built against.
+        link += [str(CUDA["nccl_lib"]), f"-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib:{nccl_dir}"]
+        # the CUDA runtime, static and private: no libcudart.so to find, none to clash with torch's
+        link += [str(CUDA["cudart"]), "-Wl,--exclude-libs,ALL", "-lstdc++", "-ldl", "-lrt", "-lpthread"]
     else:
         sources += CPU_ONLY
-        extra_link = []
     return Extension(
         "megatron_fsdp_c._C",
         sources=sources,
         include_dirs=include_dirs,
-        library_dirs=library_dirs,
-        libraries=libraries,
         define_macros=macros,
         extra_compile_args=C_FLAGS,
-        extra_link_args=extra_link + [f"-Wl,-rpath,{p}" for p in rpath],
+        extra_link_args=link,
     )
 
 

@@ -138,6 +138,8 @@ def main():
                     help="bf16: DDP under bf16 autocast, FSDP2 with bf16 params and fp32 reduction, "
                          "megatron_fsdp_c with a bf16 model and fp32 main weights and gradients")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--transport", choices=["auto", "torch", "nccl"], default="auto",
+                    help="megatron_fsdp_c's transport (nccl: the native one, CUDA builds)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -171,8 +173,11 @@ def main():
                                             grad_comm_dtype=torch.float32)
         if bf16:
             model = model.to(torch.bfloat16)  # compute weights bf16; fp32 main weights in the engine
+        # One rank still issues every collective (a one-rank NCCL collective is a copy): the
+        # one-GPU benchmark measures the communication path, not an engine that skips it.
         runner, _ = mfsdp.fully_shard(model, None, fsdp_unit_modules=[unit_cls], zero_dp_strategy=args.strategy,
-                                      mixed_precision_policy=policy)
+                                      mixed_precision_policy=policy, transport=args.transport,
+                                      single_rank_collectives=world == 1 and train)
         sharded = runner
         params = list(runner.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4) if train else None
@@ -227,6 +232,7 @@ def main():
     if opt is not None:
         opt.zero_grad()
     result = dict(framework=args.framework, strategy=args.strategy if args.framework == "mfsdp" else None,
+                  transport=args.transport if args.framework == "mfsdp" else None,
                   model=args.model, precision=args.precision, world=world, device=device.type, params=n_params,
                   step_ms=1e3 * statistics.median(times), step_ms_all=[1e3 * t for t in times],
                   peak_bytes=(torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()),
@@ -243,6 +249,8 @@ def main():
     if rank == 0:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")
+    if sharded is not None:
+        mfsdp.close(sharded)  # every rank, same point: the native transport's collective end
     dist.barrier()
     dist.destroy_process_group()
 

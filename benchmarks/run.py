@@ -2,6 +2,7 @@
 invocation, under torchrun; CPU (gloo) at 2 and 4 ranks, or the GPU(s) when CUDA is present.
 
     python benchmarks/run.py [--worlds 2,4] [--steps 20] [--models gpt] [--precision fp32] [--out bench_out]
+                             [--parts train,hooks] [--transport auto]
 
 Defaults: on CPU the 5.8M-parameter `gpt` in fp32; with CUDA the CUDA issue's two models,
 `gpt-small` (vocab 8192, d 512, 8 heads, 12 layers, seq 256, batch 4) and `gpt-large` (vocab
@@ -21,6 +22,7 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,15 +39,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(world, out, framework, model, steps, strategy=3, precision="fp32"):
+def launch(world, out, framework, model, steps, strategy=3, precision="fp32", transport="auto"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_port", str(free_port()), str(HERE / "bench_worker.py"), "--framework", framework,
            "--model", model, "--steps", str(steps), "--strategy", str(strategy), "--precision", precision,
-           "--out", str(out)]
+           "--transport", transport, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    label = framework if framework != "mfsdp" else f"megatron_fsdp_c {NAMES[strategy]}"
+    label = framework if framework != "mfsdp" else f"megatron_fsdp_c {NAMES[strategy]} ({transport} transport)"
     print(f"[bench] world {world}: {model} ({precision}) {label}", flush=True)
+    start = time.monotonic()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(f"[bench]   {time.monotonic() - start:.0f} s", flush=True)  # where a stage's time budget goes
     if done.returncode != 0:
         print(done.stdout[-3000:])
         raise SystemExit(f"benchmark run failed: {' '.join(cmd)}")
@@ -188,7 +192,15 @@ def main():
     ap.add_argument("--models", default=None, help="comma-separated (default: gpt on CPU, gpt-small,gpt-large on GPU)")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: fp32 on CPU, bf16 on GPU")
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--parts", default="train,hooks",
+                    help="train (the models), hooks (the hook-overhead runs), or both (benchmarks/gpu_check.sh runs "
+                         "them as separate stages)")
+    ap.add_argument("--transport", choices=["auto", "torch", "nccl"], default="auto",
+                    help="megatron_fsdp_c's transport")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"train", "hooks"} or not parts:
+        ap.error(f"--parts {args.parts}: choose from train, hooks")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / "results.jsonl"
@@ -201,22 +213,25 @@ def main():
     if any(m not in known for m in models):
         ap.error(f"--models {args.models}: choose from {', '.join(known)}")
     precision = args.precision or ("bf16" if cuda else "fp32")
-    for model in models:
+    for model in models if "train" in parts else []:
         for world in worlds:
             launch(world, raw, "ddp", model, args.steps, precision=precision)
             launch(world, raw, "fsdp2", model, args.steps, precision=precision)
             for strategy in range(4):
-                launch(world, raw, "mfsdp", model, args.steps, strategy, precision)
+                launch(world, raw, "mfsdp", model, args.steps, strategy, precision, args.transport)
     # Hook overhead: at 1 rank nobody communicates (the hooks and bookkeeping alone), then with
     # communication at the first benchmarked world size.
-    for hook_world in sorted({1, worlds[0]}):
+    for hook_world in sorted({1, worlds[0]}) if "hooks" in parts else []:
         launch(hook_world, raw, "ddp", "tiny", args.steps)
         launch(hook_world, raw, "fsdp2", "tiny", args.steps)
-        launch(hook_world, raw, "mfsdp", "tiny", args.steps, 3)
-        launch(hook_world, raw, "mfsdp", "tiny", args.steps, 0)
+        launch(hook_world, raw, "mfsdp", "tiny", args.steps, 3, transport=args.transport)
+        launch(hook_world, raw, "mfsdp", "tiny", args.steps, 0, transport=args.transport)
     results = [json.loads(line) for line in raw.read_text().splitlines()]
     flags = "".join(f" --{k} {v}" for k, v in (("worlds", args.worlds), ("models", args.models),
-                                                ("precision", args.precision)) if v)
+                                                ("precision", args.precision),
+                                                ("parts", None if args.parts == "train,hooks" else args.parts),
+                                                ("transport", None if args.transport == "auto" else args.transport))
+                    if v)
     text = f"## Benchmark ({machine()})\n\nCommand: `python benchmarks/run.py --steps {args.steps}{flags}`\n\n" + \
         tables(results)
     (out_dir / "results.md").write_text(text)

@@ -68,6 +68,7 @@ def main():
         mib = {k: f"{v / 2**20:.2f} MiB" for k, v in report.items()}
         print(f"rank 0 holds: {mib}")
         print(f"collectives so far: {model.comm_stats()}")
+    mfsdp.close(model)  # every rank, same point: ends the model's communication
     dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 

@@ -3,9 +3,13 @@
 A mirror of NVIDIA Megatron-FSDP's API (fully_shard, MixedPrecisionPolicy, the MegatronFSDP
 wrapper) whose layout planner, kernels and collective pipeline are C (megatron_fsdp_c._C).
 """
+# torch first: a CUDA build of _C needs the CUDA libraries torch loads (libnccl.so.2 is resolved
+# by name, so torch's copy is the one _C binds to), and _C's module init imports torch anyway.
+import torch  # noqa: F401
+
 from . import _C  # noqa: F401 - the engine, importable as megatron_fsdp_c._C
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
-from .fully_shard import ShardingStrategy, fully_shard, fully_shard_model, fully_shard_optimizer
+from .fully_shard import ShardingStrategy, close, fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import fsdp_no_shard
@@ -16,6 +20,7 @@ __all__ = [
     "MegatronFSDP",
     "MixedPrecisionPolicy",
     "ShardingStrategy",
+    "close",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _C
 
-__all__ = ["DistContext", "make_dist_context"]
+__all__ = ["DistContext", "make_dist_context", "resolve_device"]
 
 
 @dataclasses.dataclass
@@ -25,6 +25,13 @@ class DistContext:
     device: torch.device
     transport: object      # _C.TorchTransport (or _C.NcclTransport)
 
+    def close(self) -> None:
+        """Collective (every rank, at the same point): ends the native NCCL transport's
+        communicators. The torch transport borrows the process groups: nothing to end."""
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
+
 
 def _require_initialized():
     if not dist.is_available() or not dist.is_initialized():
@@ -32,6 +39,33 @@ def _require_initialized():
             "torch.distributed is not initialised: call torch.distributed.init_process_group(backend=...) "
             "first (launch with `torchrun --nproc_per_node N script.py`, backend 'gloo' on CPU, 'nccl' on GPU)"
         )
+
+
+def resolve_device(device) -> Optional[torch.device]:
+    """torch.device("cuda") without an index means whichever GPU is current when it is used:
+    resolved once here, to the current one, so that each rank's buffers, streams and
+    communicators stay on its own GPU (unresolved, every rank's NCCL set-up went to GPU 0)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def group_timeout(group, device: torch.device) -> datetime.timedelta:
+    """The timeout the process group's own collectives have (init_process_group/new_group)."""
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
+
+
+def use_native_nccl(transport: str, device: torch.device) -> bool:
+    """transport="auto" picks the torch transport (torch's NCCL backend on GPUs) until a GPU
+    session has measured the native NCCL transport passing (benchmarks/gpu_check.sh); that
+    session flips this and records the evidence in the README."""
+    return transport == "nccl"
 
 
 def resolve_group(device_mesh, dp_shard_dim: Optional[str], device: torch.device):
@@ -72,20 +106,29 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
         raise ValueError(f"transport must be 'auto', 'torch' or 'nccl', not {transport!r}")
     if transport == "nccl" and device.type != "cuda":
         raise ValueError("transport='nccl' needs CUDA parameters; CPU training uses transport='torch' (gloo)")
-    gather_group = group
-    if world > 1:
+    if device.type == "cuda" and device.index is None:
+        raise ValueError("make_dist_context: a CUDA device needs its index (see resolve_device)")
+    use_nccl = use_native_nccl(transport, device)
+    timeout = None if collective_timeout is None else datetime.timedelta(seconds=float(collective_timeout))
+    # On CUDA the torch transport's Work.wait() takes no timeout (it would block the host until
+    # each collective ends): a collective_timeout goes to the engine's own process groups.
+    cuda_timeout = timeout if device.type == "cuda" and not use_nccl else None
+    gather_group, reduce_group = group, group
+    if world > 1 and not use_nccl:
         # A second communicator over the same ranks: all-gathers never wait behind reductions.
         ranks = dist.get_process_group_ranks(group)
+        extra = {"timeout": cuda_timeout} if cuda_timeout is not None else {}
         gather_group = dist.new_group(ranks=ranks, use_local_synchronization=True,
-                                      backend=dist.get_backend(group))
-    use_nccl = transport == "nccl" or (transport == "auto" and device.type == "cuda"
-                                       and getattr(_C, "NcclTransport", None) is not None)
-    timeout = None if collective_timeout is None else datetime.timedelta(seconds=float(collective_timeout))
+                                      backend=dist.get_backend(group), **extra)
+        if cuda_timeout is not None:
+            reduce_group = dist.new_group(ranks=ranks, use_local_synchronization=True,
+                                          backend=dist.get_backend(group), **extra)
     if use_nccl:
         from ._nccl import make_nccl_transport
-        t = make_nccl_transport(group, rank, world, device, timeout)
+        # None: the process group's timeout, as for the torch transport (README)
+        t = make_nccl_transport(group, rank, world, device, timeout or group_timeout(group, device))
     else:
-        t = _C.TorchTransport(gather_group, group, device.index if device.type == "cuda" else -1, timeout)
+        t = _C.TorchTransport(gather_group, reduce_group, device.index if device.type == "cuda" else -1, timeout)
     return DistContext(group, gather_group, mesh, rank, world, device, t)
 
 

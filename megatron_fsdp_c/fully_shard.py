@@ -15,12 +15,12 @@ from typing import Iterable, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ._distributed import make_dist_context
+from ._distributed import make_dist_context, resolve_device
 from .optimizer import fully_shard_optimizer, remap_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 
-__all__ = ["ShardingStrategy", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
+__all__ = ["ShardingStrategy", "close", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
 
 class ShardingStrategy(enum.IntEnum):
@@ -98,7 +98,7 @@ def _check_params(module: nn.Module, meta_device_init: bool = False, device=None
     if not devices:
         raise ValueError("the module has no parameters to shard")
     if meta_device_init:
-        target = torch.device(device) if device is not None else _default_device()
+        target = resolve_device(device) if device is not None else _default_device()
         stray = [(d, n) for d, n in devices.items() if d.type != "meta" and d != target]
         if stray:
             raise ValueError(f"init_model_with_meta_device: parameter '{stray[0][1]}' is on {stray[0][0]}, not on the "
@@ -176,6 +176,7 @@ def fully_shard_model(
             "zero_dp_strategy='optim_grads_params' (3) needs fsdp_unit_modules: the classes gathered and released "
             "together, e.g. fsdp_unit_modules=[TransformerBlock]. Without units use zero_dp_strategy 'optim_grads' (2)"
         )
+    device = resolve_device(device)  # "cuda" means the current GPU, resolved once for every layer below
     if device is not None and not init_model_with_meta_device:
         module.to(device)
     param_device = _check_params(module, init_model_with_meta_device, device)
@@ -193,6 +194,13 @@ def fully_shard_model(
         bucket_size=bucket_size, reduce_queue_bytes=reduce_queue_bytes,
         init_model_with_meta_device=init_model_with_meta_device, single_rank_collectives=single_rank_collectives,
     )
+
+
+def close(model: MegatronFSDP) -> None:
+    """Collective: every rank calls it at the same point, after its last step, to end the
+    model's communication (the native NCCL transport's communicators). A model dropped
+    without close() aborts them instead, which never waits for a peer."""
+    model.dist_ctx.close()
 
 
 def fully_shard(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **kwargs):

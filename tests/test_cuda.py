@@ -42,16 +42,18 @@ def test_cuda_cast_bit_exact(dst, src, offset):
     assert torch.equal(out.cpu()[~nan.cpu()].view(torch.uint8), cpu[~nan.cpu()].view(torch.uint8))
 
 
+# 1/3 is not a power of two: a fused multiply-add would round out + alpha * v once, not twice
+@pytest.mark.parametrize("alpha", [0.25, 1 / 3], ids=["quarter", "third"])
 @pytest.mark.parametrize("src", FLOATS, ids=str)
 @pytest.mark.parametrize("dst", FLOATS, ids=str)
-def test_cuda_accumulate_matches_cpu(dst, src):
+def test_cuda_accumulate_matches_cpu(dst, src, alpha):
     g = torch.Generator().manual_seed(5)
     a = torch.randn(100_003, generator=g).to(dst)
     b = torch.randn(100_003, generator=g).to(src)
     cpu = a.clone()
-    _C.accumulate_(cpu, b, 0.25)
+    _C.accumulate_(cpu, b, alpha)
     gpu = a.cuda()
-    _C.cuda_accumulate_(gpu, b.cuda(), 0.25)
+    _C.cuda_accumulate_(gpu, b.cuda(), alpha)
     assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
 
 
@@ -76,6 +78,21 @@ def test_cuda_pack_matches_cpu(dst, accumulate):
     assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
     with pytest.raises(ValueError, match="does not fit"):
         _C.cuda_pack_(gpu, [srcs[4].cuda()], [total - 10])
+
+
+def test_cuda_pack_many_items():
+    # one item per (parameter, rank) piece: more items than one launch's table (1280) carries
+    g = torch.Generator().manual_seed(9)
+    sizes = [i % 7 for i in range(5000)]
+    srcs = [torch.randn(n, generator=g) for n in sizes]
+    offsets = [sum(sizes[:i]) + i for i in range(len(sizes))]
+    base = torch.randn(offsets[-1] + sizes[-1] + 3, generator=g)
+    cpu = base.clone()
+    for s, o in zip(srcs, offsets):
+        _C.accumulate_(cpu[o:o + s.numel()], s, 1 / 3)
+    gpu = base.cuda()
+    _C.cuda_pack_(gpu, [s.cuda() for s in srcs], offsets, 1 / 3, True)
+    assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
 
 
 def world1(rank, world, dtype):
@@ -107,6 +124,9 @@ def world1(rank, world, dtype):
                 losses.append(loss.item())
                 ref_losses.append(ref_loss.item())
             out[(name, strategy)] = (losses, ref_losses, fsdp.comm_stats())
+            mf.close(fsdp)  # the native transport's collective end (finalize + destroy, not abort)
+            if name == "nccl":
+                assert fsdp.dist_ctx.transport.failure is None
     return out
 
 

@@ -45,7 +45,9 @@ typedef struct mfsdp_transport_ops {
   mfsdp_status (*all_to_all)(void* ctx, const mfsdp_buffer* out, const mfsdp_buffer* in, mfsdp_work** work);
   /* Blocks (or orders the consumer after the work) and frees it. NULL work: no-op. */
   mfsdp_status (*wait)(void* ctx, mfsdp_work* work);
-  /* Frees a work without waiting for it: teardown after an error. */
+  /* Frees a work without waiting for it on the host: teardown, or after an error. The memory
+   * the collective touches may be released right after (a stream-ordered transport orders the
+   * consumer stream after the collective first). */
   void (*discard)(void* ctx, mfsdp_work* work);
   /* Optional (NULL: no grouping). Collectives issued between group_start and group_end go out
    * as one launch (ncclGroupStart/End); their works may be waited on only after group_end. */

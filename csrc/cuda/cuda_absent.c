@@ -1,17 +1,10 @@
-/* cuda_absent.c: the CUDA entry points of a CPU-only build (see mfsdp_cuda.h). */
+/* cuda_absent.c: the CUDA entry points of a CPU-only build (see mfsdp_cuda.h): no kernel
+ * table, so the engine refuses CUDA devices with a clear message. */
 #include "mfsdp_cuda.h"
-
-#include "../python/glue.h"
 
 const mfsdp_kernel_ops* const mfsdp_cuda_kernels = NULL;
 
-void* mfsdp_cuda_kernel_context(int device) {
-  (void)device;
-  return NULL;
-}
-
-int mfsdp_register_nccl(PyObject* module, module_state* st) {
-  (void)module;
-  st->nccl_transport_type = NULL;
-  return 0;
+mfsdp_status mfsdp_cuda_kernel_context(int device, void** ctx) {
+  *ctx = NULL;
+  return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "CUDA device %d: megatron_fsdp_c was built without CUDA", device);
 }

@@ -5,23 +5,34 @@
  * identically. One dispatch point (dispatch_pair below) instantiates a kernel per (dst, src)
  * dtype pair. Kernels read and write 16 bytes per access where both pointers allow it (bucket
  * shards are 16-byte aligned by the layout), with a scalar path for the rest, over a grid-stride
- * loop sized to the device. A bucket's many parameters are packed by one launch per source
- * dtype: the item table (sources, offsets, sizes: 24 bytes an item) goes up in one copy into a
- * stream-ordered allocation, freed on the same stream after the launch, so packs on different
- * streams never share a table. Launches go to the stream in the kernel context (torch's
- * current stream, set by the glue). */
+ * loop sized to the device. Launches go to the stream in the kernel context (torch's current
+ * stream, set by the glue), with the context's device made current for the call (and the
+ * caller's given back): a rank's current device need not be its tensors' device.
+ *
+ * [Note: pack table]
+ * A bucket's many parameters are packed by one launch per run of items of one source dtype
+ * (more launches past the capacity of one table). The item table (sources, offsets, sizes: 24
+ * bytes an item) travels as a kernel parameter (__grid_constant__: read in place, never
+ * copied per thread), up to 1280 items in 30 KB (CUDA >= 12.1 takes 32 KB of parameters on
+ * sm_70+); runs of up to 32 items use a 768-byte table, cheaper to launch. Nothing is
+ * allocated or uploaded per launch: no memory outside torch's caching allocator that could
+ * run out while torch holds the GPU, no pageable copy that stalls the host, and a launch a
+ * CUDA graph can capture.
+ *
+ * [Note: no FMA]
+ * out + alpha * in must round twice, as the CPU kernels (built with -ffp-contract=off) and
+ * torch do: nvcc would contract it into one fused multiply-add (one rounding), up to 1 ulp off
+ * when alpha is not a power of two. The arithmetic goes through __fmul_rn/__fadd_rn, which
+ * nvcc never contracts; `make cuda-check` checks the PTX has no fma. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include <mutex>
 #include <type_traits>
 
 #include "../core/mfsdp_dtype.h"
 #include "mfsdp_cuda.h"
-
-extern "C" mfsdp_status mfsdp_cuda_pack(void* ctx, void* dst_base, int dst_dtype, const void* const* srcs_device,
-                                        const int64_t* offsets_device, const int64_t* numels_device, int32_t n_items,
-                                        int64_t max_numel, int src_dtype, double alpha, int accumulate);
 
 namespace {
 
@@ -59,18 +70,24 @@ struct Elem<MFSDP_F16> {
 constexpr int kVec = 8;  // elements per thread per iteration: 16 bytes of a 2-byte type
 constexpr int kThreads = 256;
 
+/* Multiply and add rounded separately, never fused (see [Note: no FMA]). */
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
 template <int DT, int ST>
 struct Pair {
   using D = Elem<DT>;
   using S = Elem<ST>;
   using Acc = typename std::conditional<sizeof(typename D::Acc) >= sizeof(typename S::Acc), typename D::Acc,
                                         typename S::Acc>::type;
-  /* out = alpha * in (copy) or out + alpha * in (accumulate), rounded once into D. */
+  /* out = alpha * in (copy) or out + alpha * in (accumulate), in Acc, then rounded into D. */
   static __device__ __forceinline__ typename D::T apply(typename D::T out, typename S::T in, Acc alpha, bool accumulate,
                                                        bool scaled) {
     Acc v = static_cast<Acc>(S::load(in));
-    if (scaled) v = alpha * v;
-    if (accumulate) v = static_cast<Acc>(D::load(out)) + v;
+    if (scaled) v = mul_rn(alpha, v);
+    if (accumulate) v = add_rn(static_cast<Acc>(D::load(out)), v);
     return D::store(v);
   }
 };
@@ -117,18 +134,29 @@ __global__ void __launch_bounds__(kThreads) binary_kernel(void* __restrict__ dst
                       n, alpha, accumulate, blockIdx.x, gridDim.x);
 }
 
-/* One launch over a bucket's items: blockIdx.y is the item, x strides over its elements, each
+/* A launch's share of a pack: item i's numels[i] elements of srcs[i] go to dst + offsets[i]
+ * (see [Note: pack table]). */
+template <int N>
+struct PackTable {
+  const void* srcs[N];
+  int64_t offsets[N];
+  int64_t numels[N];
+};
+constexpr int kSmallTable = 32;
+constexpr int kLargeTable = 1280;
+static_assert(sizeof(PackTable<kLargeTable>) + 64 <= 32764, "a pack table must fit in the kernel parameters");
+
+/* One launch over a table of items: blockIdx.y is the item, x strides over its elements, each
  * item vectorised on its own (whether it is depends on its own addresses). */
-template <int DT, int ST>
-__global__ void __launch_bounds__(kThreads) pack_kernel(void* __restrict__ dst_base, const void* const* __restrict__ srcs,
-                                                        const int64_t* __restrict__ offsets,
-                                                        const int64_t* __restrict__ numels, double alpha,
+template <int DT, int ST, int N>
+__global__ void __launch_bounds__(kThreads) pack_kernel(void* __restrict__ dst_base,
+                                                        const __grid_constant__ PackTable<N> table, double alpha,
                                                         bool accumulate) {
   using P = Pair<DT, ST>;
   const int item = blockIdx.y;
-  binary_span<DT, ST>(static_cast<typename P::D::T*>(dst_base) + offsets[item],
-                      static_cast<const typename P::S::T*>(srcs[item]), numels[item], alpha, accumulate, blockIdx.x,
-                      gridDim.x);
+  binary_span<DT, ST>(static_cast<typename P::D::T*>(dst_base) + table.offsets[item],
+                      static_cast<const typename P::S::T*>(table.srcs[item]), table.numels[item], alpha, accumulate,
+                      blockIdx.x, gridDim.x);
 }
 
 template <int DT>
@@ -154,15 +182,37 @@ mfsdp_status cuda_fail(cudaError_t e, const char* file, int line, const char* wh
     if (e_ != cudaSuccess) return cuda_fail(e_, __FILE__, __LINE__, #call);        \
   } while (0)
 
+/* One per device ordinal, made once and kept for the process; the stream is set by the glue
+ * before engine calls. */
 struct cuda_ctx {
   int device;
   int sms;
   cudaStream_t stream;
-  void* host_table; /* pack table staging; pageable, so cudaMemcpyAsync copies it out before returning */
-  size_t host_bytes;
+  unsigned long long* counter; /* count_nonfinite's result: device memory allocated with the context */
+  std::mutex counter_lock;     /* one count at a time per device */
 };
 
-cuda_ctx g_ctx[64];  // one per device ordinal; the stream is set by the glue before engine calls
+constexpr int kMaxDevices = 64;
+cuda_ctx g_ctx[kMaxDevices];
+std::mutex g_ctx_lock;
+
+/* Makes the context's device current for one entry point and gives the caller's back. */
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const cuda_ctx* c) : device_(c->device) {}
+  mfsdp_status enter() {
+    CUDA_CHECK(cudaGetDevice(&saved_));
+    if (saved_ != device_) CUDA_CHECK(cudaSetDevice(device_));
+    return MFSDP_OK;
+  }
+  ~DeviceGuard() {
+    if (saved_ >= 0 && saved_ != device_) cudaSetDevice(saved_);
+  }
+
+ private:
+  int device_;
+  int saved_ = -1;
+};
 
 int blocks_for(const cuda_ctx* c, int64_t work) {
   int64_t want = (work + kThreads - 1) / kThreads;
@@ -203,21 +253,38 @@ struct BinaryLaunch {
   }
 };
 
+/* Launches items [0, n) of a run of one source dtype, a table's worth at a time. */
 struct PackLaunch {
   cuda_ctx* c;
   void* dst;
-  const void* const* srcs;
-  const int64_t* offsets;
-  const int64_t* numels;
-  int32_t n_items;
-  int64_t max_numel;
+  const mfsdp_pack_item* items;
+  int32_t n;
   double alpha;
   bool accumulate;
+  template <int N, int D, int S>
+  mfsdp_status launch(const mfsdp_pack_item* part, int32_t m) {
+    PackTable<N> table;
+    int64_t max_numel = 0;
+    for (int32_t i = 0; i < m; ++i) {
+      table.srcs[i] = part[i].src;
+      table.offsets[i] = part[i].dst_offset;
+      table.numels[i] = part[i].n;
+      if (part[i].n > max_numel) max_numel = part[i].n;
+    }
+    if (max_numel == 0) return MFSDP_OK;
+    dim3 grid(blocks_for(c, (max_numel + kVec - 1) / kVec), m);
+    pack_kernel<D, S, N><<<grid, kThreads, 0, c->stream>>>(dst, table, alpha, accumulate);
+    CUDA_CHECK(cudaGetLastError());
+    return MFSDP_OK;
+  }
   template <int D, int S>
   mfsdp_status run() {
-    dim3 grid(blocks_for(c, (max_numel + kVec - 1) / kVec), n_items);
-    pack_kernel<D, S><<<grid, kThreads, 0, c->stream>>>(dst, srcs, offsets, numels, alpha, accumulate);
-    CUDA_CHECK(cudaGetLastError());
+    for (int32_t first = 0; first < n; first += kLargeTable) {
+      int32_t m = n - first < kLargeTable ? n - first : kLargeTable;
+      mfsdp_status st = m <= kSmallTable ? launch<kSmallTable, D, S>(items + first, m)
+                                         : launch<kLargeTable, D, S>(items + first, m);
+      if (st != MFSDP_OK) return st;
+    }
     return MFSDP_OK;
   }
 };
@@ -232,6 +299,8 @@ mfsdp_status op_copy(void* ctx, void* dst, int dt, const void* src, int st, int6
   cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
   MFSDP_CHECK(check(dst, src, n));
   if (n == 0) return MFSDP_OK;
+  DeviceGuard guard(c);
+  MFSDP_CHECK(guard.enter());
   if (dt == st && alpha == 1.0 && mfsdp_dtype_valid(dt)) {
     if (dst != src) CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)(n * mfsdp_dtype_size(dt)), cudaMemcpyDeviceToDevice, c->stream));
     return MFSDP_OK;
@@ -243,6 +312,8 @@ mfsdp_status op_accumulate(void* ctx, void* dst, int dt, const void* src, int st
   cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
   MFSDP_CHECK(check(dst, src, n));
   if (n == 0) return MFSDP_OK;
+  DeviceGuard guard(c);
+  MFSDP_CHECK(guard.enter());
   return dispatch_pair(dt, st, BinaryLaunch{c, dst, src, n, alpha, true});
 }
 
@@ -254,7 +325,10 @@ mfsdp_status op_scale(void* ctx, void* x, int dt, int64_t n, double alpha) {
 mfsdp_status op_fill_zero(void* ctx, void* x, int dt, int64_t n) {
   cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
   MFSDP_CHECK(check(x, x, n));
-  if (n > 0) CUDA_CHECK(cudaMemsetAsync(x, 0, (size_t)(n * mfsdp_dtype_size(dt)), c->stream));
+  if (n == 0) return MFSDP_OK;
+  DeviceGuard guard(c);
+  MFSDP_CHECK(guard.enter());
+  CUDA_CHECK(cudaMemsetAsync(x, 0, (size_t)(n * mfsdp_dtype_size(dt)), c->stream));
   return MFSDP_OK;
 }
 
@@ -263,9 +337,11 @@ mfsdp_status op_count_nonfinite(void* ctx, const void* x, int dt, int64_t n, int
   MFSDP_CHECK(check(x, count, n));
   *count = 0;
   if (n == 0 || !mfsdp_dtype_is_float(dt)) return MFSDP_OK;
-  unsigned long long* dev = nullptr;
+  DeviceGuard guard(c);
+  MFSDP_CHECK(guard.enter());
+  std::lock_guard<std::mutex> one_at_a_time(c->counter_lock);
+  unsigned long long* dev = c->counter;
   unsigned long long host = 0;
-  CUDA_CHECK(cudaMallocAsync(&dev, sizeof *dev, c->stream));
   CUDA_CHECK(cudaMemsetAsync(dev, 0, sizeof *dev, c->stream));
   int blocks = blocks_for(c, n);
   switch (dt) {
@@ -276,48 +352,26 @@ mfsdp_status op_count_nonfinite(void* ctx, const void* x, int dt, int64_t n, int
   }
   CUDA_CHECK(cudaGetLastError());
   CUDA_CHECK(cudaMemcpyAsync(&host, dev, sizeof host, cudaMemcpyDeviceToHost, c->stream));
-  CUDA_CHECK(cudaFreeAsync(dev, c->stream));
   CUDA_CHECK(cudaStreamSynchronize(c->stream));
   *count = (int64_t)host;
   return MFSDP_OK;
 }
 
-/* A bucket's gradients in one launch per source dtype: the table goes up in one copy. */
+/* A bucket's gradients: one launch per run of one source dtype (see [Note: pack table]). */
 mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items, int32_t n, double alpha,
                      int accumulate) {
   cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  if (n < 0 || (n > 0 && (dst == nullptr || items == nullptr)))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "pack of %d items into %p", n, dst);
+  for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(check(dst, items[i].src, items[i].n));
+  if (n == 0) return MFSDP_OK;
+  DeviceGuard guard(c);
+  MFSDP_CHECK(guard.enter());
   for (int32_t first = 0; first < n;) {
     int32_t last = first;
     while (last < n && items[last].src_dtype == items[first].src_dtype) ++last;
-    int32_t m = last - first;
-    size_t bytes = (size_t)m * (sizeof(void*) + 2 * sizeof(int64_t));
-    if (bytes > c->host_bytes) {
-      void* grown = realloc(c->host_table, bytes);
-      if (!grown) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "pack table of %d items", m);
-      c->host_table = grown;
-      c->host_bytes = bytes;
-    }
-    const void** srcs = static_cast<const void**>(c->host_table);
-    int64_t* offsets = reinterpret_cast<int64_t*>(srcs + m);
-    int64_t* numels = offsets + m;
-    int64_t max_numel = 0;
-    for (int32_t i = 0; i < m; ++i) {
-      srcs[i] = items[first + i].src;
-      offsets[i] = items[first + i].dst_offset;
-      numels[i] = items[first + i].n;
-      if (numels[i] > max_numel) max_numel = numels[i];
-    }
-    void* table = nullptr;
-    CUDA_CHECK(cudaMallocAsync(&table, bytes, c->stream));
-    cudaError_t e = cudaMemcpyAsync(table, c->host_table, bytes, cudaMemcpyHostToDevice, c->stream);
-    mfsdp_status st = e == cudaSuccess ? MFSDP_OK : cuda_fail(e, __FILE__, __LINE__, "cudaMemcpyAsync (pack table)");
-    const void* const* dev_srcs = static_cast<const void* const*>(table);
-    const int64_t* dev_offsets = reinterpret_cast<const int64_t*>(dev_srcs + m);
-    if (st == MFSDP_OK)
-      st = mfsdp_cuda_pack(ctx, dst, dt, dev_srcs, dev_offsets, dev_offsets + m, m, max_numel, items[first].src_dtype,
-                           alpha, accumulate);
-    CUDA_CHECK(cudaFreeAsync(table, c->stream)); /* after the launch on this stream */
-    MFSDP_CHECK(st);
+    MFSDP_CHECK(dispatch_pair(dt, items[first].src_dtype,
+                              PackLaunch{c, dst, items + first, last - first, alpha, accumulate != 0}));
     first = last;
   }
   return MFSDP_OK;
@@ -331,17 +385,24 @@ extern "C" {
 
 const mfsdp_kernel_ops* const mfsdp_cuda_kernels = &cuda_ops;
 
-void* mfsdp_cuda_kernel_context(int device) {
-  if (device < 0 || device >= 64) return nullptr;
+mfsdp_status mfsdp_cuda_kernel_context(int device, void** out) {
+  *out = nullptr;
+  if (device < 0 || device >= kMaxDevices)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "CUDA device %d (this build handles 0..%d)", device, kMaxDevices - 1);
+  std::lock_guard<std::mutex> g(g_ctx_lock);
   cuda_ctx* c = &g_ctx[device];
-  if (c->sms == 0) {
+  if (c->counter == nullptr) { /* first use of this device */
     c->device = device;
+    DeviceGuard guard(c);
+    MFSDP_CHECK(guard.enter());
     if (cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
       cudaGetLastError();
       c->sms = 80;
     }
+    CUDA_CHECK(cudaMalloc(&c->counter, sizeof *c->counter));
   }
-  return c;
+  *out = c;
+  return MFSDP_OK;
 }
 
 void mfsdp_cuda_set_stream(void* ctx, void* stream) {
@@ -349,17 +410,6 @@ void mfsdp_cuda_set_stream(void* ctx, void* stream) {
 }
 
 void* mfsdp_cuda_get_stream(void* ctx) { return ctx ? static_cast<cuda_ctx*>(ctx)->stream : nullptr; }
-
-mfsdp_status mfsdp_cuda_pack(void* ctx, void* dst_base, int dst_dtype, const void* const* srcs_device,
-                             const int64_t* offsets_device, const int64_t* numels_device, int32_t n_items,
-                             int64_t max_numel, int src_dtype, double alpha, int accumulate) {
-  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
-  if (n_items <= 0) return MFSDP_OK;
-  if (n_items > 65535) return MFSDP_FAIL(MFSDP_ERR_UNSUPPORTED, "%d items in one pack launch (max 65535)", n_items);
-  return dispatch_pair(dst_dtype, src_dtype,
-                       PackLaunch{c, dst_base, srcs_device, offsets_device, numels_device, n_items, max_numel, alpha,
-                                  accumulate != 0});
-}
 
 mfsdp_status mfsdp_cuda_copy(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n, double alpha) {
   return op_copy(ctx, dst, dst_dtype, src, src_dtype, n, alpha);

@@ -14,18 +14,15 @@ extern "C" {
 
 /* NULL when built without CUDA. */
 extern const mfsdp_kernel_ops* const mfsdp_cuda_kernels;
-/* Kernel context for a device (NULL without CUDA). */
-void* mfsdp_cuda_kernel_context(int device);
+/* The kernel context of a device, made on first use (it holds a few bytes of device memory for
+ * count_nonfinite) and kept for the process. MFSDP_ERR_UNSUPPORTED without CUDA. */
+mfsdp_status mfsdp_cuda_kernel_context(int device, void** ctx);
 
 #ifdef MFSDP_WITH_CUDA
-/* Launches of a context go to this stream: torch's current stream, set by the glue per call. */
+/* Launches of a context go to this stream: torch's current stream, set by the glue per call.
+ * Every entry point makes the context's device current for the call and restores the caller's. */
 void mfsdp_cuda_set_stream(void* ctx, void* stream);
 void* mfsdp_cuda_get_stream(void* ctx);
-/* One launch packing (or accumulating) many tensors into a bucket: item i's numels[i]
- * elements of srcs[i] go to dst_base + offsets[i]. All three tables live in device memory. */
-mfsdp_status mfsdp_cuda_pack(void* ctx, void* dst_base, int dst_dtype, const void* const* srcs_device,
-                             const int64_t* offsets_device, const int64_t* numels_device, int32_t n_items,
-                             int64_t max_numel, int src_dtype, double alpha, int accumulate);
 mfsdp_status mfsdp_cuda_copy(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n,
                              double alpha);
 mfsdp_status mfsdp_cuda_accumulate(void* ctx, void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n,

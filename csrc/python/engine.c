@@ -2,7 +2,9 @@
  *
  * Ownership: the engine owns the pipeline, which owns every bucket buffer (torch tensors held
  * through the memory ops). It keeps a reference to its transport object for as long as the
- * pipeline may call it. Calls run with the GIL held; the pipeline is not re-entrant. */
+ * pipeline may call it. Calls run with the GIL held, except while the native NCCL transport
+ * waits for NCCL (it lets go of the GIL then): `busy` refuses a call from another thread
+ * meanwhile, since the pipeline is not re-entrant. */
 #include "glue.h"
 
 #include "../cuda/mfsdp_cuda.h"
@@ -160,10 +162,16 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     return -1;
   }
   int is_cuda = PyUnicode_Check(type) && PyUnicode_CompareWithASCIIString(type, "cuda") == 0;
-  int device_index = is_cuda ? (index == Py_None ? 0 : (int)PyLong_AsLong(index)) : -1;
+  /* "cuda" without an index would mean whichever device is current at each call: refuse it
+   * rather than guess (fully_shard resolves it once, to the current device). */
+  int device_index = is_cuda && index != Py_None ? (int)PyLong_AsLong(index) : -1;
   Py_DECREF(index);
   Py_DECREF(type);
   if (PyErr_Occurred()) return -1;
+  if (is_cuda && device_index < 0) {
+    PyErr_SetString(PyExc_ValueError, "Engine: a CUDA device needs an index (torch.device('cuda', N))");
+    return -1;
+  }
 
   const mfsdp_kernel_ops* kernels = &mfsdp_cpu_kernels;
   void* kernels_ctx = NULL;
@@ -175,7 +183,11 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
       return -1;
     }
     kernels = mfsdp_cuda_kernels;
-    kernels_ctx = mfsdp_cuda_kernel_context(device_index);
+    mfsdp_status s = mfsdp_cuda_kernel_context(device_index, &kernels_ctx);
+    if (s != MFSDP_OK) {
+      fail(self, s);
+      return -1;
+    }
     PyObject* cuda = PyObject_GetAttrString(st->torch, "cuda");
     Py_XSETREF(e->current_stream, cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL);
     Py_XDECREF(cuda);
@@ -324,7 +336,9 @@ static PyObject* engine_begin_backward(PyObject* self, PyObject* sync) {
   if (!ready(e)) return NULL;
   int flag = PyObject_IsTrue(sync);
   if (flag < 0) return NULL;
+  e->busy = 1;
   mfsdp_status s = mfsdp_pipeline_begin_backward(e->pipeline, flag);
+  e->busy = 0;
   if (s != MFSDP_OK) return fail(self, s);
   Py_RETURN_NONE;
 }
@@ -370,7 +384,9 @@ static PyObject* engine_init_begin(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b, direct = 0;
   if (!PyArg_ParseTuple(args, "i|p:init_begin", &b, &direct) || !ready(e)) return NULL;
+  e->busy = 1;
   mfsdp_status s = mfsdp_pipeline_init_begin(e->pipeline, (int32_t)b, direct);
+  e->busy = 0;
   if (s != MFSDP_OK) return fail(self, s);
   Py_RETURN_NONE;
 }
@@ -380,7 +396,9 @@ static PyObject* engine_init_end(PyObject* self, PyObject* arg) {
   if (!ready(e)) return NULL;
   long b = PyLong_AsLong(arg);
   if (PyErr_Occurred()) return NULL;
+  e->busy = 1;
   mfsdp_status s = mfsdp_pipeline_init_end(e->pipeline, (int32_t)b);
+  e->busy = 0;
   if (s != MFSDP_OK) return fail(self, s);
   Py_RETURN_NONE;
 }
@@ -394,7 +412,9 @@ static PyObject* engine_set_item(PyObject* self, PyObject* const* args, Py_ssize
   tensor_view v;
   if (mfsdp_tensor_view(engine_state(self), args[2], "set_item", &v) < 0 || !device_matches(e, &v, "set_item"))
     return NULL;
+  e->busy = 1;
   mfsdp_status s = mfsdp_pipeline_set_item(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel);
+  e->busy = 0;
   if (s != MFSDP_OK) return fail(self, s);
   Py_RETURN_NONE;
 }
@@ -404,7 +424,9 @@ static PyObject* engine_set_comm_dtype(PyObject* self, PyObject* arg) {
   if (!ready(e)) return NULL;
   int code = -1;
   if (arg != Py_None && (code = mfsdp_dtype_code(engine_state(self), arg, "set_comm_dtype")) < 0) return NULL;
+  e->busy = 1;
   mfsdp_status s = mfsdp_pipeline_set_comm_dtype(e->pipeline, code);
+  e->busy = 0;
   if (s != MFSDP_OK) return fail(self, s);
   Py_RETURN_NONE;
 }
@@ -496,7 +518,9 @@ static PyObject* engine_count_nonfinite_grad(PyObject* self, PyObject* args) {
   int b, i;
   int64_t count = 0;
   if (!PyArg_ParseTuple(args, "ii:count_nonfinite_grad", &b, &i) || !ready(e)) return NULL;
+  e->busy = 1;
   mfsdp_status s = mfsdp_pipeline_count_nonfinite_grad(e->pipeline, b, i, &count);
+  e->busy = 0;
   if (s != MFSDP_OK) return fail(self, s);
   return PyLong_FromLongLong(count);
 }
@@ -518,7 +542,12 @@ static PyObject* engine_num_buckets(PyObject* self, void* closure) {
 
 static PyObject* engine_close(PyObject* self, PyObject* unused) {
   (void)unused;
-  engine_close_pipeline((engine_object*)self);
+  engine_object* e = (engine_object*)self;
+  if (e->busy) { /* another thread is inside a call (the NCCL transport lets go of the GIL while it waits) */
+    PyErr_SetString(PyExc_RuntimeError, "Engine.close() while another call is running");
+    return NULL;
+  }
+  engine_close_pipeline(e);
   Py_RETURN_NONE;
 }
 

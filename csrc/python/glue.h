@@ -64,7 +64,7 @@ int mfsdp_register_engine(PyObject* module, module_state* st);
 int mfsdp_register_nccl(PyObject* module, module_state* st); /* no-op without CUDA */
 #ifdef MFSDP_WITH_CUDA
 /* Points a CUDA kernel context at torch's current stream on `device`; current_stream is
- * torch.cuda.current_stream. 0, or -1 with an exception. (csrc/cuda/nccl_glue.c) */
+ * torch.cuda.current_stream. 0, or -1 with an exception. (cuda_glue.c) */
 int mfsdp_use_current_stream(PyObject* current_stream, int device, void* kernels_ctx);
 #endif
 

@@ -149,11 +149,15 @@ static mfsdp_status tt_all_to_all(void* ctx, const mfsdp_buffer* out, const mfsd
   return issue(t->all_to_all, args, 2, t->kw_gather, work, "all_to_all_single");
 }
 
+/* On CUDA, Work.wait() only orders the current stream after the collective; given a timeout,
+ * ProcessGroupNCCL blocks the host until the collective ends, serialising CPU and GPU. There
+ * the timeout belongs to the process groups (their watchdog), so wait() gets none. */
 static mfsdp_status tt_wait(void* ctx, mfsdp_work* work) {
   torch_transport* t = ctx;
   PyObject* w = (PyObject*)work;
   if (w == NULL) return MFSDP_OK;
-  PyObject* r = t->timeout ? PyObject_CallMethod(w, "wait", "O", t->timeout) : PyObject_CallMethod(w, "wait", NULL);
+  PyObject* r = t->timeout && t->head.device < 0 ? PyObject_CallMethod(w, "wait", "O", t->timeout)
+                                                 : PyObject_CallMethod(w, "wait", NULL);
   Py_DECREF(w);
   if (r == NULL) return mfsdp_status_from_python(MFSDP_ERR_COMM, "Work.wait");
   Py_DECREF(r);
@@ -174,7 +178,9 @@ PyDoc_STRVAR(torch_transport_doc,
              "TorchTransport(all_gather_group, reduce_group, device=-1, timeout=None)\n\n"
              "Collectives through torch.distributed (any backend; gloo on CPU), called from C.\n"
              "all_gather_group and reduce_group are process groups over the same ranks. timeout: a\n"
-             "datetime.timedelta after which waiting for a collective raises (None: the group's).");
+             "datetime.timedelta after which waiting for a collective raises (None: the group's).\n"
+             "Host buffers only (device -1): on CUDA Work.wait() gets no timeout, which would block\n"
+             "the host; give the process groups the timeout instead.");
 
 /* torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names. */
 static PyObject* attr_or_fallback(PyObject* module, const char* name, const char* fallback) {

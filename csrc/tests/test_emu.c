@@ -94,11 +94,48 @@ static void expect_pack(kernel_rig* k, int dt, double alpha, int accumulate) {
   free(got);
 }
 
+/* A bucket pack while torch's caching allocator holds every byte of the device: the kernels
+ * may not allocate (no stream-ordered table, no pageable upload), and a pack of more items
+ * than one launch's table takes still lands in one call. */
+static void expect_pack_with_full_pool(kernel_rig* k, int device) {
+  enum { ITEMS = 3000 };
+  mfsdp_pack_item* items = calloc(ITEMS, sizeof *items);
+  float* src = malloc(ITEMS * 5 * sizeof *src);
+  float* want = calloc(ITEMS * 6, sizeof *want);
+  float* got = calloc(ITEMS * 6, sizeof *got);
+  uint64_t rng = 11;
+  fill_test_values(src, MFSDP_F32, ITEMS * 5, &rng);
+  for (int i = 0; i < ITEMS; ++i) /* runs of 0-4 elements, one gap each */
+    items[i] = (mfsdp_pack_item){src + 5 * i, MFSDP_F32, 6 * i + 1, i % 5};
+  size_t held = emu_device_memory_free(device);
+  CHECK(emu_device_reserve(device, (long long)held), "torch takes the whole pool");
+  long allocations = emu_runtime_allocations();
+  CHECK_OK(mfsdp_cpu_pack(want, MFSDP_F32, items, ITEMS, 1.0 / 3.0, 1));
+  CHECK_OK(mfsdp_cuda_kernels->pack(k->ctx, got, MFSDP_F32, items, ITEMS, 1.0 / 3.0, 1));
+  int64_t bad = -1;
+  CHECK_OK(mfsdp_cuda_kernels->count_nonfinite(k->ctx, got, MFSDP_F32, ITEMS * 6, &bad));
+  cudaStreamSynchronize(k->stream);
+  CHECK(count_differences(want, got, MFSDP_F32, ITEMS * 6) == 0, "pack of %d items with a full pool differs", ITEMS);
+  CHECK(emu_runtime_allocations() == allocations, "the kernels allocated device memory %ld times",
+        emu_runtime_allocations() - allocations);
+  emu_device_reserve(device, -(long long)held);
+  free(items);
+  free(src);
+  free(want);
+  free(got);
+}
+
 static void test_kernels(void) {
+  /* The engine's tensors and torch's stream are on device 1 while the calling thread's current
+   * device is 0 (a rank that never called torch.cuda.set_device): every entry point must make
+   * its own device current, and give the caller's back. */
+  const int device = 1;
   kernel_rig k;
+  cudaSetDevice(device);
   cudaStreamCreateWithPriority(&k.stream, cudaStreamNonBlocking, 0);
-  k.ctx = mfsdp_cuda_kernel_context(0);
+  CHECK_OK(mfsdp_cuda_kernel_context(device, &k.ctx));
   mfsdp_cuda_set_stream(k.ctx, k.stream);
+  cudaSetDevice(0);
   /* 2 SMs x 8 blocks x 256 threads: 4096 threads, so 100003 elements take several strides */
   const int64_t sizes[] = {1, 7, 8, 9, 1031, 100003};
   for (int dt = 0; dt < MFSDP_NUM_FLOAT_DTYPES; ++dt)
@@ -108,12 +145,18 @@ static void test_kernels(void) {
           expect_binary(&k, dt, st, sizes[z], shift, 1.0, 0);
           expect_binary(&k, dt, st, sizes[z], shift, 1.0 / 3.0, 0);
           expect_binary(&k, dt, st, sizes[z], shift, 0.25, 1);
+          expect_binary(&k, dt, st, sizes[z], shift, 1.0 / 3.0, 1); /* not a power of two: no FMA */
         }
   for (int dt = 0; dt < MFSDP_NUM_FLOAT_DTYPES; ++dt)
     for (int acc = 0; acc < 2; ++acc) {
       expect_pack(&k, dt, 1.0, acc);
       expect_pack(&k, dt, 0.125, acc);
+      expect_pack(&k, dt, 1.0 / 3.0, acc);
     }
+  expect_pack_with_full_pool(&k, device);
+  int current = -1;
+  cudaGetDevice(&current);
+  CHECK(current == 0, "a kernel entry point left device %d current (the caller's was 0)", current);
   /* scale and fill_zero */
   float x[1000], y[1000];
   uint64_t rng = 5;
@@ -157,6 +200,9 @@ typedef struct emu_world {
   int n;
   ncclUniqueId ids[2];
   double timeout_s;
+  const mfsdp_nccl_hooks* hooks; /* NULL: none */
+  pthread_barrier_t start;       /* the ranks make their transports together: the set-up's timeout
+                                    counts from there, not from when each thread got a core */
 } emu_world;
 
 typedef struct emu_rank {
@@ -196,37 +242,55 @@ static void* emu_world_create(int n) {
   emu_world* w = calloc(1, sizeof *w);
   w->n = n;
   w->timeout_s = 30.0;
+  pthread_barrier_init(&w->start, NULL, (unsigned)n);
   ncclGetUniqueId(&w->ids[0]);
   ncclGetUniqueId(&w->ids[1]);
   return w;
 }
 
+static void emu_world_destroy(void* world) {
+  emu_world* w = world;
+  pthread_barrier_destroy(&w->start);
+  free(w);
+}
+
 static int emu_rank_setup(void* world, int rank, mfsdp_backend* be, void** state) {
   emu_world* w = world;
   emu_rank* r = calloc(1, sizeof *r);
+  /* One device per rank, with torch's current stream on it; the thread's current device stays
+   * 0, as on a rank that never called torch.cuda.set_device: the engine must not depend on it. */
+  cudaSetDevice(rank);
   cudaStreamCreateWithPriority(&r->stream, cudaStreamNonBlocking, 0);
-  r->kernels_ctx = mfsdp_cuda_kernel_context(rank); /* one device per rank */
+  cudaSetDevice(0);
+  if (mfsdp_cuda_kernel_context(rank, &r->kernels_ctx) != MFSDP_OK) return -1;
   mfsdp_cuda_set_stream(r->kernels_ctx, r->stream);
   *state = r;
-  if (mfsdp_nccl_create(w->ids, rank, w->n, rank, w->timeout_s, &r->nccl) != MFSDP_OK) return -1;
+  pthread_barrier_wait(&w->start);
+  if (mfsdp_nccl_create(w->ids, rank, w->n, rank, w->timeout_s, w->hooks, &r->nccl) != MFSDP_OK) return -1;
+  int current = -1;
+  cudaGetDevice(&current);
+  CHECK(current == 0, "creating the transport left device %d current (the caller's was 0)", current);
   *be = (mfsdp_backend){&dev_memory_ops, r, &mfsdp_nccl_ops, r->nccl, mfsdp_cuda_kernels, r->kernels_ctx};
   return 0;
 }
 
 static void emu_rank_sync(void* state) { cudaStreamSynchronize(((emu_rank*)state)->stream); }
 
+/* Every rank tears down at the same point: the collective close, then the local destroy
+ * (which only aborts what close could not end). */
 static void emu_rank_teardown(void* state) {
   emu_rank* r = state;
   if (r == NULL) return;
   cudaStreamSynchronize(r->stream);
+  if (r->nccl) mfsdp_nccl_close(r->nccl); /* fails fast after a failure; the destroy below still frees */
   mfsdp_nccl_destroy(r->nccl);
   mfsdp_cuda_set_stream(r->kernels_ctx, NULL);
   cudaStreamDestroy(r->stream);
   free(r);
 }
 
-static const pipe_rig nccl_rig = {"emulated NCCL + CUDA kernels", emu_world_create, free, emu_rank_setup,
-                                  emu_rank_sync, emu_rank_teardown, NULL};
+static const pipe_rig nccl_rig = {"emulated NCCL + CUDA kernels", emu_world_create, emu_world_destroy,
+                                  emu_rank_setup, emu_rank_sync, emu_rank_teardown, NULL};
 
 /* ------------------------------------------------------------------------------------------ */
 /* a unit of several buckets: its gathers go out as one NCCL group */
@@ -308,11 +372,361 @@ static void test_grouped_unit(void) {
       pthread_create(&threads[r], NULL, unit_worker, &args[r]);
     }
     for (int r = 0; r < n; ++r) pthread_join(threads[r], NULL);
-    free(w);
+    emu_world_destroy(w);
     long grouped = emu_nccl_grouped_collectives() - before;
     CHECK(grouped == 3L * UNIT_BUCKETS * n, "world %d: %ld gathers launched in groups, expected %d", n, grouped,
           3 * UNIT_BUCKETS * n);
   }
+}
+
+
+/* ------------------------------------------------------------------------------------------ */
+/* teardown and blocking: what must never hang */
+
+/* One all-gather every rank joins: the communicators connect (NCCL does at first use). */
+static void warm_up(emu_rank* r, const mfsdp_buffer* full, const mfsdp_buffer* shard) {
+  mfsdp_work* w = NULL;
+  CHECK_OK(mfsdp_nccl_ops.all_gather(r->nccl, full, shard, &w));
+  CHECK_OK(mfsdp_nccl_ops.wait(r->nccl, w));
+  emu_rank_sync(r);
+}
+
+/* Runs fn(arg) on a thread; 1 if it returned within `seconds`. If not, the caller must make it
+ * return (release what it waits for) and then join `*thread`. */
+typedef struct timed_call {
+  void (*fn)(void*);
+  void* arg;
+  _Atomic int done;
+} timed_call;
+
+static void* timed_main(void* p) {
+  timed_call* c = p;
+  c->fn(c->arg);
+  c->done = 1;
+  return NULL;
+}
+
+static int returns_within(timed_call* c, double seconds, pthread_t* thread) {
+  c->done = 0;
+  pthread_create(thread, NULL, timed_main, c);
+  for (double waited = 0; waited < seconds && !c->done; waited += 0.01) nap(0.01);
+  if (!c->done) return 0;
+  pthread_join(*thread, NULL);
+  return 1;
+}
+
+/* Two ranks, each a thread running its part of a scenario in turn (see the tests below). */
+typedef struct duo {
+  emu_world* world;
+  emu_rank* rank[2];
+  float* full[2];
+  mfsdp_buffer fb[2], sb[2];
+  _Atomic int step; /* rank 1 waits for rank 0 to reach a step */
+  mfsdp_status seen[2];
+  double took[2];
+} duo;
+
+static void duo_setup(duo* d, int n_connect, double timeout_s) {
+  memset(d, 0, sizeof *d);
+  d->world = emu_world_create(2);
+  d->world->timeout_s = timeout_s;
+  for (int r = 0; r < 2; ++r) {
+    d->full[r] = calloc(64, sizeof(float));
+    d->fb[r] = (mfsdp_buffer){d->full[r], 64, MFSDP_F32, r, NULL};
+    d->sb[r] = (mfsdp_buffer){d->full[r] + 32 * r, 32, MFSDP_F32, r, NULL};
+  }
+  (void)n_connect;
+}
+
+static void duo_free(duo* d) {
+  for (int r = 0; r < 2; ++r) free(d->full[r]);
+  emu_world_destroy(d->world);
+}
+
+static double seconds_since(const struct timespec* a) {
+  struct timespec b;
+  clock_gettime(CLOCK_MONOTONIC, &b);
+  return (double)(b.tv_sec - a->tv_sec) + 1e-9 * (double)(b.tv_nsec - a->tv_nsec);
+}
+
+static void wait_step(duo* d, int step) {
+  while (d->step < step) nap(0.005);
+}
+
+typedef struct duo_rank {
+  duo* d;
+  int rank;
+  void (*body)(duo* d, int rank);
+} duo_rank;
+
+static void* duo_main(void* p) {
+  duo_rank* a = p;
+  mfsdp_backend be;
+  void* state = NULL;
+  CHECK(emu_rank_setup(a->d->world, a->rank, &be, &state) == 0, "setup: %s", mfsdp_last_error());
+  a->d->rank[a->rank] = state;
+  a->body(a->d, a->rank);
+  return NULL;
+}
+
+static void run_duo(duo* d, void (*body)(duo*, int)) {
+  pthread_t threads[2];
+  duo_rank args[2] = {{d, 0, body}, {d, 1, body}};
+  for (int r = 0; r < 2; ++r) pthread_create(&threads[r], NULL, duo_main, &args[r]);
+  for (int r = 0; r < 2; ++r) pthread_join(threads[r], NULL);
+}
+
+/* Item: a peer that dies before the communicators connected. NCCL connects at a communicator's
+ * first collective and waits for the peers there; the engine must still raise within the
+ * timeout (and never hold the lock the watchdog aborts under while NCCL waits). */
+static void issue_gather(void* arg) {
+  duo* d = arg;
+  struct timespec a;
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  mfsdp_work* w = NULL;
+  d->seen[0] = mfsdp_nccl_ops.all_gather(d->rank[0]->nccl, &d->fb[0], &d->sb[0], &w);
+  if (d->seen[0] == MFSDP_OK) d->seen[0] = mfsdp_nccl_ops.wait(d->rank[0]->nccl, w);
+  d->took[0] = seconds_since(&a);
+}
+
+static void dead_peer_at_connect(duo* d, int rank) {
+  emu_rank* r = d->rank[rank];
+  if (rank == 0) {
+    timed_call call = {issue_gather, d, 0};
+    pthread_t th;
+    int returned = returns_within(&call, 5.0, &th);
+    CHECK(returned, "a collective whose peer never connected held the engine for 5 s (timeout 0.5 s)");
+    d->step = 1; /* the peer shows up now: lets a blocked call finish */
+    if (!returned) pthread_join(th, NULL);
+    CHECK(d->seen[0] == MFSDP_ERR_TIMEOUT, "a peer that never connected -> %s: %s", mfsdp_status_name(d->seen[0]),
+          mfsdp_last_error());
+    CHECK(!returned || d->took[0] < 3.0, "raised after %.2f s (timeout 0.5 s)", d->took[0]);
+    printf("test_emu: a collective whose peer never connected raised %s after %.2f s (timeout 0.5 s)\n",
+           mfsdp_status_name(d->seen[0]), d->took[0]);
+    d->step = 2;
+  } else {
+    wait_step(d, 1);
+    mfsdp_work* w = NULL;
+    if (mfsdp_nccl_ops.all_gather(r->nccl, &d->fb[1], &d->sb[1], &w) == MFSDP_OK) mfsdp_nccl_ops.discard(r->nccl, w);
+    wait_step(d, 2);
+  }
+  emu_rank_teardown(r);
+}
+
+static void test_dead_peer_at_connect(void) {
+  duo d;
+  duo_setup(&d, 0, 0.5);
+  run_duo(&d, dead_peer_at_connect);
+  duo_free(&d);
+}
+
+/* Item: a transport dropped while a collective is in flight (garbage collection of a model in a
+ * reference cycle happens at different moments on different ranks). Destroying the
+ * communicators waits for that collective, which needs the peer: it must abort instead. */
+static void drop_transport(void* arg) { /* what NcclTransport's dealloc does */
+  emu_rank* r = arg;
+  mfsdp_nccl_destroy(r->nccl);
+  r->nccl = NULL;
+}
+
+static void destroy_in_flight(duo* d, int rank) {
+  emu_rank* r = d->rank[rank];
+  warm_up(r, &d->fb[rank], &d->sb[rank]);
+  if (rank == 0) {
+    mfsdp_work* w = NULL;
+    CHECK_OK(mfsdp_nccl_ops.all_gather(r->nccl, &d->fb[0], &d->sb[0], &w)); /* rank 1 joins late, or never */
+    mfsdp_nccl_ops.discard(r->nccl, w);
+    long aborts = emu_nccl_aborts();
+    timed_call call = {drop_transport, r, 0};
+    pthread_t th;
+    int returned = returns_within(&call, 3.0, &th);
+    CHECK(returned, "dropping a transport with a collective in flight hung for 3 s (ncclCommDestroy waits for peers)");
+    d->step = 1;
+    if (!returned) pthread_join(th, NULL);
+    CHECK(emu_nccl_aborts() - aborts >= 2, "dropped without close: its communicators are aborted, not destroyed");
+    d->step = 2;
+    emu_rank_teardown(r);
+  } else {
+    wait_step(d, 1);
+    mfsdp_work* w = NULL;
+    mfsdp_status s = mfsdp_nccl_ops.all_gather(r->nccl, &d->fb[1], &d->sb[1], &w);
+    if (s == MFSDP_OK) s = mfsdp_nccl_ops.wait(r->nccl, w);
+    emu_rank_sync(r);
+    wait_step(d, 2);
+    emu_rank_teardown(r);
+  }
+}
+
+static void test_destroy_in_flight(void) {
+  duo d;
+  duo_setup(&d, 1, 30.0);
+  run_duo(&d, destroy_in_flight);
+  duo_free(&d);
+}
+
+/* Item: the watchdog aborting the communicators while a group is open. A collective the peer
+ * never joins goes stale while rank 0 sits between group_start and group_end; the group's end
+ * must report the timeout and touch no aborted communicator. */
+static void abort_inside_group(duo* d, int rank) {
+  emu_rank* r = d->rank[rank];
+  warm_up(r, &d->fb[rank], &d->sb[rank]);
+  if (rank == 0) {
+    mfsdp_work *stale = NULL, *grouped = NULL;
+    CHECK_OK(mfsdp_nccl_ops.all_gather(r->nccl, &d->fb[0], &d->sb[0], &stale)); /* never joined */
+    mfsdp_status s = mfsdp_nccl_ops.group_start(r->nccl);
+    if (s == MFSDP_OK) {
+      mfsdp_status g = mfsdp_nccl_ops.all_gather(r->nccl, &d->fb[0], &d->sb[0], &grouped);
+      nap(1.0); /* the watchdog aborts meanwhile (timeout 0.3 s) */
+      s = mfsdp_nccl_ops.group_end(r->nccl);
+      if (s == MFSDP_OK) s = g;
+      if (grouped) {
+        mfsdp_status ws = mfsdp_nccl_ops.wait(r->nccl, grouped);
+        if (s == MFSDP_OK) s = ws;
+      }
+    }
+    CHECK(s == MFSDP_ERR_TIMEOUT, "a group the watchdog aborted -> %s: %s", mfsdp_status_name(s), mfsdp_last_error());
+    mfsdp_nccl_ops.discard(r->nccl, stale);
+    d->step = 1;
+  } else {
+    wait_step(d, 1);
+  }
+  emu_rank_teardown(r);
+}
+
+static void test_abort_inside_group(void) {
+  duo d;
+  duo_setup(&d, 1, 0.3);
+  run_duo(&d, abort_inside_group);
+  duo_free(&d);
+}
+
+/* Item: a pipeline destroyed while its gather is in flight. Its buffers go back to the
+ * allocator on the consumer stream (stream-ordered frees, as torch's caching allocator): that
+ * stream must first wait for the collective, or NCCL writes into freed memory (an
+ * AddressSanitizer error here). */
+static void pipeline_destroy_in_flight(duo* d, int rank) {
+  emu_rank* r = d->rank[rank];
+  mfsdp_param_info info = {UNIT_ROWS * UNIT_COLS, UNIT_COLS, MFSDP_F32, 0, 1, 0};
+  mfsdp_plan plan;
+  CHECK_OK(mfsdp_plan_build(&info, 1, 2, 0, 16, &plan));
+  mfsdp_bucket_plan* bp = &plan.buckets[0];
+  mfsdp_bucket_spec spec = {bp->layout, rank, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
+                            MFSDP_GRAD_SCATTER_ACCUMULATE};
+  mfsdp_backend be = {&dev_memory_ops, r, &mfsdp_nccl_ops, r->nccl, mfsdp_cuda_kernels, r->kernels_ctx};
+  mfsdp_pipeline_config cfg = {2, rank, 0.5, MFSDP_REDUCE_SUM, 1 << 20, 0};
+  mfsdp_pipeline* p = NULL;
+  CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
+  float v[UNIT_ROWS * UNIT_COLS] = {0};
+  int32_t id = 0;
+  CHECK_OK(mfsdp_pipeline_init_begin(p, 0, 0));
+  CHECK_OK(mfsdp_pipeline_set_item(p, 0, 0, v, MFSDP_F32, UNIT_ROWS * UNIT_COLS));
+  CHECK_OK(mfsdp_pipeline_init_end(p, 0));
+  CHECK_OK(mfsdp_pipeline_unshard(p, &id, 1)); /* connects */
+  CHECK_OK(mfsdp_pipeline_wait_unshard(p, &id, 1));
+  CHECK_OK(mfsdp_pipeline_reshard(p, &id, 1));
+  emu_rank_sync(r);
+  if (rank == 1) nap(0.3); /* the peer comes late to the next gather */
+  CHECK_OK(mfsdp_pipeline_unshard(p, &id, 1));
+  mfsdp_pipeline_destroy(p); /* rank 0: the gather has not run yet */
+  emu_rank_sync(r);
+  emu_rank_teardown(r);
+  mfsdp_plan_free(&plan);
+}
+
+static void test_pipeline_destroy_in_flight(void) {
+  duo d;
+  duo_setup(&d, 0, 30.0);
+  run_duo(&d, pipeline_destroy_in_flight);
+  duo_free(&d);
+}
+
+/* Item: the explicit, collective end. Every rank closes: the communicators are finalized and
+ * destroyed, none aborted, and the transport refuses further collectives. */
+static void close_together(duo* d, int rank) {
+  emu_rank* r = d->rank[rank];
+  warm_up(r, &d->fb[rank], &d->sb[rank]);
+  long destroys = emu_nccl_destroys(), aborts = emu_nccl_aborts();
+  CHECK_OK(mfsdp_nccl_close(r->nccl));
+  mfsdp_work* w = NULL;
+  CHECK(mfsdp_nccl_ops.all_gather(r->nccl, &d->fb[rank], &d->sb[rank], &w) == MFSDP_ERR_INVALID_STATE && w == NULL,
+        "a collective after close is refused: %s", mfsdp_last_error());
+  d->step++;
+  while (d->step < 2) nap(0.005); /* both closed before the counts are read */
+  CHECK(emu_nccl_destroys() - destroys >= 2 && emu_nccl_aborts() == aborts,
+        "closed: %ld communicators destroyed, %ld aborted", emu_nccl_destroys() - destroys, emu_nccl_aborts() - aborts);
+  mfsdp_nccl_destroy(r->nccl);
+  r->nccl = NULL;
+  d->step++;
+  while (d->step < 4) nap(0.005);
+  emu_rank_teardown(r);
+}
+
+/* ... and a rank whose peer never closes gets the timeout, not a hang. */
+static void close_alone(duo* d, int rank) {
+  emu_rank* r = d->rank[rank];
+  warm_up(r, &d->fb[rank], &d->sb[rank]);
+  if (rank == 0) {
+    struct timespec a;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    mfsdp_status s = mfsdp_nccl_close(r->nccl);
+    double took = seconds_since(&a);
+    CHECK(s == MFSDP_ERR_TIMEOUT && took < 3.0, "close without the peer -> %s after %.2f s (timeout 0.5 s): %s",
+          mfsdp_status_name(s), took, mfsdp_last_error());
+    d->step = 1;
+  } else {
+    wait_step(d, 1);
+  }
+  emu_rank_teardown(r);
+}
+
+static void test_close(void) {
+  duo d;
+  duo_setup(&d, 1, 30.0);
+  run_duo(&d, close_together);
+  duo_free(&d);
+  duo_setup(&d, 1, 0.5);
+  run_duo(&d, close_alone);
+  duo_free(&d);
+}
+
+/* Waiting for NCCL lets others run (the glue releases the GIL there) and stops on Ctrl-C. */
+typedef struct hook_state {
+  _Atomic int begins, ends, polls;
+} hook_state;
+static void* hook_begin(void* arg) {
+  ((hook_state*)arg)->begins++;
+  return arg;
+}
+static void hook_end(void* arg, void* token) {
+  CHECK(token == arg, "block_end gets block_begin's token");
+  ((hook_state*)arg)->ends++;
+}
+static int hook_interrupted(void* arg) { return ++((hook_state*)arg)->polls > 150; /* ~0.1 s in */ }
+
+static void interrupted_wait(duo* d, int rank) {
+  emu_rank* r = d->rank[rank];
+  if (rank == 0) {
+    issue_gather(d); /* the peer never connects; the timeout is 30 s */
+    CHECK(d->seen[0] == MFSDP_ERR_COMM && strstr(mfsdp_last_error(), "interrupted") && d->took[0] < 3.0,
+          "Ctrl-C while NCCL connects -> %s after %.2f s: %s", mfsdp_status_name(d->seen[0]), d->took[0],
+          mfsdp_last_error());
+    d->step = 1;
+  } else {
+    wait_step(d, 1);
+  }
+  emu_rank_teardown(r);
+}
+
+static void test_interrupt(void) {
+  hook_state hs = {0, 0, 0};
+  mfsdp_nccl_hooks hooks = {hook_begin, hook_end, hook_interrupted, &hs};
+  duo d;
+  duo_setup(&d, 0, 30.0);
+  d.world->hooks = &hooks;
+  run_duo(&d, interrupted_wait);
+  CHECK(hs.begins >= 1 && hs.begins == hs.ends, "the wait was bracketed by the hooks (%d begins, %d ends)", hs.begins,
+        hs.ends);
+  duo_free(&d);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -333,8 +747,9 @@ static void* stall_worker(void* arg) {
   emu_rank* r = state;
   float* full = calloc(64, sizeof *full);
   float* shard = full + 32 * t->rank;
-  mfsdp_buffer fb = {full, 64, MFSDP_F32, 0, NULL}, sb = {shard, 32, MFSDP_F32, 0, NULL};
+  mfsdp_buffer fb = {full, 64, MFSDP_F32, t->rank, NULL}, sb = {shard, 32, MFSDP_F32, t->rank, NULL};
   mfsdp_work* w = NULL;
+  warm_up(r, &fb, &sb); /* connected: what stalls below is a launched collective */
   if (t->rank == 0) {
     CHECK_OK(mfsdp_nccl_ops.all_gather(r->nccl, &fb, &sb, &w)); /* issued; the peer never comes */
     CHECK_OK(mfsdp_nccl_ops.wait(r->nccl, w));                  /* orders the stream, does not block */
@@ -360,10 +775,10 @@ static void* stall_worker(void* arg) {
     g_rank0_aborted = 1;
   } else {
     while (!g_rank0_aborted) nap(0.01);
-    /* the peer aborted: this rank's collective cannot complete, NCCL reports a remote error */
-    CHECK_OK(mfsdp_nccl_ops.all_gather(r->nccl, &fb, &sb, &w));
-    CHECK_OK(mfsdp_nccl_ops.wait(r->nccl, w));
-    mfsdp_status s = MFSDP_OK;
+    /* the peer aborted: this rank's collective cannot complete, NCCL reports a remote error
+     * (at once, or at a later call) */
+    mfsdp_status s = mfsdp_nccl_ops.all_gather(r->nccl, &fb, &sb, &w);
+    if (s == MFSDP_OK) s = mfsdp_nccl_ops.wait(r->nccl, w);
     for (int i = 0; i < 100 && s == MFSDP_OK; ++i) {
       nap(0.02);
       mfsdp_work* w2 = NULL;
@@ -386,29 +801,41 @@ static void test_watchdog(void) {
   stall_thread args[2] = {{w, 0}, {w, 1}};
   for (int r = 0; r < 2; ++r) pthread_create(&threads[r], NULL, stall_worker, &args[r]);
   for (int r = 0; r < 2; ++r) pthread_join(threads[r], NULL);
-  free(w);
+  emu_world_destroy(w);
 }
 
 /* ------------------------------------------------------------------------------------------ */
 
-int main(void) {
+/* `test_emu [scenario]` runs one scenario (kernels, pipeline, grouped, watchdog, connect,
+ * destroy, group-abort, pipeline-destroy, close, interrupt); no argument runs them all. */
+static int wanted(int argc, char** argv, const char* name) { return argc < 2 || strcmp(argv[1], name) == 0; }
+
+int main(int argc, char** argv) {
   dev_memory_ops = heap_memory_ops;
   dev_memory_ops.create = dev_create;
   dev_memory_ops.release = dev_release;
   dev_memory_ops.destroy = dev_destroy;
   int streams_before = emu_streams_alive();
-  test_kernels();
+  if (wanted(argc, argv, "kernels")) test_kernels();
   long before = emu_nccl_collectives();
-  run_pipeline_cases(&nccl_rig, 4, 0);
-  run_pipeline_cases(&nccl_rig, 1, 1); /* world 1 with collectives, as tests/test_cuda.py runs on one GPU */
-  emu_set_jitter_us(300);               /* again with streams starting work at random moments */
-  run_pipeline_cases(&nccl_rig, 4, 0);
-  emu_set_jitter_us(0);
-  test_grouped_unit();
+  if (wanted(argc, argv, "pipeline")) {
+    run_pipeline_cases(&nccl_rig, 4, 0);
+    run_pipeline_cases(&nccl_rig, 1, 1); /* world 1 with collectives, as tests/test_cuda.py runs on one GPU */
+    emu_set_jitter_us(300);               /* again with streams starting work at random moments */
+    run_pipeline_cases(&nccl_rig, 4, 0);
+    emu_set_jitter_us(0);
+    CHECK(emu_nccl_premul_reductions() > 0, "no_shard / ZeRO-1 float32 reductions pre-multiply inside NCCL");
+  }
+  if (wanted(argc, argv, "grouped")) test_grouped_unit();
   long collectives = emu_nccl_collectives() - before;
-  CHECK(emu_nccl_premul_reductions() > 0, "no_shard / ZeRO-1 float32 reductions pre-multiply inside NCCL");
   CHECK(emu_nccl_live_ops() == 0, "%d pre-multiply operators never destroyed", emu_nccl_live_ops());
-  test_watchdog();
+  if (wanted(argc, argv, "watchdog")) test_watchdog();
+  if (wanted(argc, argv, "connect")) test_dead_peer_at_connect();
+  if (wanted(argc, argv, "destroy")) test_destroy_in_flight();
+  if (wanted(argc, argv, "group-abort")) test_abort_inside_group();
+  if (wanted(argc, argv, "pipeline-destroy")) test_pipeline_destroy_in_flight();
+  if (wanted(argc, argv, "close")) test_close();
+  if (wanted(argc, argv, "interrupt")) test_interrupt();
   CHECK(emu_streams_alive() == streams_before, "%d streams left alive", emu_streams_alive() - streams_before);
   if (test_failures) {
     fprintf(stderr, "test_emu: %d checks failed\n", test_failures);

@@ -4,9 +4,16 @@
  * every stream is a worker thread running its queue in order; events and cross-stream waits
  * behave as in CUDA (recorded work completes asynchronously, waits block the waiting stream,
  * not the host); a kernel launch queues the kernel body, run once per (block, thread) in turn.
+ * As in CUDA, each host thread has a current device (0 until cudaSetDevice); a stream and an
+ * event belong to the device current when they were made, and a launch, memset or event record
+ * on a stream of another device fails with cudaErrorInvalidResourceHandle. Each device has a
+ * memory pool of bounded size (emu_set_device_memory) shared by cudaMalloc, cudaMallocAsync and
+ * what the tests reserve in torch's name (emu_device_reserve): a pool torch has filled makes
+ * the runtime's own allocations fail, as on a real GPU.
  * What it proves: the host logic of kernels.cu and nccl_transport.c (indexing, vector heads
- * and tails, stream ordering, event lifetimes, the watchdog). What it cannot: real GPU timing,
- * memory models or NCCL itself -- those wait for a lent GPU (benchmarks/gpu_check.sh). */
+ * and tails, stream ordering, event lifetimes, device identity, the watchdog). What it cannot:
+ * real GPU timing, memory models or NCCL itself -- those wait for a lent GPU
+ * (benchmarks/gpu_check.sh). */
 #ifndef MFSDP_EMU_CUDA_RUNTIME_H
 #define MFSDP_EMU_CUDA_RUNTIME_H
 
@@ -45,6 +52,9 @@ const char* cudaGetErrorString(cudaError_t e);
 const char* cudaGetErrorName(cudaError_t e);
 cudaError_t cudaGetLastError(void);
 cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaMalloc(void* p, size_t bytes); /* void** in CUDA */
+cudaError_t cudaFree(void* p);
 cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device);
 cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest);
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, int priority);
@@ -62,6 +72,15 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s);
 
 /* Emulator controls for the tests. */
 int emu_streams_alive(void);          /* streams created and not destroyed */
+void emu_set_device_count(int n);     /* devices cudaSetDevice accepts (default 8) */
+/* Size of a device's memory pool (default 1 GiB each); what is in use stays in use. */
+void emu_set_device_memory(int device, size_t bytes);
+size_t emu_device_memory_free(int device);
+/* Takes (bytes > 0) or gives back (bytes < 0) pool memory in torch's name, as its caching
+ * allocator does; 0 when the pool has not that much free. */
+int emu_device_reserve(int device, long long bytes);
+/* cudaMalloc/cudaMallocAsync calls so far (the engine's hot paths must make none). */
+long emu_runtime_allocations(void);
 void emu_set_multiprocessors(int n);  /* what cudaDevAttrMultiProcessorCount reports (default 2) */
 void emu_set_jitter_us(int max_us);   /* each stream operation starts after a random 0..max_us delay */
 /* Queues a host function on a stream: the tests' stand-in for torch freeing into its
@@ -79,6 +98,14 @@ void emu_stream_host_fn(cudaStream_t s, void (*fn)(void*), void* arg);
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
+
+/* Rounded arithmetic that nvcc never contracts into an FMA; on the host plain operators, built
+ * without contraction (-ffp-contract=off), as the CPU kernels are. */
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
 
 struct dim3 {
   unsigned int x, y, z;

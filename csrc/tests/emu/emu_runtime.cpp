@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -24,7 +25,16 @@ thread_local dim3 blockIdx, threadIdx, blockDim, gridDim;
 namespace {
 
 thread_local cudaError_t g_last_error = cudaSuccess;
+thread_local int g_device = 0; /* the host thread's current device, as in CUDA */
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_device_count{8};
 std::atomic<int> g_streams_alive{0};
+std::atomic<long> g_allocations{0};
+/* Device memory pools: what cudaMalloc/cudaMallocAsync and torch (emu_device_reserve) draw on. */
+std::mutex g_pool_lock;
+size_t g_pool_size[kMaxDevices];
+size_t g_pool_used[kMaxDevices];
+std::map<void*, std::pair<int, size_t>> g_pool_blocks; /* pointer -> (device, bytes) */
 std::atomic<int> g_multiprocessors{2};
 std::atomic<int> g_jitter_us{0};
 std::atomic<long> g_collectives{0};
@@ -41,6 +51,31 @@ cudaError_t fail(cudaError_t e) {
   return e;
 }
 
+bool valid_device(int device) { return device >= 0 && device < g_device_count.load(); }
+
+size_t pool_size(int device) { return g_pool_size[device] ? g_pool_size[device] : (size_t)1 << 30; }
+
+void* pool_alloc(int device, size_t bytes) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  if (g_pool_used[device] + bytes > pool_size(device)) return nullptr;
+  void* mem = malloc(bytes ? bytes : 1);
+  if (mem == nullptr) return nullptr;
+  g_pool_used[device] += bytes;
+  g_pool_blocks[mem] = {device, bytes};
+  ++g_allocations;
+  return mem;
+}
+
+bool pool_free(void* p) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  auto it = g_pool_blocks.find(p);
+  if (it == g_pool_blocks.end()) return false;
+  g_pool_used[it->second.first] -= it->second.second;
+  g_pool_blocks.erase(it);
+  free(p);
+  return true;
+}
+
 }  // namespace
 
 /* A stream: one worker thread running queued operations in order. */
@@ -49,9 +84,10 @@ struct emu_stream {
   std::condition_variable cv;
   std::deque<std::function<void()>> queue;
   bool busy = false, stop = false;
+  const int device; /* the device current when it was made */
   std::thread worker;
 
-  emu_stream() : worker([this] { run(); }) { ++g_streams_alive; }
+  explicit emu_stream(int device_) : device(device_), worker([this] { run(); }) { ++g_streams_alive; }
   ~emu_stream() {
     {
       std::lock_guard<std::mutex> g(m);
@@ -96,12 +132,18 @@ struct emu_stream {
 
 namespace {
 
-/* The legacy default stream (handle 0). */
+/* The legacy default stream (handle 0) of the current device. */
 emu_stream* resolve(cudaStream_t s) {
   if (s) return s;
-  static emu_stream* legacy = new emu_stream();  // made on first use, lives for the process
-  return legacy;
+  static std::mutex lock;
+  static emu_stream* legacy[kMaxDevices];  // made on first use, live for the process
+  std::lock_guard<std::mutex> g(lock);
+  if (!legacy[g_device]) legacy[g_device] = new emu_stream(g_device);
+  return legacy[g_device];
 }
+
+/* Work on a stream must be issued with its device current. */
+bool on_current_device(cudaStream_t s) { return resolve(s)->device == g_device; }
 
 }  // namespace
 
@@ -114,6 +156,7 @@ struct emu_event_state {
 };
 struct emu_event {
   std::shared_ptr<emu_event_state> s = std::make_shared<emu_event_state>();
+  int device = g_device;
 };
 
 extern "C" {
@@ -148,10 +191,21 @@ cudaError_t cudaGetLastError(void) {
   return e;
 }
 
-cudaError_t cudaSetDevice(int device) { return device < 0 ? fail(cudaErrorInvalidDevice) : cudaSuccess; }
+cudaError_t cudaSetDevice(int device) {
+  if (!valid_device(device)) return fail(cudaErrorInvalidDevice);
+  g_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  if (device == nullptr) return fail(cudaErrorInvalidValue);
+  *device = g_device;
+  return cudaSuccess;
+}
 
 cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
-  if (value == nullptr || device < 0) return fail(cudaErrorInvalidValue);
+  if (value == nullptr) return fail(cudaErrorInvalidValue);
+  if (!valid_device(device)) return fail(cudaErrorInvalidDevice);
   *value = attr == cudaDevAttrMultiProcessorCount ? g_multiprocessors.load() : 0;
   return cudaSuccess;
 }
@@ -166,7 +220,7 @@ cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, in
   (void)flags;
   (void)priority;
   if (s == nullptr) return fail(cudaErrorInvalidValue);
-  *s = new emu_stream();
+  *s = new emu_stream(g_device);
   return cudaSuccess;
 }
 
@@ -189,7 +243,8 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  if (e == nullptr || e->device != resolve(s)->device || !on_current_device(s))
+    return fail(cudaErrorInvalidResourceHandle);
   std::shared_ptr<emu_event_state> st = e->s;
   uint64_t seq;
   {
@@ -232,17 +287,29 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
   return cudaSuccess;
 }
 
-cudaError_t cudaMallocAsync(void* p, size_t bytes, cudaStream_t s) {
-  (void)s;
+cudaError_t cudaMalloc(void* p, size_t bytes) {
   if (p == nullptr) return fail(cudaErrorInvalidValue);
-  void* mem = malloc(bytes ? bytes : 1);
+  void* mem = pool_alloc(g_device, bytes);
+  if (mem == nullptr) return fail(cudaErrorMemoryAllocation);
+  *static_cast<void**>(p) = mem;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFree(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  return pool_free(p) ? cudaSuccess : fail(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaMallocAsync(void* p, size_t bytes, cudaStream_t s) {
+  if (p == nullptr) return fail(cudaErrorInvalidValue);
+  void* mem = pool_alloc(resolve(s)->device, bytes);  // from the pool of the stream's device
   if (mem == nullptr) return fail(cudaErrorMemoryAllocation);
   *static_cast<void**>(p) = mem;
   return cudaSuccess;
 }
 
 cudaError_t cudaFreeAsync(void* p, cudaStream_t s) {
-  resolve(s)->push([p] { free(p); });  // stream-ordered: earlier work on s may still use it
+  resolve(s)->push([p] { pool_free(p); });  // stream-ordered: earlier work on s may still use it
   return cudaSuccess;
 }
 
@@ -264,11 +331,29 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
   if (bytes && p == nullptr) return fail(cudaErrorInvalidValue);
+  if (!on_current_device(s)) return fail(cudaErrorInvalidResourceHandle);
   resolve(s)->push([=] { memset(p, value, bytes); });
   return cudaSuccess;
 }
 
 int emu_streams_alive(void) { return g_streams_alive.load(); }
+void emu_set_device_count(int n) { g_device_count = n < kMaxDevices ? n : kMaxDevices; }
+void emu_set_device_memory(int device, size_t bytes) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  g_pool_size[device] = bytes;
+}
+size_t emu_device_memory_free(int device) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  size_t size = pool_size(device);
+  return g_pool_used[device] < size ? size - g_pool_used[device] : 0;
+}
+int emu_device_reserve(int device, long long bytes) {
+  std::lock_guard<std::mutex> g(g_pool_lock);
+  if (bytes > 0 && g_pool_used[device] + (size_t)bytes > pool_size(device)) return 0;
+  g_pool_used[device] += (size_t)bytes;  // a negative count gives back
+  return 1;
+}
+long emu_runtime_allocations(void) { return g_allocations.load(); }
 void emu_set_multiprocessors(int n) { g_multiprocessors = n; }
 void emu_set_jitter_us(int max_us) { g_jitter_us = max_us; }
 void emu_stream_host_fn(cudaStream_t s, void (*fn)(void*), void* arg) { resolve(s)->push([=] { fn(arg); }); }
@@ -280,6 +365,7 @@ cudaError_t emu_launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || block.x == 0 || block.x * block.y * block.z > 1024 ||
       grid.y > 65535 || grid.z > 65535)
     return fail(cudaErrorInvalidValue);  // CUDA's launch limits, reported by cudaGetLastError
+  if (!on_current_device(s)) return fail(cudaErrorInvalidResourceHandle);  // a stream of another device
   resolve(s)->push([=] {
     gridDim = grid;
     blockDim = block;
@@ -298,7 +384,16 @@ cudaError_t emu_launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* NCCL: a clique is the ranks of one unique id; its members meet in a two-phase barrier. */
+/* NCCL. A clique is the ranks of one unique id; its members meet in a two-phase barrier.
+ *
+ * As in NCCL: a communicator made by ncclCommInitRankConfig with blocking = 0 never blocks the
+ * caller: a call that has to wait (init, the connection a communicator sets up at its first
+ * collective, finalize) returns ncclInProgress and finishes in the background, and
+ * ncclCommGetAsyncError reports ncclInProgress until then; a further call on the communicator
+ * meanwhile is ncclInvalidUsage. A blocking communicator waits in the call instead: at its
+ * first collective until every rank has reached its own first collective. ncclCommFinalize
+ * (and ncclCommDestroy without it) waits until the communicator's queued collectives have run,
+ * which needs their peers; ncclCommAbort breaks the clique at once. */
 
 namespace {
 
@@ -306,13 +401,15 @@ struct clique {
   int n;
   std::mutex m;
   std::condition_variable cv;
-  int joined = 0, arrived = 0;
+  int joined = 0, connected = 0, arrived = 0;
   uint64_t generation = 0;
   bool broken = false;
   /* what each rank posted for the current collective */
   std::vector<const void*> send;
   std::vector<std::vector<std::pair<const void*, size_t>>> sends_to;  // [rank][peer]: p2p
-  explicit clique(int n_) : n(n_), send(n_), sends_to(n_, std::vector<std::pair<const void*, size_t>>(n_)) {}
+  std::vector<int> devices;                                           // [rank]: its GPU
+  explicit clique(int n_)
+      : n(n_), send(n_), sends_to(n_, std::vector<std::pair<const void*, size_t>>(n_)), devices(n_, -1) {}
 
   /* false: the clique broke (a rank aborted) before everyone arrived */
   bool barrier() {
@@ -328,6 +425,14 @@ struct clique {
     cv.wait(g, [&] { return generation != gen || broken; });
     return generation != gen;
   }
+  /* Counts this rank in (joined at init, connected at its first collective) and waits for all. */
+  bool meet(int clique::*counter, bool count_me) {
+    std::unique_lock<std::mutex> g(m);
+    if (count_me) ++(this->*counter);
+    cv.notify_all();
+    cv.wait(g, [&] { return this->*counter == n || broken; });
+    return !broken;
+  }
   void do_break() {
     std::lock_guard<std::mutex> g(m);
     broken = true;
@@ -338,11 +443,30 @@ struct clique {
 std::mutex g_registry_lock;
 std::map<std::string, std::weak_ptr<clique>> g_registry;
 std::atomic<uint64_t> g_next_id{1};
+std::atomic<long> g_destroys{0}, g_aborts{0};
 
 struct comm_state {
   std::shared_ptr<clique> c;
   int rank;
+  int device; /* current when the communicator was made: its streams must be this device's */
+  bool blocking = true;
   std::atomic<int> error{ncclSuccess};
+  std::atomic<int> in_progress{0}; /* background work of a non-blocking call */
+  std::atomic<bool> connected{false};
+  std::atomic<bool> finalized{false};
+  std::atomic<bool> released{false}; /* its handle was aborted or destroyed: NCCL freed it */
+  std::mutex m;
+  std::condition_variable cv;
+  int inflight = 0; /* collectives queued on streams that have not run yet */
+
+  void set_error(ncclResult_t r) {
+    int ok = ncclSuccess;
+    error.compare_exchange_strong(ok, r);
+  }
+  void drain() { /* until every queued collective has run (or ended on a broken clique) */
+    std::unique_lock<std::mutex> g(m);
+    cv.wait(g, [&] { return inflight == 0; });
+  }
 };
 
 size_t type_size(ncclDataType_t t) {
@@ -382,6 +506,13 @@ void store(void* p, ncclDataType_t t, size_t i, double v) {
   }
 }
 
+/* A collective ready to go on a stream; `op` runs there. */
+struct launch_entry {
+  std::shared_ptr<comm_state> st;
+  cudaStream_t stream;
+  std::function<void()> op;
+};
+
 /* A p2p operation collected between ncclGroupStart and ncclGroupEnd. */
 struct p2p_op {
   bool is_send;
@@ -394,13 +525,70 @@ struct p2p_op {
 thread_local int g_group_depth = 0;
 thread_local std::vector<p2p_op> g_group_p2p;
 /* NCCL launches a group's collectives at ncclGroupEnd: until then they wait here. */
-thread_local std::vector<std::pair<cudaStream_t, std::function<void()>>> g_group_collectives;
-thread_local std::vector<std::shared_ptr<clique>> g_group_inits;
+thread_local std::vector<launch_entry> g_group_collectives;
+thread_local std::vector<std::shared_ptr<comm_state>> g_group_inits;
 
-ncclResult_t wait_joined(const std::shared_ptr<clique>& c) {
-  std::unique_lock<std::mutex> g(c->m);
-  c->cv.wait(g, [&] { return c->joined == c->n || c->broken; });
-  return c->broken ? ncclRemoteError : ncclSuccess;
+/* Queues the collectives on their streams, counting them in flight until they have run. */
+void push_all(const std::vector<launch_entry>& entries) {
+  for (const launch_entry& e : entries) {
+    {
+      std::lock_guard<std::mutex> g(e.st->m);
+      ++e.st->inflight;
+    }
+    std::shared_ptr<comm_state> st = e.st;
+    std::function<void()> op = e.op;
+    resolve(e.stream)->push([st, op] {
+      op();
+      std::lock_guard<std::mutex> g(st->m);
+      --st->inflight;
+      st->cv.notify_all();
+    });
+  }
+}
+
+/* What a call waits for before its collectives can go: peers joining new communicators, then
+ * peers reaching their first collective on communicators not yet connected. */
+bool meet_peers(const std::vector<std::shared_ptr<comm_state>>& inits, const std::vector<launch_entry>& entries) {
+  bool ok = true;
+  for (const auto& st : inits)
+    if (!st->c->meet(&clique::joined, false)) {
+      st->set_error(ncclRemoteError);
+      ok = false;
+    }
+  if (!ok) return false;
+  for (const launch_entry& e : entries) {
+    bool first = !e.st->connected.exchange(true);
+    if (first && !e.st->c->meet(&clique::connected, true)) {
+      e.st->set_error(ncclRemoteError);
+      return false;
+    }
+  }
+  return true;
+}
+
+/* Runs a call's waiting part now (blocking communicators) or in the background (non-blocking:
+ * returns ncclInProgress, and each communicator involved reports it until done). */
+ncclResult_t complete(std::vector<std::shared_ptr<comm_state>> inits, std::vector<launch_entry> entries) {
+  std::vector<std::shared_ptr<comm_state>> comms = inits;
+  for (const launch_entry& e : entries)
+    if (std::find(comms.begin(), comms.end(), e.st) == comms.end()) comms.push_back(e.st);
+  bool waits = !inits.empty();
+  for (const launch_entry& e : entries) waits = waits || !e.st->connected.load();
+  if (!waits) {
+    push_all(entries);
+    return ncclSuccess;
+  }
+  if (comms[0]->blocking) {
+    if (!meet_peers(inits, entries)) return ncclRemoteError;
+    push_all(entries);
+    return ncclSuccess;
+  }
+  for (const auto& st : comms) ++st->in_progress;
+  std::thread([inits, entries, comms] {
+    if (meet_peers(inits, entries)) push_all(entries);
+    for (const auto& st : comms) --st->in_progress;
+  }).detach();
+  return ncclInProgress;
 }
 
 }  // namespace
@@ -411,38 +599,47 @@ struct emu_comm {
 
 namespace {
 
+ncclResult_t usable(ncclComm_t comm) {
+  if (comm == nullptr) return ncclInvalidArgument;
+  if (comm->s->in_progress.load() > 0) return ncclInvalidUsage;  // a call before the last one finished
+  return ncclSuccess;
+}
+
 /* Queues a collective on s: post, meet, compute this rank's part, meet again (so nobody
  * reuses a buffer a peer still reads). A broken meeting leaves the output untouched and
  * records ncclRemoteError (the rank that aborted sees its own abort instead). */
-ncclResult_t enqueue(ncclComm_t comm, cudaStream_t s, const void* send,
-                     std::function<void(clique&, int)> part) {
-  if (comm == nullptr) return ncclInvalidArgument;
+ncclResult_t enqueue(ncclComm_t comm, cudaStream_t s, const void* send, std::function<void(clique&, int)> part) {
+  ncclResult_t r = usable(comm);
+  if (r != ncclSuccess) return r;
   std::shared_ptr<comm_state> st = comm->s;
+  if (resolve(s)->device != st->device) return ncclInvalidArgument;  // a stream of another GPU
   ++g_collectives;
   std::function<void()> op = [st, send, part] {
     clique& c = *st->c;
     c.send[st->rank] = send;
     if (!c.barrier()) {
-      int ok = ncclSuccess;
-      st->error.compare_exchange_strong(ok, ncclRemoteError);
+      st->set_error(ncclRemoteError);
       return;
     }
     part(c, st->rank);
-    if (!c.barrier()) {
-      int ok = ncclSuccess;
-      st->error.compare_exchange_strong(ok, ncclRemoteError);
-    }
+    if (!c.barrier()) st->set_error(ncclRemoteError);
   };
-  if (g_group_depth > 0)
-    g_group_collectives.emplace_back(s, std::move(op));
-  else
-    resolve(s)->push(std::move(op));
-  return ncclSuccess;
+  if (g_group_depth > 0) {
+    g_group_collectives.push_back({st, s, std::move(op)});
+    return ncclSuccess;
+  }
+  return complete({}, {{st, s, std::move(op)}});
 }
 
 }  // namespace
 
 extern "C" {
+
+ncclResult_t ncclGetVersion(int* version) {
+  if (version == nullptr) return ncclInvalidArgument;
+  *version = NCCL_VERSION_CODE;
+  return ncclSuccess;
+}
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   if (id == nullptr) return ncclInvalidArgument;
@@ -451,8 +648,9 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   return ncclSuccess;
 }
 
-ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config) {
   if (comm == nullptr || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+  *comm = nullptr;
   std::shared_ptr<clique> c;
   {
     std::lock_guard<std::mutex> g(g_registry_lock);
@@ -466,22 +664,57 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
   if (c->n != nranks) return ncclInvalidUsage;
   {
     std::lock_guard<std::mutex> g(c->m);
+    for (int r = 0; r < c->n; ++r)
+      if (c->devices[r] == g_device) {  // NCCL: "Duplicate GPU detected"
+        c->broken = true;
+        c->cv.notify_all();
+        return ncclInvalidUsage;
+      }
+    c->devices[rank] = g_device;
     ++c->joined;
     c->cv.notify_all();
   }
   emu_comm* out = new emu_comm();
   out->s->c = c;
   out->s->rank = rank;
+  out->s->device = g_device;
+  out->s->blocking = config == nullptr || config->blocking != 0;
   *comm = out;
   if (g_group_depth > 0) {  // in a group: the meeting happens at ncclGroupEnd
-    g_group_inits.push_back(c);
+    g_group_inits.push_back(out->s);
     return ncclSuccess;
   }
-  return wait_joined(c);
+  return complete({out->s}, {});
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  return ncclCommInitRankConfig(comm, nranks, id, rank, nullptr);
+}
+
+ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  ncclResult_t r = usable(comm);
+  if (r != ncclSuccess) return r;
+  std::shared_ptr<comm_state> st = comm->s;
+  if (st->blocking) {
+    st->drain();
+    st->finalized = true;
+    return ncclSuccess;
+  }
+  ++st->in_progress;
+  std::thread([st] {
+    st->drain();
+    st->finalized = true;
+    --st->in_progress;
+  }).detach();
+  return ncclInProgress;
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
-  delete comm;  // queued collectives keep the shared state
+  if (comm == nullptr) return ncclSuccess;
+  if (!comm->s->finalized) comm->s->drain();  // finalizes first: waits for the queued collectives
+  ++g_destroys;
+  comm->s->released = true;
+  delete comm;  // queued collectives and background work keep the shared state
   return ncclSuccess;
 }
 
@@ -489,13 +722,16 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   if (comm == nullptr) return ncclSuccess;
   comm->s->error = ncclInvalidUsage;  // its own collectives report the abort, not a remote error
   comm->s->c->do_break();
+  ++g_aborts;
+  comm->s->released = true;
   delete comm;
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* error) {
   if (comm == nullptr || error == nullptr) return ncclInvalidArgument;
-  *error = static_cast<ncclResult_t>(comm->s->error.load());
+  int e = comm->s->error.load();
+  *error = e != ncclSuccess ? static_cast<ncclResult_t>(e) : comm->s->in_progress.load() > 0 ? ncclInProgress : ncclSuccess;
   return ncclSuccess;
 }
 
@@ -526,61 +762,65 @@ ncclResult_t ncclGroupStart(void) {
 ncclResult_t ncclGroupEnd(void) {
   if (g_group_depth == 0) return ncclInvalidUsage;
   if (--g_group_depth > 0) return ncclSuccess;
-  ncclResult_t result = ncclSuccess;
-  std::vector<std::shared_ptr<clique>> inits;
+  std::vector<std::shared_ptr<comm_state>> inits;
   inits.swap(g_group_inits);
-  for (auto& c : inits)
-    if (wait_joined(c) != ncclSuccess) result = ncclRemoteError;
-  std::vector<std::pair<cudaStream_t, std::function<void()>>> collectives;
-  collectives.swap(g_group_collectives);
-  if (collectives.size() > 1) g_grouped += static_cast<long>(collectives.size());
-  for (auto& c : collectives) resolve(c.first)->push(std::move(c.second));
+  std::vector<launch_entry> entries;
+  entries.swap(g_group_collectives);
+  for (const launch_entry& e : entries)
+    if (e.st->released) { /* in NCCL: a use after free, with no error to return */
+      fprintf(stderr, "emulated NCCL: ncclGroupEnd launches a collective of a communicator aborted or destroyed "
+                      "since it was queued in the group (a use after free in NCCL)\n");
+      abort();
+    }
+  if (entries.size() > 1) g_grouped += static_cast<long>(entries.size());
   std::vector<p2p_op> ops;
   ops.swap(g_group_p2p);
-  if (ops.empty()) return result;
-  /* One exchange per (communicator, stream), as NCCL fuses a group's sends and receives. */
-  ncclComm_t comm = ops[0].comm;
-  cudaStream_t stream = ops[0].stream;
-  for (const p2p_op& op : ops)
-    if (op.comm != comm || op.stream != stream) return ncclInvalidUsage;  // not needed by the engine
-  int n = comm->s->c->n;
-  std::vector<std::pair<const void*, size_t>> mine(n);
-  std::vector<std::pair<void*, size_t>> recvs(n);
-  for (const p2p_op& op : ops) {
-    if (op.is_send)
-      mine[op.peer] = {op.buf, op.bytes};
-    else
-      recvs[op.peer] = {op.buf, op.bytes};
+  if (!ops.empty()) {
+    /* One exchange per (communicator, stream), as NCCL fuses a group's sends and receives. */
+    ncclComm_t comm = ops[0].comm;
+    cudaStream_t stream = ops[0].stream;
+    for (const p2p_op& op : ops)
+      if (op.comm != comm || op.stream != stream) return ncclInvalidUsage;  // not needed by the engine
+    int n = comm->s->c->n;
+    std::vector<std::pair<const void*, size_t>> mine(n);
+    std::vector<std::pair<void*, size_t>> recvs(n);
+    for (const p2p_op& op : ops) {
+      if (op.is_send)
+        mine[op.peer] = {op.buf, op.bytes};
+      else
+        recvs[op.peer] = {op.buf, op.bytes};
+    }
+    std::shared_ptr<comm_state> st = comm->s;
+    ++g_collectives;
+    entries.push_back({st, stream, [st, mine, recvs] {
+                         clique& c = *st->c;
+                         c.sends_to[st->rank] = mine;
+                         bool ok = c.barrier();
+                         if (ok) {
+                           for (int peer = 0; peer < c.n; ++peer) {
+                             const auto& from = c.sends_to[peer][st->rank];
+                             if (recvs[peer].first && from.first)
+                               memcpy(recvs[peer].first, from.first, std::min(from.second, recvs[peer].second));
+                           }
+                           ok = c.barrier();
+                         }
+                         if (!ok) st->set_error(ncclRemoteError);
+                       }});
   }
-  std::shared_ptr<comm_state> st = comm->s;
-  ++g_collectives;
-  resolve(stream)->push([st, mine, recvs] {
-    clique& c = *st->c;
-    c.sends_to[st->rank] = mine;
-    bool ok = c.barrier();
-    if (ok) {
-      for (int peer = 0; peer < c.n; ++peer) {
-        const auto& from = c.sends_to[peer][st->rank];
-        if (recvs[peer].first && from.first) memcpy(recvs[peer].first, from.first, std::min(from.second, recvs[peer].second));
-      }
-      ok = c.barrier();
-    }
-    if (!ok) {
-      int none = ncclSuccess;
-      st->error.compare_exchange_strong(none, ncclRemoteError);
-    }
-  });
-  return result;
+  if (inits.empty() && entries.empty()) return ncclSuccess;
+  return complete(std::move(inits), std::move(entries));
 }
 
 ncclResult_t ncclSend(const void* buf, size_t count, ncclDataType_t dtype, int peer, ncclComm_t comm, cudaStream_t s) {
-  if (comm == nullptr || g_group_depth == 0 || peer < 0 || peer >= comm->s->c->n) return ncclInvalidUsage;
+  if (usable(comm) != ncclSuccess || g_group_depth == 0 || peer < 0 || peer >= comm->s->c->n) return ncclInvalidUsage;
+  if (resolve(s)->device != comm->s->device) return ncclInvalidArgument;
   g_group_p2p.push_back({true, const_cast<void*>(buf), count * type_size(dtype), peer, comm, s});
   return ncclSuccess;
 }
 
 ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t dtype, int peer, ncclComm_t comm, cudaStream_t s) {
-  if (comm == nullptr || g_group_depth == 0 || peer < 0 || peer >= comm->s->c->n) return ncclInvalidUsage;
+  if (usable(comm) != ncclSuccess || g_group_depth == 0 || peer < 0 || peer >= comm->s->c->n) return ncclInvalidUsage;
+  if (resolve(s)->device != comm->s->device) return ncclInvalidArgument;
   g_group_p2p.push_back({false, buf, count * type_size(dtype), peer, comm, s});
   return ncclSuccess;
 }
@@ -633,7 +873,7 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
 
 ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataType_t dtype,
                                       ncclScalarResidence_t residence, ncclComm_t comm) {
-  if (op == nullptr || scalar == nullptr || comm == nullptr) return ncclInvalidArgument;
+  if (op == nullptr || scalar == nullptr || usable(comm) != ncclSuccess) return ncclInvalidArgument;
   if (residence != ncclScalarHostImmediate) return ncclInvalidUsage; /* device scalars: not emulated */
   double v;
   if (dtype == ncclFloat32)
@@ -663,5 +903,7 @@ int emu_nccl_live_ops(void) {
 
 long emu_nccl_collectives(void) { return g_collectives.load(); }
 long emu_nccl_grouped_collectives(void) { return g_grouped.load(); }
+long emu_nccl_destroys(void) { return g_destroys.load(); }
+long emu_nccl_aborts(void) { return g_aborts.load(); }
 
 }  // extern "C"

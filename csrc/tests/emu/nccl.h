@@ -2,7 +2,10 @@
  * of one process (see cuda_runtime.h here). A collective is queued on its stream like a kernel;
  * it meets its peers when every rank's stream reaches it, and sums in rank order. Aborting a
  * communicator breaks the meeting for everyone: peers' collectives end and report
- * ncclRemoteError through ncclCommGetAsyncError, as a dead peer does in NCCL. */
+ * ncclRemoteError through ncclCommGetAsyncError, as a dead peer does in NCCL. Non-blocking
+ * communicators (ncclConfig_t.blocking = 0), the connection set up at a communicator's first
+ * collective, and finalize/destroy waiting for queued collectives behave as in NCCL (see
+ * emu_runtime.cpp). */
 #ifndef MFSDP_EMU_NCCL_H
 #define MFSDP_EMU_NCCL_H
 
@@ -46,8 +49,21 @@ typedef enum {
 typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4, ncclMaxRedOp = 0x7fffffff } ncclRedOp_t;
 typedef enum { ncclScalarDevice = 0, ncclScalarHostImmediate = 1 } ncclScalarResidence_t;
 
+#define NCCL_MAJOR 2
+#define NCCL_MINOR 99
+#define NCCL_PATCH 0
+#define NCCL_VERSION_CODE (NCCL_MAJOR * 10000 + NCCL_MINOR * 100 + NCCL_PATCH)
+
+typedef struct {
+  int blocking; /* 0: calls never block; they return ncclInProgress and finish in the background */
+} ncclConfig_t;
+#define NCCL_CONFIG_INITIALIZER {1}
+
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id);
+ncclResult_t ncclGetVersion(int* version);
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank);
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config);
+ncclResult_t ncclCommFinalize(ncclComm_t comm);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* error);
@@ -74,6 +90,9 @@ long emu_nccl_grouped_collectives(void);
 /* ... and pre-multiplied reductions, and custom operators not destroyed yet. */
 long emu_nccl_premul_reductions(void);
 int emu_nccl_live_ops(void);
+/* Communicators destroyed (ncclCommDestroy) and aborted (ncclCommAbort) so far. */
+long emu_nccl_destroys(void);
+long emu_nccl_aborts(void);
 
 #ifdef __cplusplus
 }
