@@ -25,7 +25,7 @@ FUZZ_SECONDS ?= 20
 $(VENV)/.ready: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 numpy pytest matplotlib transformers
+	$(PY) -m pip install -q torch==2.13.0 numpy pytest matplotlib transformers==5.23.0
 	@touch $@
 
 $(VENV)/.built: $(VENV)/.ready $(wildcard csrc/*/*.c csrc/*/*.h csrc/*/*.cu) setup.py
