@@ -219,6 +219,15 @@ def main():
         times.append(time.perf_counter() - t0)
     dist.barrier()
     comm_after = sharded.comm_stats() if sharded is not None else None
+    flag_sync_ms = None
+    if sharded is not None and train:  # the unused-parameter flag reduction, once per gradient sync
+        flag_times = []
+        for _ in range(30):
+            dist.barrier()
+            t0 = time.perf_counter()
+            sharded._used_anywhere()
+            flag_times.append(time.perf_counter() - t0)
+        flag_sync_ms = 1e3 * statistics.median(flag_times)
     # Held bytes, taken between backward and the optimizer step, when gradients exist for every
     # framework: parameters (+ main weights), gradients, optimizer states.
     loss_of(10_000).backward()
@@ -238,7 +247,7 @@ def main():
                   peak_bytes=(torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()),
                   peak_kind="cuda max_memory_allocated" if cuda else "peak RSS (VmHWM) during timed steps",
                   transient_bytes=(0 if cuda else peak_rss_bytes() - rss_at_start),
-                  held=held)
+                  held=held, flag_sync_ms=flag_sync_ms)
     if args.model == "tiny":
         result["units"] = MODELS["tiny"]["layers"]
     if sharded is not None:

@@ -111,14 +111,15 @@ def tables(results):
         lines += [f"### Training step, {world} rank{'s' if world > 1 else ''} ({rows[0]['device']}, {model} "
                   f"{rows[0]['params'] / 1e6:.2f}M params, {precision})",
                   "", "| configuration | step ms | x DDP | x FSDP2 | params MiB | grads MiB | optimizer MiB | held MiB "
-                      "| peak MiB | transient MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| peak MiB | transient MiB | unused-flag sync ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             held = r["held"]
             total = held["param"] + held["grad"] + held["optim"]
             vs_fsdp2 = f"{r['step_ms'] / fsdp2['step_ms']:.2f}" if fsdp2 else "-"
             lines.append(f"| {label(r)} | {r['step_ms']:.1f} | {r['step_ms'] / ddp['step_ms']:.2f} | {vs_fsdp2} | "
                          f"{mib(held['param'])} | {mib(held['grad'])} | {mib(held['optim'])} | {mib(total)} | "
-                         f"{mib(r['peak_bytes'])} | {mib(r.get('transient_bytes', 0))} |")
+                         f"{mib(r['peak_bytes'])} | {mib(r.get('transient_bytes', 0))} | "
+                         f"{'-' if r.get('flag_sync_ms') is None else format(r['flag_sync_ms'], '.3f')} |")
         lines.append("")
         comm = [r for r in rows if r.get("comm_theory")]
         if comm:

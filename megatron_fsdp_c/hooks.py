@@ -79,7 +79,9 @@ class _PostBackward(torch.autograd.Function):
 
 
 class _Unit:
-    __slots__ = ("index", "module", "buckets", "releasable", "grad_buckets", "pos", "bpos")
+    __slots__ = ("index", "module", "buckets", "releasable", "grad_buckets", "pos", "bpos", "members",
+                 "members_left", "reshard_after_forward", "reshard_after_backward", "forward_prefetch",
+                 "backward_prefetch")
 
     def __init__(self, index, module, buckets, releasable, grad_buckets):
         self.index = index
@@ -89,10 +91,22 @@ class _Unit:
         self.grad_buckets = grad_buckets  # bucket ids with trainable parameters
         self.pos = -1                     # position in the forward gather order
         self.bpos = -1                    # position in the backward gather order (trainable ZeRO-3)
+        self.members = 1                  # modules sharing the unit (the per-module API's list groups)
+        self.members_left = 1             # of them, still to run in this forward before the release
+        self.reshard_after_forward = True   # (ZeRO-3) release after forward / after backward
+        self.reshard_after_backward = True
+        self.forward_prefetch = None      # units to have gathered when this one runs (None: the next one)
+        self.backward_prefetch = None
 
 
 class HookManager:
-    def __init__(self, owner: "MegatronFSDP", unit_modules: List[nn.Module]):
+    """`unit_modules` in forward (registration) order; `post_order`: unit indices in the order
+    their forwards end (children before the unit that contains them; default: as given).
+    `register_module_hooks=False`: the caller calls pre_forward/post_forward itself (the
+    per-module API, whose own hooks also initialise it)."""
+
+    def __init__(self, owner: "MegatronFSDP", unit_modules: List[nn.Module], *, post_order=None,
+                 register_module_hooks: bool = True):
         self.owner = owner
         self.engine = owner.param_buffer.engine
         buf = owner.param_buffer
@@ -107,11 +121,13 @@ class HookManager:
         root_ids = buf.buckets_of_unit(-1)
         self.root_buckets = tuple(b for b in root_ids if b in gatherable)
         self.all_sharded = tuple(sorted(sharded))
+        self.bucket_unit = buf.bucket_units
         # [Note: gather order]: the forward order over gathered units, the backward order over
         # trainable ZeRO-3 units; positions before *_done are settled (ran or released), gathers
         # are issued up to *_next.
         self.fwd_seq = [u for u in self.units if u.buckets]
-        self.bwd_seq = [u for u in self.fwd_seq if u.releasable and u.grad_buckets]
+        ends = {u: k for k, u in enumerate(post_order if post_order is not None else range(len(self.units)))}
+        self.bwd_seq = sorted((u for u in self.fwd_seq if u.releasable and u.grad_buckets), key=lambda u: ends[u.index])
         for pos, unit in enumerate(self.fwd_seq):
             unit.pos = pos
         for pos, unit in enumerate(self.bwd_seq):
@@ -124,22 +140,24 @@ class HookManager:
         self.sync_this_backward = False
         self.used = owner._used  # see [Note: unused parameters] in megatron_fsdp.py
         self.handles = []
-        self._set_reduce_order(buf)
+        self._set_reduce_order(buf, ends)
+        self.register_module_hooks = register_module_hooks
         self._register()
 
-    def _set_reduce_order(self, buf) -> None:
-        """Reductions in the order backward completes buckets: later units first, then the
-        buckets outside every unit (see [Note: collective order] in csrc/comm/pipeline.c)."""
-        n = len(buf.plan)
-        order = sorted(range(n), key=lambda b: (buf.bucket_units[b] < 0, -buf.bucket_units[b], -b))
+    def _set_reduce_order(self, buf, ends) -> None:
+        """Reductions in the order backward completes buckets: the unit whose forward ended last
+        first, then the buckets outside every unit (see [Note: collective order] in
+        csrc/comm/pipeline.c)."""
+        units = buf.bucket_units
+        order = sorted(range(len(buf.plan)), key=lambda b: (units[b] < 0, -ends.get(units[b], -1), -b))
         self.engine.set_reduce_order(order)
 
     # -- registration ---------------------------------------------------------------------
     def _register(self) -> None:
-        if self.fwd_seq:  # see [Note: compile]
+        if self.fwd_seq and self.register_module_hooks:  # see [Note: compile]
             pre_forward = torch.compiler.disable(self.pre_forward, recursive=True)
             post_forward = torch.compiler.disable(self.post_forward, recursive=True)
-        for unit in self.fwd_seq:
+        for unit in self.fwd_seq if self.register_module_hooks else ():
             self.handles.append(unit.module.register_forward_pre_hook(
                 functools.partial(pre_forward, unit), prepend=True, with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(
@@ -166,14 +184,15 @@ class HookManager:
                            unit.index, type(unit.module).__name__)
         self.engine.unshard(unit.buckets)
 
-    def _settle(self, seq, positions, issued_before) -> None:
+    def _settle(self, seq, positions, issued_before, forward: bool) -> None:
         """Units of `seq` at `positions` did not run here: gather those not yet gathered (a peer
-        may need them), release what is released after use."""
+        may need them), and release them where their peers will (so that the next pass finds the
+        same state on every rank)."""
         for q in positions:
             skipped = seq[q]
             if issued_before(q):
                 self.engine.unshard(skipped.buckets)
-            if skipped.releasable:
+            if skipped.releasable and (skipped.reshard_after_forward if forward else skipped.reshard_after_backward):
                 self.engine.reshard(skipped.releasable)
 
     def _forward_reach(self, unit: _Unit) -> None:
@@ -182,7 +201,7 @@ class HookManager:
         if pos < self.fwd_done:
             self._out_of_order(unit, pos < self.fwd_done - 1)
             return
-        self._settle(self.fwd_seq, range(self.fwd_done, pos), lambda q: q >= self.fwd_next)
+        self._settle(self.fwd_seq, range(self.fwd_done, pos), lambda q: q >= self.fwd_next, True)
         if pos >= self.fwd_next:
             self.engine.unshard(unit.buckets)
             self.fwd_next = pos + 1
@@ -194,7 +213,7 @@ class HookManager:
         if pos >= self.bwd_done:
             self._out_of_order(unit, pos > self.bwd_done)
             return
-        self._settle(self.bwd_seq, range(self.bwd_done - 1, pos, -1), lambda q: q < self.bwd_next)
+        self._settle(self.bwd_seq, range(self.bwd_done - 1, pos, -1), lambda q: q < self.bwd_next, False)
         if pos < self.bwd_next:
             self.engine.unshard(unit.buckets)
             self.bwd_next = pos
@@ -211,7 +230,7 @@ class HookManager:
     def root_post_forward(self, output):
         if not _in_backward():
             n = len(self.fwd_seq)
-            self._settle(self.fwd_seq, range(self.fwd_done, n), lambda q: q >= self.fwd_next)
+            self._settle(self.fwd_seq, range(self.fwd_done, n), lambda q: q >= self.fwd_next, True)
             self.fwd_next = self.fwd_done = n
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
@@ -221,17 +240,20 @@ class HookManager:
 
     def pre_forward(self, unit: _Unit, module, args, kwargs):
         if not _in_backward():
-            self._forward_reach(unit)
-            self.ran.add(unit.index)
-            if self.owner.overlap_param_gather and self.fwd_next < len(self.fwd_seq):
-                self.engine.unshard(self.fwd_seq[self.fwd_next].buckets)  # prefetch: the next in the shared order
-                self.fwd_next += 1
+            if unit.index not in self.ran:
+                self.ran.add(unit.index)
+                unit.members_left = unit.members
+            if unit.pos >= 0:
+                self._forward_reach(unit)
+                if self.owner.overlap_param_gather:
+                    self._prefetch_forward(unit)
         elif unit.bpos >= 0:  # activation recomputation inside backward
             self.start_backward()
             self._backward_reach(unit)
         else:
             self.engine.unshard(unit.buckets)
-        self.engine.wait_unshard(unit.buckets)
+        if unit.buckets:
+            self.engine.wait_unshard(unit.buckets)
         if unit.releasable and torch.is_grad_enabled():
             flat, spec = tree_flatten((args, kwargs))
             positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -244,9 +266,19 @@ class HookManager:
                 args, kwargs = tree_unflatten(flat, spec)
         return args, kwargs
 
+    def _prefetch_forward(self, unit: _Unit) -> None:
+        """Gathers ahead in the shared order: through the next unit, or through the furthest of
+        the units named by set_modules_to_forward_prefetch (every unit between in order too)."""
+        through = unit.pos + 1 if unit.forward_prefetch is None else max(unit.forward_prefetch, default=-1)
+        while self.fwd_next <= min(through, len(self.fwd_seq) - 1):
+            self.engine.unshard(self.fwd_seq[self.fwd_next].buckets)
+            self.fwd_next += 1
+
     def post_forward(self, unit: _Unit, module, args, output):
-        if not _in_backward() and unit.releasable:
-            self.engine.reshard(unit.releasable)
+        if not _in_backward() and unit.releasable and unit.reshard_after_forward:
+            unit.members_left -= 1
+            if unit.members_left <= 0:  # the last of the unit's modules to run in this forward
+                self.engine.reshard(unit.releasable)
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
@@ -258,6 +290,7 @@ class HookManager:
         if self.in_backward:
             return
         owner = self.owner
+        owner._before_backward()
         self.in_backward = True
         self.sync_this_backward = owner._should_sync()
         self.engine.begin_backward(self.sync_this_backward)
@@ -276,15 +309,23 @@ class HookManager:
         self.start_backward()
         if unit.bpos >= 0:
             self._backward_reach(unit)
-            if self.owner.overlap_param_gather and self.bwd_next > 0:
-                self.bwd_next -= 1
-                self.engine.unshard(self.bwd_seq[self.bwd_next].buckets)  # prefetch: the previous unit
+            if self.owner.overlap_param_gather:
+                self._prefetch_backward(unit)
         else:
             self.engine.unshard(unit.buckets)
         self.engine.wait_unshard(unit.buckets)
 
+    def _prefetch_backward(self, unit: _Unit) -> None:
+        """Gathers ahead in the shared backward order: the unit before, or down through the
+        furthest of the units named by set_modules_to_backward_prefetch."""
+        through = unit.bpos - 1 if unit.backward_prefetch is None else min(unit.backward_prefetch, default=unit.bpos)
+        through = max(through, 0)
+        while self.bwd_next > through:
+            self.bwd_next -= 1
+            self.engine.unshard(self.bwd_seq[self.bwd_next].buckets)
+
     def post_backward(self, unit: _Unit) -> None:
-        if unit.releasable:
+        if unit.releasable and unit.reshard_after_backward:
             self.engine.reshard(unit.releasable)
 
     def grad_hook(self, index: int, bucket: int, item: int, param: torch.Tensor) -> None:
@@ -298,11 +339,13 @@ class HookManager:
 
     def end_backward(self) -> None:
         try:
-            self._settle(self.bwd_seq, range(self.bwd_done - 1, -1, -1), lambda q: q < self.bwd_next)
+            self._settle(self.bwd_seq, range(self.bwd_done - 1, -1, -1), lambda q: q < self.bwd_next, False)
             self.bwd_next = self.bwd_done = 0
             self.engine.end_backward()
-            if self.all_sharded:
-                self.engine.reshard(self.all_sharded)
+            release = [b for u in self.units if u.reshard_after_backward for b in u.releasable]
+            release += [b for b in self.all_sharded if self.bucket_unit[b] < 0]
+            if release:
+                self.engine.reshard(release)
         finally:
             self.in_backward = False
         self.owner._after_backward(self.sync_this_backward)

@@ -41,26 +41,15 @@ from ._distributed import DistContext, check_same_model
 from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
-from .param_buffer import ParamBuffer, StorageTally, collect_params
+from ._sharded import ShardedCore
+from .param_buffer import ParamBuffer, collect_params
 
 __all__ = ["MegatronFSDP"]
 
 logger = logging.getLogger("megatron_fsdp_c")
 
 
-def _host_trim_bytes() -> int:
-    raw = os.environ.get("MFSDP_HOST_TRIM_BYTES", str(64 << 20))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"MFSDP_HOST_TRIM_BYTES={raw!r}: give a byte count (e.g. 67108864), or 0 to never "
-                         "trim the CPU heap")
-    return value
-
-
-class MegatronFSDP(nn.Module):
+class MegatronFSDP(ShardedCore, nn.Module):
     def __init__(self, module: nn.Module, *, dist_ctx: DistContext, zero_dp_strategy: int,
                  fsdp_unit_modules: List[nn.Module], mixed_precision_policy: MixedPrecisionPolicy,
                  sync_model_each_microbatch: bool = False, overlap_grad_reduce: bool = True,
@@ -84,9 +73,7 @@ class MegatronFSDP(nn.Module):
         self._grads_pending = False
         self._holds_dist_params = False
         self._record_of = {}  # id(distributed parameter) -> its record
-        # CPU only: after a backward, trim the heap once resident memory grew by more than this
-        # (see [Note: host heap trim] in csrc/python/module.c); 0 disables.
-        self._host_trim_bytes = _host_trim_bytes() if dist_ctx.device.type == "cpu" else 0
+        self._setup_host_heap(dist_ctx.device)
 
         mark_by_name(module)
         records = collect_params(module, fsdp_unit_modules)
@@ -125,16 +112,6 @@ class MegatronFSDP(nn.Module):
             self._log_summary(fsdp_unit_modules)
 
     # -- parameters -----------------------------------------------------------------------
-    def _swap_params(self, dist: bool) -> None:
-        """Registers the distributed (dist=True) or the compute parameters on the modules."""
-        if self._holds_dist_params == dist:
-            return
-        for r in self.param_buffer.records:
-            p = r.dist_param if dist else r.param
-            for mod, attr in r.places:
-                mod._parameters[attr] = p
-        self._holds_dist_params = dist
-
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
         """The distributed (DTensor) parameters, named as in `state_dict` ('module.' + name)."""
@@ -170,6 +147,9 @@ class MegatronFSDP(nn.Module):
         return output
 
     # -- gradient sync --------------------------------------------------------------------
+    def _before_backward(self) -> None:
+        """Nothing to prepare: this wrapper's gradients are cleared by zero_grad."""
+
     def _should_sync(self) -> bool:
         return self._no_sync_depth == 0 and (self.model_auto_sync or self.is_last_microbatch)
 
@@ -179,8 +159,7 @@ class MegatronFSDP(nn.Module):
         self._swap_params(dist=True)
         if synced:
             self.finish_grad_sync()
-        if self._host_trim_bytes > 0:
-            _C.trim_host_heap(self._host_trim_bytes)
+        self._trim_host_heap()
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Finishes every gradient reduction (reducing no_shard/ZeRO-1 gradients exactly once)
@@ -189,26 +168,11 @@ class MegatronFSDP(nn.Module):
         if self.hooks.in_backward:
             raise RuntimeError("finish_grad_sync() called inside a backward pass; call it after backward()")
         self.param_buffer.engine.sync_grads()
-        used = self._used_anywhere()
-        has = self._has_grad
-        for r in self.param_buffer.records:
-            if r.grad_dtensor is not None:
-                if used[r.index]:
-                    has[r.index] = 1
-                r.dist_param.grad = r.grad_dtensor if has[r.index] else None
+        self._attach_grads(self.param_buffer.records)
         if self.report_nan_in_param_grad:
             self._check_nonfinite_grads()
         self.microbatch_count = 0
         self._grads_pending = False
-
-    def _used_anywhere(self) -> bytes:
-        """The used-parameter bytes OR-ed over the data-parallel ranks (one small collective)."""
-        ctx = self.dist_ctx
-        if ctx.world == 1:
-            return bytes(self._used)
-        flags = torch.frombuffer(bytearray(self._used), dtype=torch.uint8).to(ctx.device)
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
-        return bytes(flags.cpu().numpy()) if flags.is_cuda else bytes(flags.numpy())
 
     def _sync_grads_for_step(self) -> None:
         """What an optimizer step needs first: any gradient not yet reduced and attached."""
@@ -332,56 +296,6 @@ class MegatronFSDP(nn.Module):
             yield self
         finally:
             self.reset_mixed_precision_policy(previous)
-
-    # -- introspection --------------------------------------------------------------------
-    @torch.no_grad()
-    def full_parameters(self) -> dict:
-        """{name: full tensor} of the main weights, gathered on every rank (collective)."""
-        return {r.name: r.dist_param.full_tensor().clone() for r in self.param_buffer.records}
-
-    @torch.no_grad()
-    def full_grads(self) -> dict:
-        """{name: full tensor} of the optimizer gradients (after a sync), gathered on every
-        rank (collective); frozen parameters are left out."""
-        return {r.name: r.grad_dtensor.full_tensor().clone() for r in self.param_buffer.records
-                if r.grad_dtensor is not None}
-
-    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
-        """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state,
-        and temporary buffers currently materialised (full weights / gradient buckets)."""
-        buf = self.param_buffer
-        nbytes = StorageTally()
-        persistent, temporary = {"param": 0, "grad": 0}, 0
-        for b, spec in enumerate(buf.specs):
-            t = lambda kind: buf.engine.tensor(b, kind)  # noqa: E731
-            weight_full = t(_C.BUF_WEIGHT)
-            if spec["weights_sharded"]:
-                temporary += nbytes(weight_full)
-            else:
-                persistent["param"] += nbytes(weight_full)
-            temporary += nbytes(t(_C.BUF_GATHER))
-            persistent["param"] += nbytes(t(_C.BUF_WEIGHT_SHARD)) + nbytes(t(_C.BUF_MAIN_SHARD))
-            grad_full = t(_C.BUF_GRAD)
-            if spec["grad_mode"] == _C.GRAD_SCATTER_ACCUMULATE:
-                temporary += nbytes(grad_full)
-            else:
-                persistent["grad"] += nbytes(grad_full)
-            persistent["grad"] += nbytes(t(_C.BUF_GRAD_SHARD)) + nbytes(t(_C.BUF_OPT_GRAD))
-            temporary += nbytes(t(_C.BUF_COMM)) + nbytes(t(_C.BUF_EXCHANGE))
-        optim = 0
-        if optimizer is not None:
-            for state in optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        optim += nbytes(v)
-        report = {"param_bytes": persistent["param"], "grad_bytes": persistent["grad"],
-                  "optimizer_state_bytes": optim, "temporary_bytes": temporary}
-        report["total_bytes"] = sum(report.values())
-        return report
-
-    def comm_stats(self, bucket: int = -1) -> dict:
-        """Collectives issued so far (counts and bytes), for one bucket or all."""
-        return self.param_buffer.engine.stats(bucket)
 
     def _log_summary(self, units) -> None:
         buf = self.param_buffer

@@ -52,6 +52,8 @@ class ParamRecord:
     grad_dtensor: Optional[DTensor] = None
     origin: Optional[nn.Parameter] = None  # the Parameter object the user saw (meta init replaces it)
     aliases: list = dataclasses.field(default_factory=list)  # every qualified name it is registered under
+    strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
+    policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
 
     def __post_init__(self):
         self.origin = self.param
@@ -139,17 +141,18 @@ class ParamBuffer:
         self.ctx = ctx
         codes = _C.DTYPE_CODES
         plan_input = []
-        for r in records:
-            p = r.param
-            plan_input.append((p.numel(), _row_size(p.shape), codes[p.dtype], r.unit, int(p.requires_grad),
-                               int(r.replicated)))
+        for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
+            plan_input.append((math.prod(r.shape), _row_size(r.shape), codes[r.param.dtype], r.unit,
+                               int(r.param.requires_grad), int(r.replicated)))
         shard_world = 1 if strategy == 0 else ctx.world
         self.plan = _C.plan(plan_input, shard_world, ctx.rank if shard_world > 1 else 0, bucket_cap, ALIGN_BYTES)
         dtype_of = {code: dt for dt, code in codes.items()}
         specs = []
         max_grad_bytes = 0
         for b, bp in enumerate(self.plan):
-            spec = self._bucket_spec(bp, dtype_of[bp["dtype"]], policy)
+            first = records[bp["params"][0]] if bp["params"] else None
+            spec = self._bucket_spec(bp, dtype_of[bp["dtype"]], self.strategy_of(first),
+                                     (first.policy if first is not None and first.policy else policy))
             specs.append(spec)
             for i, (pi, local) in enumerate(zip(bp["params"], bp["local"])):
                 rec = records[pi]
@@ -164,7 +167,10 @@ class ParamBuffer:
                                 ctx.device, ctx.transport, single_rank_collectives)
         self.bucket_units = [bp["unit"] for bp in self.plan]
 
-    def _bucket_spec(self, bp: dict, dtype: torch.dtype, policy: MixedPrecisionPolicy) -> dict:
+    def strategy_of(self, record: Optional[ParamRecord]) -> int:
+        return self.strategy if record is None or record.strategy is None else record.strategy
+
+    def _bucket_spec(self, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy) -> dict:
         trainable = bp["requires_grad"] and dtype.is_floating_point
         main = grad = comm = dtype
         if trainable:
@@ -173,9 +179,9 @@ class ParamBuffer:
         sharded = bp["shards"] > 1
         if not trainable:
             grad_mode = _C.GRAD_NONE
-        elif bp["replicated"] or self.strategy == 0:
+        elif bp["replicated"] or strategy == 0:
             grad_mode = _C.GRAD_ALL_REDUCE
-        elif self.strategy == 1:
+        elif strategy == 1:
             grad_mode = _C.GRAD_SCATTER_IN_PLACE
         else:
             grad_mode = _C.GRAD_SCATTER_ACCUMULATE
@@ -185,8 +191,8 @@ class ParamBuffer:
             param_offsets=bp["param_offsets"], shard_offsets=bp["shard_offsets"],
             param_dtype=codes[dtype], main_dtype=codes[main], grad_dtype=codes[grad], comm_dtype=codes[comm],
             weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
-                                and self.strategy == 3),
-            weights_regather=int(sharded and self.strategy in (1, 2)),
+                                and strategy == 3),
+            weights_regather=int(sharded and strategy in (1, 2)),
             grad_mode=grad_mode,
         )
 
@@ -203,6 +209,41 @@ class ParamBuffer:
                 self.engine.set_item(b, r.item, r.param.detach().contiguous())
             self.point_compute_params(by_bucket.get(b, []))  # while the full weights exist
             self.engine.init_end(b)
+
+    def load_locals(self) -> None:
+        """Initialises every bucket from this rank's rows alone: each record's dist_param is a
+        DTensor whose local tensor holds them (the per-module API's parameters before its lazy
+        init). Full weights are gathered where they persist."""
+        by_bucket = self.records_by_bucket()
+        for b in range(len(self.plan)):
+            self.engine.init_begin(b, True)
+            for r in by_bucket.get(b, []):
+                local = r.dist_param._local_tensor.detach()
+                if local.is_meta:
+                    raise RuntimeError(
+                        f"parameter '{r.name}' is still on the meta device at the first forward: materialise the "
+                        "model after fully_shard (model.to_empty(device=...) and reset_parameters() / init_weights())")
+                self.engine.set_local(b, r.item, local.to(self.ctx.device).contiguous())
+            self.engine.init_end(b)
+        self.engine.install_main_weights(True)  # persistent full weights: this rank's rows in, a gather brings the rest
+        self.point_all_compute_params()
+
+    def records_by_bucket(self) -> Dict[int, List[ParamRecord]]:
+        by_bucket: Dict[int, List[ParamRecord]] = {}
+        for r in self.records:
+            by_bucket.setdefault(r.bucket, []).append(r)
+        return by_bucket
+
+    def point_all_compute_params(self) -> None:
+        """Points every compute parameter at its full weights (gathering each bucket while)."""
+        for b, recs in self.records_by_bucket().items():
+            gathered = self.specs[b]["weights_sharded"] or self.specs[b]["weights_regather"]
+            if gathered:
+                self.engine.unshard([b])
+                self.engine.wait_unshard([b])
+            self.point_compute_params(recs)
+            if self.specs[b]["weights_sharded"]:
+                self.engine.reshard([b])
 
     def point_compute_params(self, records: List[ParamRecord]) -> None:
         for r in records:
@@ -277,20 +318,29 @@ class ParamBuffer:
         tally = StorageTally()
         return sum(tally(self.engine.tensor(b, kind)) for b in range(len(self.plan)) for kind in kinds)
 
-    def build_dist_params(self, owner) -> None:
-        mesh = self.ctx.mesh
+    def placement(self, r: ParamRecord):
+        return Shard(0) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
+
+    def dtensor(self, r: ParamRecord, kind: int) -> DTensor:
+        """This rank's rows of `r` in buffer `kind` (MAIN_SHARD, OPT_GRAD) as a DTensor."""
+        return DTensor.from_local(self.local_view(r, kind), self.ctx.mesh, [self.placement(r)], run_check=False,
+                                  shape=r.shape, stride=_contiguous_stride(r.shape))
+
+    def build_dist_params(self, owner, existing: bool = False) -> None:
+        """The distributed parameters (and gradient DTensors) over the engine's buffers. With
+        `existing`, each record's dist_param is already a DTensor Parameter of the right shape and
+        placement (the per-module API made it): its local tensor is re-pointed at the engine's
+        rows, so optimizers built on it keep working (FSDP2 does the same after lazy init)."""
         for r in self.records:
-            placement = Shard(0) if (self.strategy > 0 and not r.replicated) else Replicate()
-            dt = DTensor.from_local(self.local_view(r, _C.BUF_MAIN_SHARD), mesh, [placement], run_check=False,
-                                    shape=r.shape, stride=_contiguous_stride(r.shape))
-            dp = nn.Parameter(dt, requires_grad=r.param.requires_grad)
+            if existing:
+                r.dist_param._local_tensor = self.local_view(r, _C.BUF_MAIN_SHARD)
+                dp = r.dist_param
+            else:
+                dp = r.dist_param = nn.Parameter(self.dtensor(r, _C.BUF_MAIN_SHARD), requires_grad=r.param.requires_grad)
             dp._megatron_fsdp_model = weakref.proxy(owner)  # Megatron-FSDP's attribute
-            dp._mfsdp_model_ref = weakref.ref(owner)  # how fully_shard_optimizer finds the model
-            r.dist_param = dp
+            dp._mfsdp_model_ref = weakref.ref(owner)  # how the optimizer finds the model
             if self.specs[r.bucket]["grad_mode"] != _C.GRAD_NONE:
-                r.grad_dtensor = DTensor.from_local(self.local_view(r, _C.BUF_OPT_GRAD), mesh, [placement],
-                                                    run_check=False, shape=r.shape,
-                                                    stride=_contiguous_stride(r.shape))
+                r.grad_dtensor = self.dtensor(r, _C.BUF_OPT_GRAD)
 
     def local_view(self, r: ParamRecord, kind: int) -> torch.Tensor:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD or OPT_GRAD): a view shaped as

@@ -140,6 +140,11 @@ mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t bucket, int di
 mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t bucket, int32_t item, const void* src,
                                      int32_t src_dtype, int64_t numel);
 mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t bucket);
+/* Direct initialisation from this rank's rows only (the local tensor of a Shard(0) DTensor):
+ * numel must be this rank's share of the item. Persistent full weights get these rows only: mark
+ * them stale (install_main_weights(include_frozen)) so that the next unshard gathers the rest. */
+mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t bucket, int32_t item, const void* src,
+                                      int32_t src_dtype, int64_t numel);
 
 /* Weights. unshard issues gathers (asynchronous); wait makes the full weights usable. */
 mfsdp_status mfsdp_pipeline_unshard(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
@@ -170,6 +175,11 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p);
 /* Zeroes the main gradients of some items only (one optimizer of several over one model);
  * `items` are distinct. */
 mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t bucket, const int32_t* items, int32_t n);
+/* Puts buckets on (or off) hold: ZeRO-2/3 buckets on hold accumulate unreduced local gradients
+ * (see [Note: held gradients] in pipeline.c); others are left out of this backward's reductions. */
+mfsdp_status mfsdp_pipeline_set_hold(mfsdp_pipeline* p, const int32_t* buckets, int32_t n, int hold);
+/* The factor gradients of these buckets are multiplied by before the sum (default: the config's). */
+mfsdp_status mfsdp_pipeline_set_prescale(mfsdp_pipeline* p, const int32_t* buckets, int32_t n, double prescale);
 /* Switches every trainable bucket to communicating gradients in `dtype` (-1: the grad dtype).
  * Only temporary buffers change; refused while gradients are half reduced. */
 mfsdp_status mfsdp_pipeline_set_comm_dtype(mfsdp_pipeline* p, int32_t dtype);

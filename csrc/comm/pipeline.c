@@ -37,6 +37,13 @@
  * [Note: chunked layout] in core/mfsdp_layout.h). Buckets left incomplete are packed at the
  * end of backward. The copy-out of a gather into the full weights is one pack as well.
  *
+ * [Note: held gradients]
+ * A ZeRO-2/3 bucket put on hold (mfsdp_pipeline_set_hold: FSDP2's
+ * set_requires_gradient_sync(False)) is not reduced in a backward: its gradients are added,
+ * unscaled, into its full gradient buffer, which stays allocated (one full copy of the bucket's
+ * gradients, as DDP holds). The next backward off hold adds its own, scales the sum once and
+ * reduce-scatters it: the local sum over microbatches is formed exactly as DDP forms it.
+ *
  * [Note: exchange reduction]
  * A reduce-scatter in bf16 sums in bf16: every partial sum on the ring is rounded to 8 bits.
  * When the communication dtype is narrower than the main gradients, the pipeline sends the same
@@ -94,6 +101,9 @@ typedef struct bucket {
   int32_t n_ready;
   int8_t launched; /* its reduction was issued in this backward (it may have completed since) */
   int8_t complete; /* every gradient of this backward is in (or it was sealed): it may launch */
+  int8_t hold;     /* ZeRO-2/3: accumulate locally, do not reduce ([Note: held gradients]) */
+  int8_t held;     /* GRAD holds unscaled local sums of earlier backwards */
+  double prescale; /* gradients are multiplied by this before the sum (default cfg.grad_prescale) */
   uint8_t* ready;
   pending_grad* pending; /* this backward's gradients not yet packed */
   int32_t n_pending;
@@ -465,6 +475,7 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->wstate = specs[i].weights_sharded ? MFSDP_W_EMPTY : MFSDP_W_READY;
     bk->gstate = MFSDP_G_CLEAN;
     p->order[i] = n - 1 - i; /* until the caller sets one: later buckets first */
+    bk->prescale = cfg->grad_prescale;
   }
   *out = p;
   return MFSDP_OK;
@@ -900,6 +911,7 @@ static mfsdp_status complete_front(mfsdp_pipeline* p) {
                                   bk->buf[MFSDP_BUF_GRAD_SLICE].data, bk->spec.comm_dtype, S, 1.0));
       MFSDP_CHECK(release(p, bk, MFSDP_BUF_GRAD));
       bk->gstate = MFSDP_G_CLEAN;
+      bk->held = 0;
       break;
     case MFSDP_GRAD_ALL_REDUCE:
     case MFSDP_GRAD_SCATTER_IN_PLACE: {
@@ -953,15 +965,15 @@ static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
       MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_COMM));
       const mfsdp_buffer* c = &bk->buf[MFSDP_BUF_COMM];
       MFSDP_CHECK(k->copy(kc, c->data, bk->spec.comm_dtype, bk->buf[MFSDP_BUF_GRAD].data, bk->spec.grad_dtype,
-                          bk->full_size, p->cfg.grad_prescale));
+                          bk->full_size, bk->prescale));
       MFSDP_CHECK(k->fill_zero(kc, at(c, bk->full_size), c->dtype, c->numel - bk->full_size)); /* exchange padding */
       full = MFSDP_BUF_COMM;
       slice = MFSDP_BUF_COMM_SLICE;
     } else if (comm && !exchange && p->be.transport->fuses_premul &&
                (bk->buf[full].dtype == MFSDP_F32 || bk->buf[full].dtype == MFSDP_F64)) {
-      premul = p->cfg.grad_prescale; /* scaled inside the collective: one pass less */
+      premul = bk->prescale; /* scaled inside the collective: one pass less */
     } else {
-      MFSDP_CHECK(k->scale(kc, bk->buf[full].data, bk->buf[full].dtype, bk->full_size, p->cfg.grad_prescale));
+      MFSDP_CHECK(k->scale(kc, bk->buf[full].data, bk->buf[full].dtype, bk->full_size, bk->prescale));
     }
   }
   if (exchange) {
@@ -999,7 +1011,7 @@ static mfsdp_status rebase(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_kernel_ops* k = p->be.kernels;
   void* kc = p->be.kernels_ctx;
   double world = (double)p->cfg.dp_world;
-  double f = p->cfg.grad_prescale * (p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / world : 1.0);
+  double f = bk->prescale * (p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / world : 1.0);
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
   if (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
     if (p->cfg.dp_world > 1) MFSDP_CHECK(k->scale(kc, g->data, g->dtype, bk->full_size, 1.0 / (world * f)));
@@ -1023,7 +1035,9 @@ static mfsdp_status launch_bucket(mfsdp_pipeline* p, int32_t id) {
     const mfsdp_kernel_ops* k = p->be.kernels;
     MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
     const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
-    if (bk->gstate == MFSDP_G_CLEAN) { /* nothing of this backward packed here */
+    if (bk->held) { /* unscaled sums of several backwards: scale once ([Note: held gradients]) */
+      if (bk->prescale != 1.0) MFSDP_CHECK(k->scale(p->be.kernels_ctx, g->data, g->dtype, bk->full_size, bk->prescale));
+    } else if (bk->gstate == MFSDP_G_CLEAN) { /* nothing of this backward packed here */
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
     } else if (bk->n_ready < bk->spec.layout.n_items) {
       for (int32_t j = 0; j < bk->spec.layout.n_items; ++j)
@@ -1044,8 +1058,8 @@ static mfsdp_status launch_in_order(mfsdp_pipeline* p) {
   while (p->next < p->n) {
     int32_t id = p->order[p->next];
     bucket* bk = &p->b[id];
-    int reduces = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ||
-                  (p->sync && bk->spec.grad_mode != MFSDP_GRAD_NONE);
+    int reduces = !bk->hold && (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ||
+                                (p->sync && bk->spec.grad_mode != MFSDP_GRAD_NONE));
     if (reduces) {
       if (!bk->complete) break;
       MFSDP_CHECK(launch_bucket(p, id));
@@ -1077,7 +1091,16 @@ static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
   if (bk->n_pending == 0) return MFSDP_OK;
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
   int accumulate = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE;
-  if (!accumulate) {
+  double alpha = accumulate ? 1.0 : bk->prescale;
+  if (!accumulate && (bk->hold || bk->held)) { /* [Note: held gradients]: unscaled local sums */
+    if (!bk->held) {
+      MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
+      MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
+      bk->held = 1;
+    }
+    accumulate = 1;
+    alpha = 1.0;
+  } else if (!accumulate) {
     if (bk->gstate == MFSDP_G_CLEAN) {
       MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_GRAD));
       MFSDP_CHECK(zero_holes(p, bk));
@@ -1087,7 +1110,7 @@ static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
     if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(complete_until(p, id));
     if (bk->gstate == MFSDP_G_REDUCED) MFSDP_CHECK(rebase(p, bk));
   }
-  packer k = {p, g->data, g->dtype, accumulate ? 1.0 : p->cfg.grad_prescale, accumulate, 0, {{0}}};
+  packer k = {p, g->data, g->dtype, alpha, accumulate, 0, {{0}}};
   mfsdp_status st = MFSDP_OK;
   for (int32_t j = 0; j < bk->n_pending && st == MFSDP_OK; ++j) {
     const pending_grad* pg = &bk->pending[j];
@@ -1164,7 +1187,11 @@ mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p) {
   }
   MFSDP_CHECK(launch_in_order(p));
   MFSDP_CHECK(complete_all(p));
-  p->reduce_due = !p->sync;
+  p->reduce_due = 0; /* no_shard/ZeRO-1 sums left unreduced by this backward: the step's sync reduces them */
+  for (int32_t i = 0; i < p->n; ++i)
+    if ((p->b[i].spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || p->b[i].spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
+        !p->b[i].launched)
+      p->reduce_due = 1;
   p->in_backward = 0;
   return MFSDP_OK;
 }
@@ -1201,6 +1228,10 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
     if (bk->spec.grad_mode == MFSDP_GRAD_NONE) continue;
     int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD : MFSDP_BUF_GRAD;
     MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[target].data, bk->buf[target].dtype, bk->buf[target].numel));
+    if (bk->held) { /* discard what was held back */
+      MFSDP_CHECK(release(p, bk, MFSDP_BUF_GRAD));
+      bk->held = 0;
+    }
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->S));
     bk->gstate = MFSDP_G_CLEAN;
@@ -1228,12 +1259,62 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
         MFSDP_CHECK(k->fill_zero(kc, at(g, (int64_t)r * bk->S + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
     } else {
       MFSDP_CHECK(k->fill_zero(kc, at(g, bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
+      const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
+      for (int32_t r = 0; bk->held && r < bk->W; ++r)
+        MFSDP_CHECK(k->fill_zero(kc, at(held, (int64_t)r * bk->S + bk->shard_offsets[i]), held->dtype, bk->pieces[i]));
     }
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(k->fill_zero(kc, at(&bk->buf[MFSDP_BUF_OPT_GRAD], bk->shard_offsets[i]), bk->spec.main_dtype,
                                bk->pieces[i]));
   }
   if (n == bk->spec.layout.n_items) bk->gstate = MFSDP_G_CLEAN;
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_set_hold(mfsdp_pipeline* p, const int32_t* ids, int32_t n, int hold) {
+  if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient sync cannot change inside a backward pass");
+  for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(check_bucket(p, ids[i]));
+  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].hold = (int8_t)!!hold;
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_set_prescale(mfsdp_pipeline* p, const int32_t* ids, int32_t n, double prescale) {
+  if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient scaling cannot change inside a backward");
+  if (!(prescale > 0.0)) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "gradient pre-scale %g is not positive", prescale);
+  for (int32_t i = 0; i < n; ++i) {
+    MFSDP_CHECK(check_bucket(p, ids[i]));
+    if (p->b[ids[i]].gstate == MFSDP_G_REDUCED || p->b[ids[i]].held)
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d holds gradients scaled the old way: zero them first", ids[i]);
+  }
+  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].prescale = prescale;
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t b, int32_t item, const void* src, int32_t src_dtype,
+                                      int64_t numel) {
+  MFSDP_CHECK(check_bucket(p, b));
+  bucket* bk = &p->b[b];
+  if (bk->initializing != 2)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: set_local outside init_begin(direct)/init_end", b);
+  if (item < 0 || item >= bk->spec.layout.n_items)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no item %d", b, item);
+  int64_t first, n;
+  piece(bk, item, bk->spec.shard_rank, &first, &n);
+  if (numel != n)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: %lld local elements given, this rank holds %lld", b,
+                      item, (long long)numel, (long long)n);
+  if (n == 0) return MFSDP_OK;
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  int64_t to = bk->shard_offsets[item];
+  if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], to), bk->spec.param_dtype, src,
+                        src_dtype, n, 1.0));
+  if (own_main(bk))
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_MAIN_SHARD], to), bk->spec.main_dtype, src, src_dtype,
+                        n, 1.0));
+  if (!bk->spec.weights_sharded) /* persistent full weights: this rank's rows (a gather brings the rest) */
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT], bk->param_offsets[item] + first),
+                        bk->spec.param_dtype, src, src_dtype, n, 1.0));
   return MFSDP_OK;
 }
 

@@ -265,33 +265,47 @@ static void engine_dealloc(PyObject* self) {
 #define MAX_IDS_ON_STACK 64
 
 /* Runs a pipeline call over a sequence of bucket ids. */
-static PyObject* over_ids(PyObject* self, PyObject* ids,
-                          mfsdp_status (*fn)(mfsdp_pipeline*, const int32_t*, int32_t)) {
-  engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
-  PyObject* fast = PySequence_Fast(ids, "bucket ids must be a sequence of ints");
-  if (fast == NULL) return NULL;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  int32_t stack[MAX_IDS_ON_STACK];
-  int32_t* arr = n <= MAX_IDS_ON_STACK ? stack : PyMem_Malloc((size_t)n * sizeof *arr);
-  PyObject* result = NULL;
+/* Reads a sequence of ints (bucket or item ids) into `stack`, or a heap array when longer than
+ * MAX_IDS_ON_STACK; *out points at them. Free with release_ids. 0 on success. */
+static int read_ids(PyObject* ids, int32_t* stack, int32_t** out, int32_t* n) {
+  PyObject* fast = PySequence_Fast(ids, "ids must be a sequence of ints");
+  if (fast == NULL) return -1;
+  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+  int32_t* arr = len <= MAX_IDS_ON_STACK ? stack : PyMem_Malloc((size_t)len * sizeof *arr);
+  int rc = -1;
   if (arr == NULL) {
     PyErr_NoMemory();
     goto exit;
   }
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  for (Py_ssize_t i = 0; i < len; ++i) {
     long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
     if (v == -1 && PyErr_Occurred()) goto exit;
     arr[i] = (int32_t)v;
   }
-  e->busy = 1;
-  mfsdp_status s = fn(e->pipeline, arr, (int32_t)n);
-  e->busy = 0;
-  result = s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
+  rc = 0;
 exit:
-  if (arr != stack) PyMem_Free(arr);
+  if (rc != 0 && arr != stack) PyMem_Free(arr);
   Py_DECREF(fast);
-  return result;
+  *out = rc == 0 ? arr : NULL;
+  *n = (int32_t)len;
+  return rc;
+}
+
+static void release_ids(int32_t* arr, int32_t* stack) {
+  if (arr != stack) PyMem_Free(arr);
+}
+
+/* Runs a pipeline call over a sequence of bucket ids. */
+static PyObject* over_ids(PyObject* self, PyObject* ids,
+                          mfsdp_status (*fn)(mfsdp_pipeline*, const int32_t*, int32_t)) {
+  engine_object* e = (engine_object*)self;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!ready(e) || read_ids(ids, stack, &arr, &n) < 0) return NULL;
+  e->busy = 1;
+  mfsdp_status s = fn(e->pipeline, arr, n);
+  e->busy = 0;
+  release_ids(arr, stack);
+  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
 }
 
 static PyObject* engine_unshard(PyObject* self, PyObject* ids) { return over_ids(self, ids, mfsdp_pipeline_unshard); }
@@ -419,6 +433,20 @@ static PyObject* engine_set_item(PyObject* self, PyObject* const* args, Py_ssize
   Py_RETURN_NONE;
 }
 
+static PyObject* engine_set_local(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  engine_object* e = (engine_object*)self;
+  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "set_local(bucket, item, tensor) takes 3 arguments");
+  if (!ready(e)) return NULL;
+  long b = PyLong_AsLong(args[0]), i = PyLong_AsLong(args[1]);
+  if (PyErr_Occurred()) return NULL;
+  tensor_view v;
+  if (mfsdp_tensor_view(engine_state(self), args[2], "set_local", &v) < 0 || !device_matches(e, &v, "set_local"))
+    return NULL;
+  mfsdp_status s = mfsdp_pipeline_set_local(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel);
+  if (s != MFSDP_OK) return fail(self, s);
+  Py_RETURN_NONE;
+}
+
 static PyObject* engine_set_comm_dtype(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
   if (!ready(e)) return NULL;
@@ -446,29 +474,38 @@ static PyObject* engine_zero_item_grads(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b;
   PyObject* items;
-  if (!PyArg_ParseTuple(args, "iO:zero_item_grads", &b, &items) || !ready(e)) return NULL;
-  PyObject* fast = PySequence_Fast(items, "zero_item_grads: items must be a sequence of ints");
-  if (fast == NULL) return NULL;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  int32_t* arr = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *arr);
-  PyObject* result = NULL;
-  if (arr == NULL) {
-    PyErr_NoMemory();
-    goto exit;
-  }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (v == -1 && PyErr_Occurred()) goto exit;
-    arr[i] = (int32_t)v;
-  }
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, "iO:zero_item_grads", &b, &items) || !ready(e) || read_ids(items, stack, &arr, &n) < 0)
+    return NULL;
   e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_zero_item_grads(e->pipeline, b, arr, (int32_t)n);
+  mfsdp_status s = mfsdp_pipeline_zero_item_grads(e->pipeline, b, arr, n);
   e->busy = 0;
-  result = s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
-exit:
-  PyMem_Free(arr);
-  Py_DECREF(fast);
-  return result;
+  release_ids(arr, stack);
+  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
+}
+
+static PyObject* engine_set_hold(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  PyObject* ids;
+  int hold;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, "Op:set_hold", &ids, &hold) || !ready(e) || read_ids(ids, stack, &arr, &n) < 0)
+    return NULL;
+  mfsdp_status s = mfsdp_pipeline_set_hold(e->pipeline, arr, n, hold);
+  release_ids(arr, stack);
+  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
+}
+
+static PyObject* engine_set_prescale(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  PyObject* ids;
+  double prescale;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, "Od:set_prescale", &ids, &prescale) || !ready(e) || read_ids(ids, stack, &arr, &n) < 0)
+    return NULL;
+  mfsdp_status s = mfsdp_pipeline_set_prescale(e->pipeline, arr, n, prescale);
+  release_ids(arr, stack);
+  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
 }
 
 static PyObject* engine_local_piece(PyObject* self, PyObject* args) {
@@ -556,7 +593,13 @@ static PyMethodDef engine_methods[] = {
      "init_begin(bucket, direct=False): start loading parameters (direct: write only this rank's rows)."},
     {"set_item", (PyCFunction)(void (*)(void))engine_set_item, METH_FASTCALL,
      "set_item(bucket, item, tensor): copy a parameter's values into the bucket."},
+    {"set_local", (PyCFunction)(void (*)(void))engine_set_local, METH_FASTCALL,
+     "set_local(bucket, item, tensor): this rank's rows of a parameter (direct initialisation)."},
     {"init_end", engine_init_end, METH_O, "init_end(bucket): derive shard and main weights, release temporaries."},
+    {"set_hold", engine_set_hold, METH_VARARGS,
+     "set_hold(buckets, hold): ZeRO-2/3 buckets on hold accumulate local gradients and do not reduce."},
+    {"set_prescale", engine_set_prescale, METH_VARARGS,
+     "set_prescale(buckets, factor): gradients of these buckets are multiplied by factor before the sum."},
     {"unshard", engine_unshard, METH_O, "unshard(buckets): start all-gathers of the full weights."},
     {"wait_unshard", engine_wait_unshard, METH_O, "wait_unshard(buckets): full weights usable after this."},
     {"reshard", engine_reshard, METH_O, "reshard(buckets): release full weights (ZeRO-3 buckets)."},
