@@ -130,7 +130,8 @@ def theoretical_bytes(model_obj, strategy, micro, grad_elem):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--framework", choices=["ddp", "fsdp2", "mfsdp"], required=True)
+    ap.add_argument("--framework", choices=["ddp", "fsdp2", "mfsdp", "mfsdp2"], required=True,
+                    help="mfsdp: fully_shard (Megatron-FSDP API); mfsdp2: experimental.fully_shard (per module)")
     ap.add_argument("--strategy", type=int, default=3)
     ap.add_argument("--model", choices=list(MODELS), default="gpt")
     ap.add_argument("--steps", type=int, default=20)
@@ -158,15 +159,20 @@ def main():
         params = list(runner.parameters())
         if bf16:
             autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    elif args.framework == "fsdp2":
+    elif args.framework in ("fsdp2", "mfsdp2"):  # the same script; only the import differs
         from torch.distributed.fsdp import MixedPrecisionPolicy as Fsdp2Policy
-        from torch.distributed.fsdp import fully_shard as fsdp2
+        if args.framework == "fsdp2":
+            from torch.distributed.fsdp import fully_shard as fsdp2
+            extra = {}
+        else:
+            from megatron_fsdp_c.experimental import fully_shard as fsdp2
+            extra = dict(zero_dp_strategy=args.strategy)
 
         policy = Fsdp2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Fsdp2Policy()
         for m in model.modules():
             if isinstance(m, unit_cls):
-                fsdp2(m, mp_policy=policy)
-        runner = fsdp2(model, mp_policy=policy)
+                fsdp2(m, mp_policy=policy, **extra)
+        runner = fsdp2(model, mp_policy=policy, **extra)
         params = list(runner.parameters())
     else:
         policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
@@ -181,7 +187,7 @@ def main():
         sharded = runner
         params = list(runner.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4) if train else None
-    if opt is not None and sharded is not None:
+    if opt is not None and sharded is not None and args.framework == "mfsdp":
         mfsdp.fully_shard_optimizer(opt)
 
     def loss_of(i):
@@ -195,7 +201,7 @@ def main():
         if opt is not None:
             opt.step()
             opt.zero_grad()
-        elif sharded is not None:
+        elif args.framework == "mfsdp":
             sharded.zero_grad_buffer()
         else:
             runner.zero_grad(set_to_none=True)
@@ -208,6 +214,8 @@ def main():
         torch.cuda.reset_peak_memory_stats()
     reset_peak_rss()
     rss_at_start = current_rss_bytes() if not cuda else 0
+    if args.framework == "mfsdp2":
+        sharded = runner._mfsdp_group.state  # the engine of the root, built at the first forward
     before = sharded.comm_stats() if sharded is not None else None
     times = []
     for i in range(args.steps):
@@ -240,7 +248,8 @@ def main():
         held = dict(param=storage_bytes(params), grad=storage_bytes(grads), optim=storage_bytes(states))
     if opt is not None:
         opt.zero_grad()
-    result = dict(framework=args.framework, strategy=args.strategy if args.framework == "mfsdp" else None,
+    ours = args.framework in ("mfsdp", "mfsdp2")
+    result = dict(framework=args.framework, strategy=args.strategy if ours else None,
                   transport=args.transport if args.framework == "mfsdp" else None,
                   model=args.model, precision=args.precision, world=world, device=device.type, params=n_params,
                   step_ms=1e3 * statistics.median(times), step_ms_all=[1e3 * t for t in times],

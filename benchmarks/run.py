@@ -45,7 +45,8 @@ def launch(world, out, framework, model, steps, strategy=3, precision="fp32", tr
            "--model", model, "--steps", str(steps), "--strategy", str(strategy), "--precision", precision,
            "--transport", transport, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    label = framework if framework != "mfsdp" else f"megatron_fsdp_c {NAMES[strategy]} ({transport} transport)"
+    label = {"mfsdp": f"megatron_fsdp_c {NAMES[strategy]} ({transport} transport)",
+             "mfsdp2": f"megatron_fsdp_c per-module {NAMES[strategy]}"}.get(framework, framework)
     print(f"[bench] world {world}: {model} ({precision}) {label}", flush=True)
     start = time.monotonic()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -56,7 +57,11 @@ def launch(world, out, framework, model, steps, strategy=3, precision="fp32", tr
 
 
 def label(r):
-    return r["framework"].upper() if r["framework"] != "mfsdp" else f"megatron_fsdp_c {NAMES[r['strategy']]}"
+    if r["framework"] == "mfsdp":
+        return f"megatron_fsdp_c {NAMES[r['strategy']]}"
+    if r["framework"] == "mfsdp2":
+        return f"megatron_fsdp_c per-module {NAMES[r['strategy']]}"
+    return r["framework"].upper()
 
 
 def mib(x):
@@ -220,6 +225,7 @@ def main():
             launch(world, raw, "fsdp2", model, args.steps, precision=precision)
             for strategy in range(4):
                 launch(world, raw, "mfsdp", model, args.steps, strategy, precision, args.transport)
+            launch(world, raw, "mfsdp2", model, args.steps, 3, precision)
     # Hook overhead: at 1 rank nobody communicates (the hooks and bookkeeping alone), then with
     # communication at the first benchmarked world size.
     for hook_world in sorted({1, worlds[0]}) if "hooks" in parts else []:
@@ -227,6 +233,7 @@ def main():
         launch(hook_world, raw, "fsdp2", "tiny", args.steps)
         launch(hook_world, raw, "mfsdp", "tiny", args.steps, 3, transport=args.transport)
         launch(hook_world, raw, "mfsdp", "tiny", args.steps, 0, transport=args.transport)
+        launch(hook_world, raw, "mfsdp2", "tiny", args.steps, 3)
     results = [json.loads(line) for line in raw.read_text().splitlines()]
     flags = "".join(f" --{k} {v}" for k, v in (("worlds", args.worlds), ("models", args.models),
                                                 ("precision", args.precision),

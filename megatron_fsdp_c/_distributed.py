@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
 from . import _C
 
@@ -17,13 +18,31 @@ __all__ = ["DistContext", "make_dist_context", "resolve_device"]
 
 @dataclasses.dataclass
 class DistContext:
-    group: object          # the data-parallel ProcessGroup (also used for reductions)
+    group: object          # the ProcessGroup the shards span (also used for reductions)
     gather_group: object   # a second group over the same ranks, for all-gathers
-    mesh: DeviceMesh       # 1-D mesh over `group`, for DTensor parameters
+    mesh: DeviceMesh       # the DTensor mesh: 1-D over `group`, or (outer, shard) for hybrid sharding
     rank: int
     world: int
     device: torch.device
     transport: object      # _C.TorchTransport (or _C.NcclTransport)
+    # Hybrid sharding (HSDP): replicas of the shards, across which gradients are all-reduced.
+    outer_group: object = None
+    outer_world: int = 1
+    outer_transport: object = None
+    dp_group: object = None  # every data-parallel rank (shards x replicas); None: `group`
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks in all: gradients are averaged over this many."""
+        return self.world * self.outer_world
+
+    @property
+    def all_dp_group(self):
+        return self.dp_group if self.dp_group is not None else self.group
+
+    def placements(self, inner):
+        """DTensor placements of a parameter placed `inner` over the shards."""
+        return [Replicate(), inner] if self.outer_world > 1 or self.mesh.ndim == 2 else [inner]
 
     def close(self) -> None:
         """Collective (every rank, at the same point): ends the native NCCL transport's
@@ -96,9 +115,59 @@ def resolve_group(device_mesh, dp_shard_dim: Optional[str], device: torch.device
     )
 
 
+def _hybrid_groups(device_mesh, dp_shard_dim, dp_outer_dim, hybrid_fsdp_group, device: torch.device):
+    """(shard group, outer group, 2-D (outer, shard) mesh, all-ranks group) of hybrid sharding,
+    with Megatron-FSDP's checks. Dims are names, or indices of an unnamed 2-D mesh."""
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"hybrid sharding (dp_outer_dim={dp_outer_dim!r}) needs device_mesh to be a DeviceMesh, got "
+                        f"{type(device_mesh).__name__}")
+    names = device_mesh.mesh_dim_names or ()
+    for role, dim in (("dp_shard_dim", dp_shard_dim), ("dp_outer_dim", dp_outer_dim)):
+        if not (dim in names or (isinstance(dim, int) and 0 <= dim < device_mesh.ndim)):
+            raise ValueError(f"{role}={dim!r} is not a dim of the device mesh (its dims: {names or device_mesh.ndim})")
+    if dp_shard_dim == dp_outer_dim:
+        raise ValueError(f"dp_shard_dim and dp_outer_dim are the same dim {dp_shard_dim!r}")
+    if device_mesh.device_type != device.type:
+        raise ValueError(f"device_mesh is on '{device_mesh.device_type}' but the parameters are on '{device.type}': "
+                         "build the mesh for the parameters' device type (or move the model)")
+    if isinstance(dp_shard_dim, int):
+        if device_mesh.ndim != 2:
+            raise ValueError("dims by index need a 2-D mesh (outer, shard); name the dims of a larger mesh")
+        mesh2d = device_mesh
+        shard_group, outer_group = device_mesh.get_group(dp_shard_dim), device_mesh.get_group(dp_outer_dim)
+    else:
+        mesh2d = device_mesh[(dp_outer_dim, dp_shard_dim)]
+        shard_group, outer_group = device_mesh[dp_shard_dim].get_group(), device_mesh[dp_outer_dim].get_group()
+    inner, outer = dist.get_world_size(shard_group), dist.get_world_size(outer_group)
+    if hybrid_fsdp_group is None:  # the per-module API: a group over the mesh's ranks
+        ranks = sorted(mesh2d.mesh.flatten().tolist())
+        hybrid_fsdp_group = dist.group.WORLD if ranks == list(range(dist.get_world_size())) else dist.new_group(ranks)
+    if hybrid_fsdp_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("this rank is not a member of hybrid_fsdp_group: pass a group over all data-parallel "
+                         "ranks of the mesh, this one included")
+    if not isinstance(hybrid_fsdp_group, dist.ProcessGroup):
+        raise TypeError(f"hybrid_fsdp_group must be a ProcessGroup, got {type(hybrid_fsdp_group).__name__}")
+    total = dist.get_world_size(hybrid_fsdp_group)
+    if inner * outer != total:
+        raise ValueError(f"the mesh's dims do not multiply to the data-parallel size: {dp_outer_dim!r} ({outer}) x "
+                         f"{dp_shard_dim!r} ({inner}) = {inner * outer}, but hybrid_fsdp_group has {total} ranks")
+    return shard_group, outer_group, mesh2d, hybrid_fsdp_group
+
+
 def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport: str = "auto",
-                      collective_timeout: Optional[float] = None) -> DistContext:
-    group, mesh = resolve_group(device_mesh, dp_shard_dim, device)
+                      collective_timeout: Optional[float] = None, *, dp_outer_dim=None,
+                      hybrid_fsdp_group=None) -> DistContext:
+    """The groups and transports of one sharded model. With dp_outer_dim, hybrid sharding: the
+    shards span dp_shard_dim, their replicas dp_outer_dim ([Note: hybrid sharding] in
+    csrc/comm/pipeline.c)."""
+    hybrid = dp_outer_dim is not None
+    if hybrid:
+        _require_initialized()
+        group, outer_group, mesh, dp_group = _hybrid_groups(device_mesh, dp_shard_dim, dp_outer_dim,
+                                                            hybrid_fsdp_group, device)
+    else:
+        group, mesh = resolve_group(device_mesh, dp_shard_dim, device)
+        outer_group = dp_group = None
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError("this rank is not a member of the data-parallel group passed as device_mesh")
@@ -106,6 +175,8 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
         raise ValueError(f"transport must be 'auto', 'torch' or 'nccl', not {transport!r}")
     if transport == "nccl" and device.type != "cuda":
         raise ValueError("transport='nccl' needs CUDA parameters; CPU training uses transport='torch' (gloo)")
+    if hybrid and transport == "nccl":
+        raise NotImplementedError("hybrid sharding runs on the torch transport for now (transport='torch' or 'auto')")
     if device.type == "cuda" and device.index is None:
         raise ValueError("make_dist_context: a CUDA device needs its index (see resolve_device)")
     use_nccl = use_native_nccl(transport, device)
@@ -114,43 +185,54 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
     # each collective ends): a collective_timeout goes to the engine's own process groups.
     cuda_timeout = timeout if device.type == "cuda" and not use_nccl else None
     gather_group, reduce_group = group, group
+    extra = {"timeout": cuda_timeout} if cuda_timeout is not None else {}
     if world > 1 and not use_nccl:
         # A second communicator over the same ranks: all-gathers never wait behind reductions.
         ranks = dist.get_process_group_ranks(group)
-        extra = {"timeout": cuda_timeout} if cuda_timeout is not None else {}
         gather_group = dist.new_group(ranks=ranks, use_local_synchronization=True,
                                       backend=dist.get_backend(group), **extra)
         if cuda_timeout is not None:
             reduce_group = dist.new_group(ranks=ranks, use_local_synchronization=True,
                                           backend=dist.get_backend(group), **extra)
+    device_index = device.index if device.type == "cuda" else -1
     if use_nccl:
         from ._nccl import make_nccl_transport
         # None: the process group's timeout, as for the torch transport (README)
         t = make_nccl_transport(group, rank, world, device, timeout or group_timeout(group, device))
     else:
-        t = _C.TorchTransport(gather_group, reduce_group, device.index if device.type == "cuda" else -1, timeout)
-    return DistContext(group, gather_group, mesh, rank, world, device, t)
+        t = _C.TorchTransport(gather_group, reduce_group, device_index, timeout)
+    ctx = DistContext(group, gather_group, mesh, rank, world, device, t)
+    if hybrid:
+        outer_world = dist.get_world_size(outer_group)
+        if outer_world > 1:
+            # its own communicator: reductions across replicas never queue behind the shards' ones
+            ranks = dist.get_process_group_ranks(outer_group)
+            own = dist.new_group(ranks=ranks, use_local_synchronization=True, backend=dist.get_backend(outer_group),
+                                 **extra)
+            ctx.outer_transport = _C.TorchTransport(own, own, device_index, timeout)
+        ctx.outer_group, ctx.outer_world, ctx.dp_group = outer_group, outer_world, dp_group
+    return ctx
 
 
 def check_same_model(records, ctx: DistContext) -> None:
     """Every rank must shard the same model: one cheap all-reduce of a fingerprint; only on a
     mismatch are the descriptions gathered, to name the first differing parameter."""
-    if ctx.world == 1:
+    if ctx.dp_world == 1:
         return
     desc = [(r.name, tuple(r.shape), str(r.param.dtype), bool(r.requires_grad), bool(r.replicated), r.unit)
             for r in records]
     digest = int.from_bytes(hashlib.sha256(repr(desc).encode()).digest()[:7], "little")
     mine = torch.tensor([digest, -digest, len(desc), -len(desc)], dtype=torch.int64, device=ctx.device)
     seen = mine.clone()
-    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=ctx.group)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=ctx.all_dp_group)
     if torch.equal(seen, mine):
         return
-    everyone = [None] * ctx.world
-    dist.all_gather_object(everyone, desc, group=ctx.group)
+    everyone = [None] * ctx.dp_world
+    dist.all_gather_object(everyone, desc, group=ctx.all_dp_group)
     names = ("name", "shape", "dtype", "requires_grad", "replicated (fsdp_no_shard)", "unit")
     for i in range(max(len(d) for d in everyone)):
         entries = [d[i] if i < len(d) else None for d in everyone]
-        for r in range(1, ctx.world):
+        for r in range(1, ctx.dp_world):
             if entries[r] != entries[0]:
                 a, b = entries[0], entries[r]
                 what = "is missing" if a is None or b is None else ", ".join(

@@ -60,10 +60,10 @@ class ShardedCore:
     def _used_anywhere(self) -> bytes:
         """The used-parameter bytes OR-ed over the data-parallel ranks (one small collective)."""
         ctx = self.dist_ctx
-        if ctx.world == 1:
+        if ctx.dp_world == 1:
             return bytes(self._used)
         flags = torch.frombuffer(bytearray(self._used), dtype=torch.uint8).to(ctx.device)
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=ctx.all_dp_group)
         return bytes(flags.cpu().numpy()) if flags.is_cuda else bytes(flags.numpy())
 
     def _attach_grads(self, records) -> None:

@@ -34,7 +34,8 @@ def register_model_hooks(model) -> None:
                 local = r.dist_param.to_local()
                 first, n = r.local
                 flat = value.detach().reshape(-1)
-                rows = flat[first:first + n] if r.dist_param.placements[0].is_shard() else flat
+                sharded = any(pl.is_shard() for pl in r.dist_param.placements)  # [Replicate(), Shard(0)] when hybrid
+                rows = flat[first:first + n] if sharded else flat
                 state_dict[key] = DTensor.from_local(rows.reshape(local.shape).to(local.dtype),
                                                      r.dist_param.device_mesh, r.dist_param.placements,
                                                      run_check=False, shape=r.shape, stride=r.dist_param.stride())

@@ -44,6 +44,27 @@ def parse_strategy(value) -> int:
     )
 
 
+def _parse_outer_strategy(value, strategy: int, dp_outer_dim, hybrid_fsdp_group) -> int:
+    """Megatron-FSDP's checks on the hybrid sharding arguments."""
+    if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
+        raise ValueError("hybrid_fsdp_group (a ProcessGroup over every data-parallel rank) is required exactly when "
+                         "dp_outer_dim is given: pass both for hybrid sharding, or neither")
+    names = {"no_shard": 0, "optim": 1}
+    if isinstance(value, str) and value.lower() in names:
+        outer = names[value.lower()]
+    elif isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        outer = int(value)
+    else:
+        raise ValueError(f"unknown outer_dp_sharding_strategy {value!r}: use 'no_shard' (HSDP) or 'optim' (HFSDP)")
+    if outer == 1:
+        if strategy != 3:
+            raise ValueError("outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy='optim_grads_params' "
+                             "(3) inside the replica")
+        raise NotImplementedError("outer_dp_sharding_strategy='optim' (HFSDP: optimizer state sharded across "
+                                  "replicas too) is not supported yet; use 'no_shard' (HSDP)")
+    return outer
+
+
 def _resolve_class(entry):
     if isinstance(entry, type):
         if not issubclass(entry, nn.Module):
@@ -142,6 +163,9 @@ def fully_shard_model(
     init_model_with_meta_device: bool = False,
     collective_timeout: Optional[float] = None,
     single_rank_collectives: bool = False,
+    dp_outer_dim: Optional[str] = None,
+    hybrid_fsdp_group=None,
+    outer_dp_sharding_strategy: Union[int, str] = "no_shard",
     **unsupported,
 ) -> MegatronFSDP:
     """Wraps `module` in a MegatronFSDP that shards it over the data-parallel ranks.
@@ -154,6 +178,11 @@ def fully_shard_model(
     (a dead or stalled peer); None: the process group's own timeout.
     single_rank_collectives: on one rank, still release ZeRO-3 weights and issue every
     collective (a one-rank all-gather is a copy): tests a transport on a single GPU.
+    dp_outer_dim, hybrid_fsdp_group, outer_dp_sharding_strategy: hybrid sharding (Megatron-FSDP's
+    names): shard over device_mesh[dp_shard_dim], replicate over device_mesh[dp_outer_dim]
+    ("no_shard": HSDP, gradients all-reduced across the replicas once per step);
+    hybrid_fsdp_group is the ProcessGroup of all data-parallel ranks, required exactly when
+    dp_outer_dim is given.
     """
     if unsupported:
         raise TypeError(f"fully_shard got unsupported arguments: {', '.join(sorted(unsupported))}")
@@ -165,6 +194,7 @@ def fully_shard_model(
             "would shard the shards)"
         )
     strategy = parse_strategy(zero_dp_strategy)
+    outer = _parse_outer_strategy(outer_dp_sharding_strategy, strategy, dp_outer_dim, hybrid_fsdp_group)
     policy = MixedPrecisionPolicy() if mixed_precision_policy is None else mixed_precision_policy
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(
@@ -185,7 +215,9 @@ def fully_shard_model(
         bucket_size = None
     if collective_timeout is not None and not (isinstance(collective_timeout, (int, float)) and collective_timeout > 0):
         raise ValueError(f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}")
-    ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport, collective_timeout)
+    ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport, collective_timeout,
+                            dp_outer_dim=dp_outer_dim, hybrid_fsdp_group=hybrid_fsdp_group)
+    del outer  # only "no_shard" (HSDP) gets this far
     return MegatronFSDP(
         module, dist_ctx=ctx, zero_dp_strategy=strategy, fsdp_unit_modules=units, mixed_precision_policy=policy,
         sync_model_each_microbatch=sync_model_each_microbatch, overlap_grad_reduce=overlap_grad_reduce,

@@ -86,7 +86,7 @@ class MegatronFSDP(ShardedCore, nn.Module):
         elif average_in_collective:
             prescale, op = 1.0, "avg"
         else:
-            prescale, op = 1.0 / dist_ctx.world, "sum"
+            prescale, op = 1.0 / dist_ctx.dp_world, "sum"
         cap = 0 if bucket_size is None else int(bucket_size)
         self.param_buffer = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx,
                                         bucket_cap=cap, reduce_queue_bytes=reduce_queue_bytes,
@@ -184,7 +184,7 @@ class MegatronFSDP(ShardedCore, nn.Module):
         bad = [r.name for r in self.param_buffer.records
                if r.grad_dtensor is not None and engine.count_nonfinite_grad(r.bucket, r.item)]
         flag = torch.tensor([len(bad)], dtype=torch.int64, device=self.dist_ctx.device)
-        torch.distributed.all_reduce(flag, group=self.dist_ctx.group)
+        torch.distributed.all_reduce(flag, group=self.dist_ctx.all_dp_group)
         if flag.item():
             where = f"on rank {self.dist_ctx.rank}: {', '.join(bad)}" if bad else "on another rank"
             raise FloatingPointError(
@@ -308,5 +308,6 @@ class MegatronFSDP(ShardedCore, nn.Module):
 
     def extra_repr(self) -> str:
         names = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-        return (f"strategy={names[self.zero_dp_strategy]}, world={self.dist_ctx.world}, "
+        hybrid = f" x {self.dist_ctx.outer_world} replicas" if self.dist_ctx.outer_world > 1 else ""
+        return (f"strategy={names[self.zero_dp_strategy]}, world={self.dist_ctx.world}{hybrid}, "
                 f"buckets={len(self.param_buffer.plan)}")

@@ -164,7 +164,8 @@ class ParamBuffer:
             reduce_queue_bytes = 4 * max_grad_bytes  # a few reductions in flight, never the whole model
         self.specs = specs
         self.engine = _C.Engine(specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
-                                ctx.device, ctx.transport, single_rank_collectives)
+                                ctx.device, ctx.transport, single_rank_collectives,
+                                outer_transport=ctx.outer_transport, outer_world=ctx.outer_world)
         self.bucket_units = [bp["unit"] for bp in self.plan]
 
     def strategy_of(self, record: Optional[ParamRecord]) -> int:
@@ -323,7 +324,8 @@ class ParamBuffer:
 
     def dtensor(self, r: ParamRecord, kind: int) -> DTensor:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD, OPT_GRAD) as a DTensor."""
-        return DTensor.from_local(self.local_view(r, kind), self.ctx.mesh, [self.placement(r)], run_check=False,
+        return DTensor.from_local(self.local_view(r, kind), self.ctx.mesh, self.ctx.placements(self.placement(r)),
+                                  run_check=False,
                                   shape=r.shape, stride=_contiguous_stride(r.shape))
 
     def build_dist_params(self, owner, existing: bool = False) -> None:

@@ -95,6 +95,8 @@ typedef struct mfsdp_pipeline_config {
   int32_t reduce_op;       /* mfsdp_reduce_op */
   int64_t reduce_queue_bytes; /* in-flight gradient reductions beyond this are completed */
   int32_t force_comm;      /* issue collectives even on one rank (tests a transport on one GPU) */
+  int32_t outer_world;     /* hybrid sharding (HSDP): replicas of the dp_world shards, across which
+                              reduced gradients are also all-reduced; 0 or 1: none */
 } mfsdp_pipeline_config;
 
 typedef struct mfsdp_backend {
@@ -104,6 +106,8 @@ typedef struct mfsdp_backend {
   void* transport_ctx;
   const mfsdp_kernel_ops* kernels;
   void* kernels_ctx;
+  const mfsdp_transport_ops* outer; /* hybrid sharding: the transport over the replicas (NULL: none) */
+  void* outer_ctx;
 } mfsdp_backend;
 
 /* Collective accounting, per bucket and summed over the pipeline. */
@@ -111,6 +115,7 @@ typedef struct mfsdp_comm_stats {
   int64_t all_gathers, all_gather_bytes;       /* bytes of the full output */
   int64_t reduce_scatters, reduce_scatter_bytes; /* bytes of the full input */
   int64_t all_reduces, all_reduce_bytes;
+  int64_t outer_all_reduces, outer_all_reduce_bytes; /* hybrid sharding: across the replicas */
 } mfsdp_comm_stats;
 
 typedef struct mfsdp_pipeline mfsdp_pipeline;
@@ -178,6 +183,9 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t bucket, c
 /* Puts buckets on (or off) hold: ZeRO-2/3 buckets on hold accumulate unreduced local gradients
  * (see [Note: held gradients] in pipeline.c); others are left out of this backward's reductions. */
 mfsdp_status mfsdp_pipeline_set_hold(mfsdp_pipeline* p, const int32_t* buckets, int32_t n, int hold);
+/* Hybrid sharding: buckets whose reduced gradients skip the all-reduce across replicas (FSDP2's
+ * set_requires_all_reduce(False)); their inner reduction goes on. */
+mfsdp_status mfsdp_pipeline_set_outer_hold(mfsdp_pipeline* p, const int32_t* buckets, int32_t n, int hold);
 /* The factor gradients of these buckets are multiplied by before the sum (default: the config's). */
 mfsdp_status mfsdp_pipeline_set_prescale(mfsdp_pipeline* p, const int32_t* buckets, int32_t n, double prescale);
 /* Switches every trainable bucket to communicating gradients in `dtype` (-1: the grad dtype).

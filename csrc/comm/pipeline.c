@@ -44,6 +44,17 @@
  * gradients, as DDP holds). The next backward off hold adds its own, scales the sum once and
  * reduce-scatters it: the local sum over microbatches is formed exactly as DDP forms it.
  *
+ * [Note: hybrid sharding]
+ * With replicas (HSDP: outer_world > 1), the shards of a bucket live on dp_world ranks of a
+ * replica and every replica holds the same weights. A gradient is reduced inside the replica as
+ * without replicas, then, in a syncing backward only, all-reduced across the replicas: right
+ * after its inner reduction completes (overlapped with the rest of the backward; completed at
+ * the end of it) on the buffer that reduction left: the main gradient shard of ZeRO-2/3, the
+ * reduced slice of ZeRO-1, the full gradients of no_shard. Inner gradients are pre-scaled by
+ * 1/(dp_world * outer_world) (the caller's grad_prescale); the replicas sum. When a bucket
+ * reduced across replicas receives more gradients before it is zeroed (several syncing backwards
+ * in one step), its reduced part is divided by the replicas first, so that it is counted once.
+ *
  * [Note: exchange reduction]
  * A reduce-scatter in bf16 sums in bf16: every partial sum on the ring is rounded to 8 bits.
  * When the communication dtype is narrower than the main gradients, the pipeline sends the same
@@ -102,6 +113,9 @@ typedef struct bucket {
   int8_t launched; /* its reduction was issued in this backward (it may have completed since) */
   int8_t complete; /* every gradient of this backward is in (or it was sealed): it may launch */
   int8_t hold;     /* ZeRO-2/3: accumulate locally, do not reduce ([Note: held gradients]) */
+  int8_t outer_hold;    /* hybrid sharding: skip the all-reduce across replicas */
+  int8_t outer_reduced; /* its reduced gradients were all-reduced across replicas since the last zero */
+  mfsdp_work* outer_work;
   int8_t held;     /* GRAD holds unscaled local sums of earlier backwards */
   double prescale; /* gradients are multiplied by this before the sum (default cfg.grad_prescale) */
   uint8_t* ready;
@@ -430,6 +444,8 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bad pipeline config (world %d, %d buckets)", cfg->dp_world, n);
   if (!be->memory || !be->transport || !be->kernels)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "backend lacks memory, transport or kernels");
+  if (cfg->outer_world > 1 && be->outer == NULL)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "%d replicas but no transport across them", cfg->outer_world);
   for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(check_spec(cfg, &specs[i], i));
 
   mfsdp_pipeline* p = calloc(1, sizeof *p);
@@ -490,6 +506,7 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
     bucket* bk = &p->b[i];
     if (bk->gather_work) p->be.transport->discard(p->be.transport_ctx, bk->gather_work);
     if (bk->reduce_work) p->be.transport->discard(p->be.transport_ctx, bk->reduce_work);
+    if (bk->outer_work) p->be.outer->discard(p->be.outer_ctx, bk->outer_work);
     /* A view that reuses its owner's handle is dropped once, with the owner: decide before
      * destroying anything, since destroy clears the handle it drops. */
     int8_t shared[MFSDP_BUF_COUNT] = {0};
@@ -556,6 +573,8 @@ void mfsdp_pipeline_stats(const mfsdp_pipeline* p, int32_t b, mfsdp_comm_stats* 
     out->reduce_scatter_bytes += s->reduce_scatter_bytes;
     out->all_reduces += s->all_reduces;
     out->all_reduce_bytes += s->all_reduce_bytes;
+    out->outer_all_reduces += s->outer_all_reduces;
+    out->outer_all_reduce_bytes += s->outer_all_reduce_bytes;
   }
 }
 
@@ -610,6 +629,13 @@ static mfsdp_status check_bucket(const mfsdp_pipeline* p, int32_t b) {
 static int communicates(const mfsdp_pipeline* p, const bucket* bk) {
   if (p->cfg.force_comm) return 1; /* single-rank collectives: exercises a transport on one device */
   return p->cfg.dp_world > 1 && (bk->W > 1 || bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE);
+}
+
+static int has_outer(const mfsdp_pipeline* p) { return p->cfg.outer_world > 1 && p->be.outer != NULL; }
+
+/* The factor by which the replicas' all-reduce multiplies a value all of them hold. */
+static double outer_factor(const mfsdp_pipeline* p) {
+  return p->cfg.reduce_op == MFSDP_REDUCE_SUM ? (double)p->cfg.outer_world : 1.0;
 }
 
 static mfsdp_status wait_work(mfsdp_pipeline* p, mfsdp_work** work) {
@@ -890,6 +916,32 @@ static mfsdp_status gather_exchanged(mfsdp_pipeline* p, bucket* bk) {
   return k->copy(kc, g->data, gdt, bk->buf[MFSDP_BUF_COMM].data, cdt, bk->full_size, 1.0);
 }
 
+/* The all-reduce across replicas of what the bucket's inner reduction left ([Note: hybrid sharding]). */
+static mfsdp_status launch_outer(mfsdp_pipeline* p, bucket* bk) {
+  int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD
+               : bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE ? MFSDP_BUF_GRAD_SLICE
+                                                                   : MFSDP_BUF_GRAD;
+  const mfsdp_buffer* b = &bk->buf[target];
+  mfsdp_status st = p->be.outer->all_reduce(p->be.outer_ctx, b, (mfsdp_reduce_op)p->cfg.reduce_op, 1.0,
+                                            &bk->outer_work);
+  if (st != MFSDP_OK) return comm_failed(p, st);
+  bk->outer_reduced = 1; /* once the work completes (complete_outer, before anyone reads it) */
+  bk->stats.outer_all_reduces++;
+  bk->stats.outer_all_reduce_bytes += b->numel * elem_size(b->dtype);
+  return MFSDP_OK;
+}
+
+static mfsdp_status complete_outer(mfsdp_pipeline* p) {
+  for (int32_t i = 0; i < p->n; ++i) {
+    bucket* bk = &p->b[i];
+    if (bk->outer_work == NULL) continue;
+    mfsdp_work* w = bk->outer_work;
+    bk->outer_work = NULL;
+    MFSDP_CHECK(comm_failed(p, p->be.outer->wait(p->be.outer_ctx, w)));
+  }
+  return MFSDP_OK;
+}
+
 /* Completes the reduction of the bucket at the head of the queue. */
 static mfsdp_status complete_front(mfsdp_pipeline* p) {
   int32_t id = p->queue[p->q_head];
@@ -904,6 +956,10 @@ static mfsdp_status complete_front(mfsdp_pipeline* p) {
   int exchanged = exchanges(p, bk);
   switch (bk->spec.grad_mode) {
     case MFSDP_GRAD_SCATTER_ACCUMULATE:
+      if (bk->outer_reduced) { /* [Note: hybrid sharding]: the replicas' sum, counted once more */
+        MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype, S, 1.0 / outer_factor(p)));
+        bk->outer_reduced = 0;
+      }
       if (exchanged)
         MFSDP_CHECK(sum_exchanged(p, bk, bk->buf[MFSDP_BUF_GRAD_SHARD].data, 0));
       else
@@ -932,6 +988,8 @@ static mfsdp_status complete_front(mfsdp_pipeline* p) {
     default:
       return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: queued without gradients", id);
   }
+  int syncing = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync; /* 0/1 reduce only to sync */
+  if (has_outer(p) && !bk->outer_hold && syncing) MFSDP_CHECK(launch_outer(p, bk));
   return MFSDP_OK;
 }
 
@@ -1012,14 +1070,17 @@ static mfsdp_status rebase(mfsdp_pipeline* p, bucket* bk) {
   void* kc = p->be.kernels_ctx;
   double world = (double)p->cfg.dp_world;
   double f = bk->prescale * (p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / world : 1.0);
+  if (bk->outer_reduced) f *= outer_factor(p); /* held by every replica too ([Note: hybrid sharding]) */
+  bk->outer_reduced = 0;
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
   if (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
-    if (p->cfg.dp_world > 1) MFSDP_CHECK(k->scale(kc, g->data, g->dtype, bk->full_size, 1.0 / (world * f)));
-  } else if (bk->W > 1) {
+    double c = 1.0 / (world * f);
+    if (c != 1.0) MFSDP_CHECK(k->scale(kc, g->data, g->dtype, bk->full_size, c));
+  } else {
     int64_t S = bk->S, off = (int64_t)bk->spec.shard_rank * S;
     MFSDP_CHECK(k->fill_zero(kc, g->data, g->dtype, off));
     MFSDP_CHECK(k->fill_zero(kc, at(g, off + S), g->dtype, bk->full_size - off - S));
-    MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SLICE].data, g->dtype, S, 1.0 / f));
+    if (f != 1.0) MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SLICE].data, g->dtype, S, 1.0 / f));
   }
   bk->gstate = MFSDP_G_DIRTY;
   return MFSDP_OK;
@@ -1187,6 +1248,7 @@ mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p) {
   }
   MFSDP_CHECK(launch_in_order(p));
   MFSDP_CHECK(complete_all(p));
+  MFSDP_CHECK(complete_outer(p));
   p->reduce_due = 0; /* no_shard/ZeRO-1 sums left unreduced by this backward: the step's sync reduces them */
   for (int32_t i = 0; i < p->n; ++i)
     if ((p->b[i].spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || p->b[i].spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
@@ -1202,12 +1264,14 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
   if (p->reduce_due) { /* every no_shard/ZeRO-1 bucket, on every rank, in the shared order */
     for (int32_t k = 0; k < p->n; ++k) {
       bucket* bk = &p->b[p->order[k]];
-      if (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE)
+      if ((bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
+          !bk->hold)
         MFSDP_CHECK(launch_bucket(p, p->order[k]));
     }
     p->reduce_due = 0;
   }
   MFSDP_CHECK(complete_all(p));
+  MFSDP_CHECK(complete_outer(p));
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
@@ -1221,6 +1285,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
   MFSDP_CHECK(healthy(p));
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "zero_grad inside a backward pass");
   MFSDP_CHECK(complete_all(p));
+  MFSDP_CHECK(complete_outer(p));
   p->reduce_due = 0; /* nothing left to reduce */
   const mfsdp_kernel_ops* k = p->be.kernels;
   for (int32_t i = 0; i < p->n; ++i) {
@@ -1232,6 +1297,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
       MFSDP_CHECK(release(p, bk, MFSDP_BUF_GRAD));
       bk->held = 0;
     }
+    bk->outer_reduced = 0;
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->S));
     bk->gstate = MFSDP_G_CLEAN;
@@ -1246,6 +1312,7 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
   bucket* bk = &p->b[b];
   if (bk->spec.grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
   if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(complete_until(p, b));
+  MFSDP_CHECK(complete_outer(p));
   const mfsdp_kernel_ops* k = p->be.kernels;
   void* kc = p->be.kernels_ctx;
   int persistent = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE; /* GRAD holds every rank's pieces */
@@ -1267,7 +1334,10 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
       MFSDP_CHECK(k->fill_zero(kc, at(&bk->buf[MFSDP_BUF_OPT_GRAD], bk->shard_offsets[i]), bk->spec.main_dtype,
                                bk->pieces[i]));
   }
-  if (n == bk->spec.layout.n_items) bk->gstate = MFSDP_G_CLEAN;
+  if (n == bk->spec.layout.n_items) { /* all zero: nothing of it was reduced across replicas either */
+    bk->gstate = MFSDP_G_CLEAN;
+    bk->outer_reduced = 0;
+  }
   return MFSDP_OK;
 }
 
@@ -1278,12 +1348,20 @@ mfsdp_status mfsdp_pipeline_set_hold(mfsdp_pipeline* p, const int32_t* ids, int3
   return MFSDP_OK;
 }
 
+mfsdp_status mfsdp_pipeline_set_outer_hold(mfsdp_pipeline* p, const int32_t* ids, int32_t n, int hold) {
+  if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient sync cannot change inside a backward pass");
+  for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(check_bucket(p, ids[i]));
+  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].outer_hold = (int8_t)!!hold;
+  return MFSDP_OK;
+}
+
 mfsdp_status mfsdp_pipeline_set_prescale(mfsdp_pipeline* p, const int32_t* ids, int32_t n, double prescale) {
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient scaling cannot change inside a backward");
   if (!(prescale > 0.0)) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "gradient pre-scale %g is not positive", prescale);
   for (int32_t i = 0; i < n; ++i) {
     MFSDP_CHECK(check_bucket(p, ids[i]));
-    if (p->b[ids[i]].gstate == MFSDP_G_REDUCED || p->b[ids[i]].held)
+    const bucket* bk = &p->b[ids[i]];
+    if (bk->prescale != prescale && (bk->gstate == MFSDP_G_REDUCED || bk->held)) /* unchanged: nothing to redo */
       return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d holds gradients scaled the old way: zero them first", ids[i]);
   }
   for (int32_t i = 0; i < n; ++i) p->b[ids[i]].prescale = prescale;
@@ -1351,6 +1429,7 @@ int32_t mfsdp_pipeline_comm_dtype(const mfsdp_pipeline* p, int32_t bucket_id) {
 mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p) {
   MFSDP_CHECK(healthy(p));
   MFSDP_CHECK(complete_all(p));
+  MFSDP_CHECK(complete_outer(p));
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(finish_gather(p, bk));

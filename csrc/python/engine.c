@@ -14,6 +14,7 @@ typedef struct engine_object {
   mfsdp_pipeline* pipeline;
   torch_memory memory;
   PyObject* transport;
+  PyObject* outer_transport; /* hybrid sharding: the transport across replicas (NULL: none) */
   PyObject* device;
   PyObject* current_stream; /* torch.cuda.current_stream, CUDA engines only */
   void* kernels_ctx;
@@ -124,15 +125,17 @@ PyDoc_STRVAR(engine_doc,
              "Engine(buckets, dp_world, dp_rank, grad_prescale, reduce_op, reduce_queue_bytes, device, transport)\n\n"
              "One collective pipeline over the given bucket specs (see csrc/comm/mfsdp_pipeline.h).\n"
              "reduce_op: 'sum' or 'avg'. device: torch.device of every buffer. transport: a\n"
-             "TorchTransport or NcclTransport over the data-parallel ranks.");
+             "TorchTransport or NcclTransport over the data-parallel ranks (of one replica).\n"
+             "outer_transport, outer_world: hybrid sharding, the replicas across which reduced gradients\n"
+             "are also all-reduced ([Note: hybrid sharding] in csrc/comm/pipeline.c).");
 
 static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   engine_object* e = (engine_object*)self;
   module_state* st = engine_state(self);
-  static char* kwlist[] = {"buckets", "dp_world",  "dp_rank",    "grad_prescale", "reduce_op", "reduce_queue_bytes",
-                           "device",  "transport", "force_comm", NULL};
-  PyObject *specs_obj, *device, *transport;
-  int dp_world, dp_rank, force_comm = 0;
+  static char* kwlist[] = {"buckets", "dp_world",  "dp_rank",    "grad_prescale",   "reduce_op",   "reduce_queue_bytes",
+                           "device",  "transport", "force_comm", "outer_transport", "outer_world", NULL};
+  PyObject *specs_obj, *device, *transport, *outer = Py_None;
+  int dp_world, dp_rank, force_comm = 0, outer_world = 1;
   double prescale;
   const char* op;
   long long queue_bytes;
@@ -140,13 +143,22 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     PyErr_SetString(PyExc_RuntimeError, "Engine is already initialised");
     return -1;
   }
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiidsLOO|p:Engine", kwlist, &specs_obj, &dp_world, &dp_rank,
-                                   &prescale, &op, &queue_bytes, &device, &transport, &force_comm))
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiidsLOO|pOi:Engine", kwlist, &specs_obj, &dp_world, &dp_rank,
+                                   &prescale, &op, &queue_bytes, &device, &transport, &force_comm, &outer,
+                                   &outer_world))
     return -1;
-  if (!PyObject_TypeCheck(transport, st->torch_transport_type) &&
-      !(st->nccl_transport_type && PyObject_TypeCheck(transport, st->nccl_transport_type))) {
-    PyErr_Format(PyExc_TypeError, "Engine: transport must be a TorchTransport or NcclTransport, got %.100s",
-                 Py_TYPE(transport)->tp_name);
+  for (int k = 0; k < 2; ++k) {
+    PyObject* t = k == 0 ? transport : outer;
+    if (k == 1 && t == Py_None) break;
+    if (!PyObject_TypeCheck(t, st->torch_transport_type) &&
+        !(st->nccl_transport_type && PyObject_TypeCheck(t, st->nccl_transport_type))) {
+      PyErr_Format(PyExc_TypeError, "Engine: %s must be a TorchTransport or NcclTransport, got %.100s",
+                   k == 0 ? "transport" : "outer_transport", Py_TYPE(t)->tp_name);
+      return -1;
+    }
+  }
+  if (outer_world > 1 && outer == Py_None) {
+    PyErr_Format(PyExc_ValueError, "Engine: %d replicas need an outer_transport", outer_world);
     return -1;
   }
   int reduce_op = strcmp(op, "sum") == 0 ? MFSDP_REDUCE_SUM : strcmp(op, "avg") == 0 ? MFSDP_REDUCE_AVG : -1;
@@ -210,10 +222,13 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
 
   Py_XSETREF(e->device, Py_NewRef(device));
   Py_XSETREF(e->transport, Py_NewRef(transport));
+  Py_XSETREF(e->outer_transport, outer == Py_None ? NULL : Py_NewRef(outer));
   e->memory = (torch_memory){st, e->device, device_index};
   transport_object* t = (transport_object*)transport;
-  mfsdp_backend be = {&mfsdp_torch_memory_ops, &e->memory, t->ops, t->ctx, kernels, kernels_ctx};
-  mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes, force_comm};
+  transport_object* o = (transport_object*)e->outer_transport;
+  mfsdp_backend be = {&mfsdp_torch_memory_ops, &e->memory, t->ops, t->ctx, kernels, kernels_ctx,
+                      o ? o->ops : NULL, o ? o->ctx : NULL};
+  mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes, force_comm, outer_world};
   mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, (int32_t)n, &e->pipeline);
   if (s != MFSDP_OK) {
     fail(self, s);
@@ -237,6 +252,7 @@ static int engine_traverse(PyObject* self, visitproc visit, void* arg) {
   engine_object* e = (engine_object*)self;
   Py_VISIT(Py_TYPE(self));
   Py_VISIT(e->transport);
+  Py_VISIT(e->outer_transport);
   Py_VISIT(e->device);
   Py_VISIT(e->current_stream);
   return 0;
@@ -246,6 +262,7 @@ static int engine_clear(PyObject* self) {
   engine_object* e = (engine_object*)self;
   engine_close_pipeline(e);
   Py_CLEAR(e->transport);
+  Py_CLEAR(e->outer_transport);
   Py_CLEAR(e->device);
   Py_CLEAR(e->current_stream);
   return 0;
@@ -496,6 +513,18 @@ static PyObject* engine_set_hold(PyObject* self, PyObject* args) {
   return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
 }
 
+static PyObject* engine_set_outer_hold(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  PyObject* ids;
+  int hold;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, "Op:set_outer_hold", &ids, &hold) || !ready(e) || read_ids(ids, stack, &arr, &n) < 0)
+    return NULL;
+  mfsdp_status s = mfsdp_pipeline_set_outer_hold(e->pipeline, arr, n, hold);
+  release_ids(arr, stack);
+  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
+}
+
 static PyObject* engine_set_prescale(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   PyObject* ids;
@@ -544,10 +573,12 @@ static PyObject* engine_stats(PyObject* self, PyObject* args) {
   if (b < -1 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %d", b);
   mfsdp_comm_stats s;
   mfsdp_pipeline_stats(e->pipeline, b, &s);
-  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L}", "all_gathers", (long long)s.all_gathers, "all_gather_bytes",
-                       (long long)s.all_gather_bytes, "reduce_scatters", (long long)s.reduce_scatters,
-                       "reduce_scatter_bytes", (long long)s.reduce_scatter_bytes, "all_reduces",
-                       (long long)s.all_reduces, "all_reduce_bytes", (long long)s.all_reduce_bytes);
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "all_gathers", (long long)s.all_gathers,
+                       "all_gather_bytes", (long long)s.all_gather_bytes, "reduce_scatters",
+                       (long long)s.reduce_scatters, "reduce_scatter_bytes", (long long)s.reduce_scatter_bytes,
+                       "all_reduces", (long long)s.all_reduces, "all_reduce_bytes", (long long)s.all_reduce_bytes,
+                       "outer_all_reduces", (long long)s.outer_all_reduces, "outer_all_reduce_bytes",
+                       (long long)s.outer_all_reduce_bytes);
 }
 
 static PyObject* engine_count_nonfinite_grad(PyObject* self, PyObject* args) {
@@ -598,6 +629,8 @@ static PyMethodDef engine_methods[] = {
     {"init_end", engine_init_end, METH_O, "init_end(bucket): derive shard and main weights, release temporaries."},
     {"set_hold", engine_set_hold, METH_VARARGS,
      "set_hold(buckets, hold): ZeRO-2/3 buckets on hold accumulate local gradients and do not reduce."},
+    {"set_outer_hold", engine_set_outer_hold, METH_VARARGS,
+     "set_outer_hold(buckets, hold): skip the all-reduce across replicas (hybrid sharding) for these buckets."},
     {"set_prescale", engine_set_prescale, METH_VARARGS,
      "set_prescale(buckets, factor): gradients of these buckets are multiplied by factor before the sum."},
     {"unshard", engine_unshard, METH_O, "unshard(buckets): start all-gathers of the full weights."},

@@ -310,6 +310,111 @@ static void test_rank_divergent_graphs(void) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* hybrid sharding (see [Note: hybrid sharding] in pipeline.c): 2 replicas x 2 shards */
+
+#define HY_INNER 2
+#define HY_OUTER 2
+
+typedef struct hybrid_thread {
+  loop_world* inner;  /* this rank's replica */
+  loop_world* outer;  /* the ranks holding the same shard in every replica */
+  int inner_rank, outer_rank, grad_mode, backwards, sync_each;
+  int outer_hold; /* sync each backward inside the replica, across replicas on the last one only */
+} hybrid_thread;
+
+static double hy_grad(int rank, int mb, int item, int64_t j) { return 0.25 * (rank + 1) + 0.5 * mb - 0.1 * item + 1e-3 * j; }
+
+static void* hybrid_worker(void* arg) {
+  hybrid_thread* t = arg;
+  int rank = t->outer_rank * HY_INNER + t->inner_rank, W = HY_INNER * HY_OUTER;
+  mfsdp_param_info infos[2] = {{6 * 4, 4, MFSDP_F32, 0, 1, 0}, {5, 1, MFSDP_F32, 0, 1, 0}};
+  int shard_world = t->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : HY_INNER;
+  mfsdp_plan plan;
+  CHECK_OK(mfsdp_plan_build(infos, 2, shard_world, 0, 16, &plan));
+  const mfsdp_bucket_layout* L = &plan.buckets[0].layout;
+  mfsdp_bucket_spec spec = {*L, shard_world > 1 ? t->inner_rank : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32,
+                            0, shard_world > 1, t->grad_mode};
+  loop_rank in = {t->inner, t->inner_rank}, out = {t->outer, t->outer_rank};
+  mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, &in, &mfsdp_cpu_kernels, NULL,
+                      &loop_transport_ops, &out};
+  mfsdp_pipeline_config cfg = {HY_INNER, t->inner_rank, 1.0 / W, MFSDP_REDUCE_SUM, 1 << 20, 0, HY_OUTER};
+  mfsdp_pipeline* p = NULL;
+  CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
+  if (p == NULL) goto out;
+  int all_items[2] = {0, 1}, bucket0 = 0;
+  /* two steps (the second after zeroing every item, as set_to_none does) of several backwards:
+   * the first ones without sync (unless sync_each), or without the outer reduction (outer_hold) */
+  for (int step = 0; step < 2; ++step) {
+  if (step > 0) CHECK_OK(mfsdp_pipeline_zero_item_grads(p, 0, all_items, L->n_items));
+  for (int mb = 0; mb < t->backwards; ++mb) {
+    int last = mb == t->backwards - 1, sync = t->sync_each || t->outer_hold || last;
+    if (t->outer_hold) CHECK_OK(mfsdp_pipeline_set_outer_hold(p, &bucket0, 1, !last));
+    CHECK_OK(mfsdp_pipeline_begin_backward(p, sync));
+    float* g[2];
+    for (int i = 1; i >= 0; --i) {
+      g[i] = malloc((size_t)L->numels[i] * sizeof *g[i]);
+      for (int64_t j = 0; j < L->numels[i]; ++j) g[i][j] = (float)hy_grad(rank, mb, plan.buckets[0].params[i], j);
+      CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, i, g[i], MFSDP_F32, L->numels[i], NULL));
+    }
+    CHECK_OK(mfsdp_pipeline_end_backward(p));
+    free(g[0]);
+    free(g[1]);
+  }
+  CHECK_OK(mfsdp_pipeline_sync_grads(p));
+  int wrong = 0;
+  for (int i = 0; i < L->n_items; ++i) {
+    int32_t where;
+    int64_t off, first, n;
+    CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_OPT_GRAD, &where, &off, &n));
+    mfsdp_piece_of(L->numels[i], L->pieces[i], spec.shard_rank, &first, &n);
+    const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, 0, where);
+    for (int64_t j = first; j < first + n; ++j) {
+      double want = 0;
+      for (int mb = 0; mb < t->backwards; ++mb)
+        for (int r = 0; r < W; ++r) want += hy_grad(r, mb, plan.buckets[0].params[i], j) / W;
+      double got = load_as_double(og->data, MFSDP_F32, off + j - first);
+      if (fabs(got - want) > 1e-5 * (fabs(want) + 1) && wrong++ < 2)
+        fprintf(stderr, "  hybrid mode %d rank %d item %d elem %lld: got %g want %g\n", t->grad_mode, rank, i,
+                (long long)j, got, want);
+    }
+  }
+  mfsdp_comm_stats st;
+  mfsdp_pipeline_stats(p, -1, &st);
+  int syncs = (step + 1) * (t->sync_each ? t->backwards : 1);
+  CHECK(wrong == 0, "hybrid grad mode %d, %d backwards (sync each %d, outer hold %d), step %d, rank %d: %d gradients "
+        "wrong", t->grad_mode, t->backwards, t->sync_each, t->outer_hold, step, rank, wrong);
+  CHECK(st.outer_all_reduces == syncs, "hybrid grad mode %d: %lld all-reduces across replicas, expected %d (one per "
+        "syncing backward)", t->grad_mode, (long long)st.outer_all_reduces, syncs);
+  }
+  mfsdp_pipeline_destroy(p);
+out:
+  mfsdp_plan_free(&plan);
+  return NULL;
+}
+
+static void test_hybrid_sharding(void) {
+  const int modes[3] = {MFSDP_GRAD_SCATTER_ACCUMULATE, MFSDP_GRAD_SCATTER_IN_PLACE, MFSDP_GRAD_ALL_REDUCE};
+  for (int m = 0; m < 3; ++m)
+    for (int backwards = 1; backwards <= 3; backwards += 2)
+      for (int sync_each = 0; sync_each <= 2; ++sync_each) { /* 2: outer hold */
+        loop_world inner[HY_OUTER], outer[HY_INNER];
+        for (int o = 0; o < HY_OUTER; ++o) loop_world_init(&inner[o], HY_INNER);
+        for (int i = 0; i < HY_INNER; ++i) loop_world_init(&outer[i], HY_OUTER);
+        pthread_t threads[HY_INNER * HY_OUTER];
+        hybrid_thread args[HY_INNER * HY_OUTER];
+        for (int o = 0; o < HY_OUTER; ++o)
+          for (int i = 0; i < HY_INNER; ++i) {
+            args[o * HY_INNER + i] = (hybrid_thread){&inner[o], &outer[i], i, o, modes[m], backwards, sync_each == 1,
+                                                     sync_each == 2};
+            pthread_create(&threads[o * HY_INNER + i], NULL, hybrid_worker, &args[o * HY_INNER + i]);
+          }
+        for (int r = 0; r < HY_INNER * HY_OUTER; ++r) pthread_join(threads[r], NULL);
+        for (int o = 0; o < HY_OUTER; ++o) loop_world_destroy(&inner[o]);
+        for (int i = 0; i < HY_INNER; ++i) loop_world_destroy(&outer[i]);
+      }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* pipeline misuse (the cases at world sizes 1-4 are in pipeline_cases.c) */
 
 static void test_pipeline_misuse(void) {
@@ -347,6 +452,7 @@ int main(void) {
   test_kernels();
   test_layout();
   test_rank_divergent_graphs();
+  test_hybrid_sharding();
   run_pipeline_cases(&loop_rig, 4, 0);
   test_pipeline_misuse();
   if (test_failures) {

@@ -66,6 +66,7 @@ class _Group:
     reshard_after_forward: bool
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True   # HSDP: the all-reduce across replicas
     forward_prefetch: Optional[List[nn.Module]] = None
     backward_prefetch: Optional[List[nn.Module]] = None
     divide_factor: Optional[float] = None
@@ -122,9 +123,10 @@ def _mesh_and_context(mesh, device_type: str) -> DistContext:
             mesh = _DEFAULT_MESH[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: the per-module fully_shard "
-                                  "takes a 1-D data-parallel mesh (hybrid sharding on a 2-D mesh is not supported yet)")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: the per-module fully_shard takes a 1-D "
+                         "mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), as torch's does; slice a larger mesh "
+                         "first, e.g. mesh['dp_outer', 'dp_shard']")
     if mesh.device_type != device_type:
         raise ValueError(f"mesh is on '{mesh.device_type}' but the parameters are on '{device_type}': build the mesh "
                          f"with init_device_mesh('{device_type}', ...) or move the module first")
@@ -132,7 +134,9 @@ def _mesh_and_context(mesh, device_type: str) -> DistContext:
     key = (id(mesh), str(device))
     ctx = _CONTEXTS.get(key)
     if ctx is None:
-        ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device)
+        # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
+        ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
+            make_dist_context(mesh, 1, device, dp_outer_dim=0)
         ctx.mesh_ref = mesh  # keep the mesh (and so the key) alive with the context
     return ctx
 
@@ -174,7 +178,7 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: tor
         placement = Shard(0)
         local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=data.dtype, device="meta") if data.is_meta \
             else data[lo:hi].clone()
-    dt = DTensor.from_local(local, ctx.mesh, [placement], run_check=False, shape=shape, stride=_contiguous_stride(shape))
+    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape, stride=_contiguous_stride(shape))
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
@@ -302,7 +306,7 @@ class _RootState(ShardedCore):
                     placeholder = nn.Parameter(torch.empty(0, dtype=compute, device=ctx.device),
                                                requires_grad=dp.requires_grad)
                     r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, dp.shape, u, [(mod, attr)])
-                    r.replicated = isinstance(dp.placements[0], Replicate)
+                    r.replicated = isinstance(dp.placements[-1], Replicate)  # the shard dim is the last
                     r.strategy, r.policy, r.dist_param = g.strategy, policy, dp
                     r.aliases.append(name)
                     records.append(r)
@@ -310,7 +314,7 @@ class _RootState(ShardedCore):
                     r.places.append((mod, attr))
                     r.aliases.append(name)
         self.param_buffer = ParamBuffer(records, 3, OurPolicy(), ctx, bucket_cap=0, reduce_queue_bytes=None,
-                                        grad_prescale=1.0 / ctx.world, reduce_op="sum")
+                                        grad_prescale=1.0 / ctx.dp_world, reduce_op="sum")
         self.param_buffer.load_locals()
         self.param_buffer.build_dist_params(self, existing=True)
         self._used = bytearray(len(records))
@@ -344,7 +348,9 @@ class _RootState(ShardedCore):
         grads = [b for b in self.buckets_of(g) if self.param_buffer.specs[b]["grad_mode"] != _C.GRAD_NONE]
         if grads:
             engine.set_hold(grads, not g.requires_gradient_sync)
-            factor = g.divide_factor if g.divide_factor is not None else self.dist_ctx.world
+            if self.dist_ctx.outer_world > 1:
+                engine.set_outer_hold(grads, not g.requires_all_reduce)
+            factor = g.divide_factor if g.divide_factor is not None else self.dist_ctx.dp_world
             engine.set_prescale(grads, 1.0 / factor)
 
     # -- what the hooks call ----------------------------------------------------------------------
@@ -506,6 +512,15 @@ class FSDPModule:
             g.requires_gradient_sync = bool(requires_gradient_sync)
         self._reconfigure(groups)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP (2-D mesh): off, backwards still reduce within the shard dim but skip the
+        all-reduce across replicas; the next backward with it on all-reduces the sum, once
+        ([Note: hybrid sharding] in csrc/comm/pipeline.c). No effect on a 1-D mesh."""
+        groups = self._groups(recurse)
+        for g in groups:
+            g.requires_all_reduce = bool(requires_all_reduce)
+        self._reconfigure(groups)
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
@@ -544,6 +559,11 @@ class FSDPModule:
         for g in groups:
             g.divide_factor = float(factor)
         self._reconfigure(groups)
+
+    def comm_stats(self) -> dict:
+        """megatron_fsdp_c's counters of the model's collectives so far (counts and bytes, by
+        level: inner all-gathers and reductions, and the all-reduce across replicas of HSDP)."""
+        return _state_of(self).comm_stats()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility: every backward here finishes its reductions."""

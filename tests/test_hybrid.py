@@ -1,0 +1,315 @@
+"""Hybrid sharding (HSDP): shards inside a replica, replicas across dp_outer, gradients all-reduced
+across the replicas once per optimisation step ([Note: hybrid sharding] in csrc/comm/pipeline.c).
+
+4 gloo ranks as 2x2, 1x4 and 4x1 (dp_outer x dp_shard) meshes, every inner strategy, 1 and 3
+microbatches (no_sync on all but the last), AdamW: parity with DDP in float64 to rtol 1e-9 (an
+exact check of the algorithm), and in fp32 with tests/test_parity.py's tolerances. The engine's
+counters split by level match the theoretical volume; memory; DCP across mesh shapes; errors.
+"""
+import copy
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import megatron_fsdp_c as mf
+from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+from conftest import get_run
+
+CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=2)
+MESHES = [(2, 2), (1, 4), (4, 1)]  # (dp_outer, dp_shard)
+STEPS = 3
+
+
+def hybrid_mesh(outer, shard):
+    return init_device_mesh("cpu", (outer, shard), mesh_dim_names=("dp_outer", "dp_shard"))
+
+
+def shard_hybrid(model, opt, mesh, strategy, **kw):
+    return mf.fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, device_mesh=mesh,
+                          dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD, **kw)
+
+
+def train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype):
+    torch.manual_seed(0)
+    model = GPT(CFG).to(dtype)
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    fsdp, opt = shard_hybrid(model, opt, hybrid_mesh(*mesh_shape), strategy)
+    losses, ref_losses, per_step = [], [], []
+    for step in range(STEPS):
+        before = fsdp.comm_stats()
+        for m in range(micro):
+            x, y = batch(CFG, 2, seed=1000 * step + 10 * m + rank)
+            quiet = m < micro - 1
+            with fsdp.no_sync() if quiet else torch.enable_grad():
+                loss = fsdp(x, y)
+                loss.backward()
+            with ddp.no_sync() if quiet else torch.enable_grad():
+                ref_loss = ddp(x, y)
+                ref_loss.backward()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        after = fsdp.comm_stats()
+        per_step.append({k: after[k] - before[k] for k in after})
+    buf = fsdp.param_buffer
+    grad_buckets = [b for b, s in enumerate(buf.specs) if s["grad_mode"] != mf._C.GRAD_NONE]
+    shard_grad_bytes = sum(buf.plan[b]["shard_size"] * 8 if buf.plan[b]["shards"] > 1 else
+                           buf.plan[b]["bucket_size"] * 8 for b in grad_buckets)
+    placements = {str(p.placements) for p in fsdp.parameters()}
+    return dict(losses=losses, ref_losses=ref_losses, params=fsdp.full_parameters(),
+                ref_params={n: p.detach().clone() for n, p in ref.named_parameters()}, per_step=per_step,
+                grad_buckets=len(grad_buckets), shard_grad_bytes=shard_grad_bytes, placements=placements,
+                memory=fsdp.memory_report(opt), model_bytes=sum(p.numel() * p.element_size() for p in ref.parameters()))
+
+
+def grid(rank, world):
+    out = {}
+    for mesh_shape in MESHES:
+        for strategy in (0, 1, 2, 3):
+            for micro in (1, 3):
+                for dtype in ((torch.float64, torch.float32) if mesh_shape == (2, 2) else (torch.float64,)):
+                    key = (mesh_shape, strategy, micro, str(dtype))
+                    try:
+                        out[key] = ("ok", train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype))
+                    except Exception:  # noqa: BLE001 - reported by the cell's test
+                        out[key] = ("error", traceback.format_exc())
+    return out
+
+
+def _cell(key):
+    cells = get_run(grid, 4)
+    for rank, c in enumerate(cells):
+        status, value = c[key]
+        assert status == "ok", f"rank {rank}:\n{value}"
+    return [c[key][1] for c in cells]
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_hsdp_matches_ddp_float64(mesh_shape, strategy, micro):
+    for r in _cell((mesh_shape, strategy, micro, "torch.float64")):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-9, atol=1e-12)
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_hsdp_matches_ddp_fp32(strategy, micro):
+    """tests/test_parity.py's tolerances at world 4 (see its [Note: reduction order at world 4])."""
+    for r in _cell(((2, 2), strategy, micro, "torch.float32")):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-5, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+def test_outer_reduction_once_per_step_at_the_theoretical_volume(mesh_shape, strategy):
+    """With no_sync on all but the last of 3 microbatches, each gradient bucket is all-reduced
+    across the replicas once per step, and the bytes are each bucket's reduced part (ZeRO-1/2/3:
+    this rank's shard; no_shard: the whole bucket) -- the model's gradients / dp_shard, up to
+    padding. One replica (1x4) sends nothing across replicas."""
+    outer = mesh_shape[0]
+    for r in _cell((mesh_shape, strategy, 3, "torch.float64")):
+        for step in r["per_step"]:
+            if outer == 1:
+                assert step["outer_all_reduces"] == 0 and step["outer_all_reduce_bytes"] == 0
+                continue
+            assert step["outer_all_reduces"] == r["grad_buckets"], step
+            assert step["outer_all_reduce_bytes"] == r["shard_grad_bytes"], step
+            model_grad_bytes = r["model_bytes"]
+            inner = mesh_shape[1] if strategy > 0 else 1
+            assert model_grad_bytes / inner <= step["outer_all_reduce_bytes"] <= 1.05 * model_grad_bytes / inner + 4096
+
+
+def test_placements_and_memory_at_2x2():
+    for r in _cell(((2, 2), 3, 1, "torch.float64")):
+        assert r["placements"] <= {"(Replicate(), Shard(dim=0))", "(Replicate(), Replicate())"}, r["placements"]
+        # HSDP holds the optimizer state of half the model at 2x2 (sharded over dp_shard = 2)
+        optim = r["memory"]["optimizer_state_bytes"]  # AdamW: two states, each of half the model
+        assert abs(optim - r["model_bytes"]) <= 0.05 * r["model_bytes"], (optim, r["model_bytes"])
+
+
+# -- checkpoints across mesh shapes ------------------------------------------------------------
+
+def dcp_chain(rank, world, path):
+    """Save at 2x2, load at 1x4, save; load at 4x1, save; load at 2x2; then into a plain 1-D model."""
+    import torch.distributed.checkpoint as dcp
+    torch.manual_seed(0)
+    reference = GPT(CFG).double()
+    want = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    out = {}
+    chain = [(2, 2), (1, 4), (4, 1), (2, 2), None]
+    for k, shape in enumerate(chain):
+        torch.manual_seed(k + 11)  # a different init: the load must overwrite it
+        model = GPT(CFG).double()
+        if shape is None:
+            fsdp, _ = mf.fully_shard(model, None, fsdp_unit_modules=[Block], zero_dp_strategy=3)
+        else:
+            fsdp, _ = shard_hybrid(model, None, hybrid_mesh(*shape), 3)
+        if k == 0:
+            fsdp.load_state_dict({"module." + n: v for n, v in want.items()})
+        else:
+            sd = fsdp.state_dict()
+            dcp.load(sd, checkpoint_id=os.path.join(path, f"ckpt{k - 1}"))
+            fsdp.load_state_dict(sd)
+        got = fsdp.full_parameters()
+        out[str(shape)] = max((got[n] - want[n]).abs().max().item() for n in want)
+        x, y = batch(CFG, 2, seed=rank)
+        with torch.no_grad():
+            out[f"loss {shape}"] = fsdp(x, y).item()
+        dcp.save(fsdp.state_dict(), checkpoint_id=os.path.join(path, f"ckpt{k}"))
+        dist.barrier()
+    return out
+
+
+def test_dcp_across_mesh_shapes():
+    path = tempfile.mkdtemp(prefix="mfsdp_hsdp_dcp_")
+    for r in get_run(dcp_chain, 4, path):
+        for key, value in r.items():
+            if not key.startswith("loss"):
+                assert value == 0.0, (key, value)
+        losses = {v for k, v in r.items() if k.startswith("loss")}
+        assert len(losses) == 1, r
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+def bad_inputs(rank, world):
+    msgs = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            msgs[name] = "no error"
+        except Exception as e:  # noqa: BLE001
+            msgs[name] = f"{type(e).__name__}: {e}"
+
+    mesh = hybrid_mesh(2, 2)
+    attempt("no hybrid group", lambda: mf.fully_shard(GPT(CFG), None, fsdp_unit_modules=[Block], device_mesh=mesh,
+                                                      dp_shard_dim="dp_shard", dp_outer_dim="dp_outer"))
+    attempt("group without outer dim", lambda: mf.fully_shard(GPT(CFG), None, fsdp_unit_modules=[Block],
+                                                              device_mesh=mesh, dp_shard_dim="dp_shard",
+                                                              hybrid_fsdp_group=dist.group.WORLD))
+    attempt("unknown dim", lambda: mf.fully_shard(GPT(CFG), None, fsdp_unit_modules=[Block], device_mesh=mesh,
+                                                  dp_shard_dim="dp_shard", dp_outer_dim="nodes",
+                                                  hybrid_fsdp_group=dist.group.WORLD))
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    half = halves[rank // 2]  # a group of 2 that holds this rank: too small for the 2x2 mesh
+    attempt("dims do not multiply", lambda: mf.fully_shard(GPT(CFG), None, fsdp_unit_modules=[Block],
+                                                           device_mesh=mesh, dp_shard_dim="dp_shard",
+                                                           dp_outer_dim="dp_outer", hybrid_fsdp_group=half))
+    attempt("optim outer with ZeRO-2", lambda: mf.fully_shard(GPT(CFG), None, zero_dp_strategy=2, device_mesh=mesh,
+                                                              dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                                                              hybrid_fsdp_group=dist.group.WORLD,
+                                                              outer_dp_sharding_strategy="optim"))
+    meta = GPT(CFG).to("meta")
+    attempt("wrong device type", lambda: mf.fully_shard(
+        GPT(CFG), None, fsdp_unit_modules=[Block], dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+        device_mesh=init_device_mesh("meta", (2, 2), mesh_dim_names=("dp_outer", "dp_shard")),
+        hybrid_fsdp_group=dist.group.WORLD))
+    del meta
+    return msgs
+
+
+@pytest.mark.parametrize("case,match", [
+    ("no hybrid group", "required exactly when dp_outer_dim"),
+    ("group without outer dim", "required exactly when dp_outer_dim"),
+    ("unknown dim", "dp_outer_dim='nodes' is not a dim of the device mesh"),
+    ("dims do not multiply", "do not multiply to the data-parallel size"),
+    ("optim outer with ZeRO-2", "needs zero_dp_strategy='optim_grads_params'"),
+    ("wrong device type", "parameters are on 'cpu'"),
+])
+def test_hybrid_bad_input(case, match):
+    for msgs in get_run(bad_inputs, 4):
+        assert match in msgs[case], msgs[case]
+
+
+# -- the per-module API: a 2-D mesh is HSDP, as in torch -------------------------------------------
+
+def per_module_vs_ddp(rank, world, mesh_shape, strategy, micro, skip):
+    """experimental.fully_shard on a (replicate, shard) mesh against DDP and torch's own FSDP2 HSDP,
+    float64. The quiet microbatches turn off `skip`: set_requires_all_reduce (reduce within the
+    shard dim, no all-reduce across replicas) or set_requires_gradient_sync (no reduction)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from megatron_fsdp_c.experimental import fully_shard
+    torch.manual_seed(0)
+    model = GPT(CFG).double()
+    ref, peer = copy.deepcopy(model), copy.deepcopy(model)
+    ddp = DDP(ref)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh, zero_dp_strategy=strategy)
+    fully_shard(model, mesh=mesh, zero_dp_strategy=strategy)
+    for blk in peer.blocks:
+        torch_fully_shard(blk, mesh=mesh)
+    torch_fully_shard(peer, mesh=mesh)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref, peer)]
+    outer_counts = []
+    for step in range(STEPS):
+        before = model.comm_stats()["outer_all_reduces"]
+        for m in range(micro):
+            x, y = batch(CFG, 2, seed=1000 * step + 10 * m + rank)
+            last = m == micro - 1
+            getattr(model, skip)(last)
+            getattr(peer, skip)(last)
+            with ddp.no_sync() if not last else torch.enable_grad():
+                ddp(x, y).backward()
+            model(x, y).backward()
+            peer(x, y).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        outer_counts.append(model.comm_stats()["outer_all_reduces"] - before)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return dict(params=full, ref={n: p.detach().clone() for n, p in ref.named_parameters()},
+                peer={n: p.full_tensor() for n, p in peer.named_parameters()}, outer_counts=outer_counts,
+                placements={str(p.placements) for p in model.parameters()},
+                grad_buckets=sum(s["grad_mode"] != mf._C.GRAD_NONE
+                                 for s in model._mfsdp_group.state.param_buffer.specs))
+
+
+PM_CASES = [((2, 2), s, 1, "set_requires_all_reduce") for s in (0, 1, 2, 3)] + \
+           [((2, 2), s, 3, skip) for s in (0, 1, 2, 3) for skip in ("set_requires_all_reduce",
+                                                                      "set_requires_gradient_sync")] + \
+           [((4, 1), 3, 3, "set_requires_all_reduce"), ((1, 4), 3, 3, "set_requires_all_reduce")]
+
+
+def per_module_grid(rank, world):
+    out = {}
+    for case in PM_CASES:
+        try:
+            out[case] = ("ok", per_module_vs_ddp(rank, world, *case))
+        except Exception:  # noqa: BLE001 - reported by the case's test
+            out[case] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.mark.parametrize("case", PM_CASES, ids=[f"{m[0]}x{m[1]}-s{s}-micro{n}-{k[4:]}" for m, s, n, k in PM_CASES])
+def test_per_module_hsdp_matches_ddp_and_fsdp2_float64(case):
+    mesh_shape, strategy, micro, skip = case
+    for rank, c in enumerate(get_run(per_module_grid, 4)):
+        status, r = c[case]
+        assert status == "ok", f"rank {rank}:\n{r}"
+        for name, ref in r["ref"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=f"vs DDP: {name}")
+            torch.testing.assert_close(r["params"][name], r["peer"][name], rtol=1e-9, atol=1e-12,
+                                       msg=f"vs FSDP2: {name}")
+        assert r["placements"] <= {"(Replicate(), Shard(dim=0))", "(Replicate(), Replicate())"}, r["placements"]
+        # the all-reduce across replicas: once per step per gradient bucket, whatever the microbatches
+        expect = r["grad_buckets"] if mesh_shape[0] > 1 else 0
+        assert r["outer_counts"] == [expect] * STEPS, (r["outer_counts"], expect)

@@ -1,0 +1,494 @@
+"""Mixed precision and gradient clipping of megatron_fsdp_c.experimental.fully_shard, tested after
+torch's own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py,
+test_fully_shard_clip_grad_norm_.py) through public APIs only. See [Note: one grid per world
+size] in per_module_behaviours_common.py for how the cells run.
+
+torch's MixedPrecisionPolicy semantics, as documented by FSDP2 (and our one difference):
+- param_dtype: the compute dtype; the sharded parameters, their gradients and the optimizer stay
+  in the parameter's dtype. The reference here is an fp32 master model with a compute-dtype copy.
+- reduce_dtype (default: param_dtype): the dtype gradients travel in. Where it is narrower than
+  the parameter, FSDP2's reduce-scatter sums in it; ours rounds each rank's (pre-scaled)
+  contribution to it once and sums in the parameter's dtype ([Note: exchange reduction] in
+  csrc/comm/pipeline.c). The reference does exactly that, so at world 2 the numbers match bit for
+  bit; at world 4 the fp32 sums may run in another order (rtol 1e-6).
+- with sync off, unsharded gradients accumulate in reduce_dtype (fp32 under a bf16 compute dtype).
+- cast_forward_inputs casts floating inputs (inside containers too) to param_dtype at every group,
+  in recomputation too; output_dtype casts the outputs.
+
+Behaviours (cell names):
+- bf16 compute with fp32 or bf16 (default) reduction, fp32 compute with bf16 reduction, with
+  reshard_after_forward True/False: mp_training
+- gradient accumulation with sync off under bf16 compute and fp32 reduction: mp_accumulation
+- dataclass / nested dataclass / namedtuple activations between groups under bf16: structured_io
+- cast_forward_inputs on every module of a list group: grouped_cast_forward_inputs
+- bf16 on one submodule only (cast by the library, by the user, or by output_dtype of the one
+  before): bf16_on_one_submodule; an input made inside the root reaching a bf16 group:
+  external_inputs
+- casts re-applied in activation recomputation (inputs and outputs): recompute_casts
+- LayerNorm / BatchNorm1d / BatchNorm2d groups under bf16, BatchNorm with output_dtype only:
+  norm_modules
+- megatron_fsdp_c's own MixedPrecisionPolicy (bf16 model, fp32 main weights): our_policy
+- clip_grad_norm_ over DTensor gradients (norms 2, 1, inf): the same total norm and clipped
+  gradients as DDP's: clip_grad_norm; with groups of different zero_dp_strategy (Replicate and
+  Shard(0) gradients mixed): clip_grad_norm_mixed_strategies
+"""
+import copy
+import dataclasses
+import typing
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as MP
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import per_module_behaviours_common as common
+from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.testing import GPT, GPTConfig, batch
+from per_module_behaviours_common import full, local_batch
+
+CELLS, cell = common.registry()
+MODULE = "test_per_module_precision"
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+def fp32_tolerance(world):
+    """(rtol, atol) for fp32 results: bit for bit at world 2 (see the module docstring)."""
+    return (0.0, 0.0) if world == 2 else (1e-5, 1e-6)
+
+
+def mp_loop(ck, rank, world, model, mp, data, *, steps=4, accumulate=1, reshard=True, shard=None):
+    """Trains `model` (fp32, sharded here with `mp`) against an fp32 master replica with a
+    compute-dtype copy whose gradients are reduced as the documented semantics say."""
+    compute = mp.param_dtype or FP32
+    wire = mp.reduce_dtype or compute
+    ref = copy.deepcopy(model)
+    ref_compute = copy.deepcopy(model).to(compute)
+    if shard:
+        shard(model)
+    else:
+        for m in model:
+            fully_shard(m, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    rtol, atol = fp32_tolerance(world)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        ref_opt.zero_grad(set_to_none=True)
+        for mb in range(accumulate):
+            is_last = mb == accumulate - 1
+            if accumulate > 1:
+                model.set_requires_gradient_sync(is_last)
+                model.set_reshard_after_backward(is_last or reshard)
+            x = data(10 * step + mb, rank)
+            loss = model(x).sum()
+            ck.true(f"step {step}: loss in the compute dtype", loss.dtype == compute, str(loss.dtype))
+            loss.backward()
+            ref_loss = ref_compute(x.to(compute)).sum()
+            ref_loss.backward()
+            ck.close(f"step {step} microbatch {mb}: loss", loss, ref_loss, rtol, atol)
+            for p, pc in zip(ref.parameters(), ref_compute.parameters()):
+                g = pc.grad.float()  # microbatches accumulate in fp32 (the reduce dtype under bf16)
+                p.grad = g if p.grad is None else p.grad + g
+                pc.grad = None
+        for p in ref.parameters():
+            # each rank's share rounded once to the wire dtype, summed in fp32
+            share = (p.grad / world).to(wire).float()
+            dist.all_reduce(share)
+            p.grad = share
+        ck.grads(f"step {step}", model, ref, rtol, atol)
+        opt.step()
+        ref_opt.step()
+        with torch.no_grad():
+            for p, pc in zip(ref.parameters(), ref_compute.parameters()):
+                pc.copy_(p)
+    ck.params("after training", model, ref, rtol, atol)
+    for name, p in model.named_parameters():
+        ck.true(f"{name}: fp32 DTensor parameter and gradient", isinstance(p, DTensor) and p.dtype == FP32
+                and p.to_local().dtype == FP32 and (p.grad is None or p.grad.dtype == FP32))
+
+
+def _stack():
+    torch.manual_seed(42)
+    return nn.Sequential(MLP(), MLP(), MLP())
+
+
+def _data(step, rank):
+    return local_batch(step, rank, (4, 16), FP32)
+
+
+@cell("mp_training[bf16-fp32_reduce-reshard]", worlds=(2, 4), param_dtype=BF16, reduce_dtype=FP32, reshard=True)
+@cell("mp_training[bf16-fp32_reduce-keep]", param_dtype=BF16, reduce_dtype=FP32, reshard=False)
+@cell("mp_training[bf16-bf16_reduce-reshard]", worlds=(2, 4), param_dtype=BF16, reduce_dtype=None, reshard=True)
+@cell("mp_training[fp32-bf16_reduce-reshard]", param_dtype=None, reduce_dtype=BF16, reshard=True)
+def mp_training(rank, world, ck, ckdir, param_dtype, reduce_dtype, reshard):
+    mp_loop(ck, rank, world, _stack(), MP(param_dtype=param_dtype, reduce_dtype=reduce_dtype), _data,
+            reshard=reshard)
+
+
+@cell("mp_accumulation[reshard]", reshard=True)
+@cell("mp_accumulation[keep]", reshard=False)
+def mp_accumulation(rank, world, ck, ckdir, reshard):
+    mp_loop(ck, rank, world, _stack(), MP(param_dtype=BF16, reduce_dtype=FP32), _data, steps=2, accumulate=4,
+            reshard=reshard)
+
+
+@dataclasses.dataclass
+class Flat:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class Inner:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class Nested:
+    inner: Inner
+    z: torch.Tensor
+
+
+class Named(typing.NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class ToStruct(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "dataclass":
+            return Flat(x, x.clone())
+        if self.kind == "nested_dataclass":
+            return Nested(Inner(x, x.clone()), x.clone())
+        return Named(x, x.clone())
+
+
+class StructLinear(nn.Module):
+    """One Linear applied to every tensor of the structure."""
+
+    def __init__(self, kind, dim=16):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, s):
+        f = lambda t: torch.tanh(self.lin(t))  # noqa: E731
+        if self.kind == "dataclass":
+            return Flat(f(s.x), f(s.y))
+        if self.kind == "nested_dataclass":
+            return Nested(Inner(f(s.inner.x), f(s.inner.y)), f(s.z))
+        return Named(f(s.x), f(s.y))
+
+
+class FromStruct(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, s):
+        if self.kind == "nested_dataclass":
+            return s.inner.x + 2 * s.inner.y + 3 * s.z
+        return s.x + 2 * s.y
+
+
+@cell("structured_io[dataclass]", kind="dataclass")
+@cell("structured_io[nested_dataclass]", kind="nested_dataclass")
+@cell("structured_io[namedtuple]", kind="namedtuple")
+def structured_io(rank, world, ck, ckdir, kind):
+    torch.manual_seed(42)
+    model = nn.Sequential(ToStruct(kind), StructLinear(kind), StructLinear(kind), FromStruct(kind))
+    mp_loop(ck, rank, world, model, MP(param_dtype=BF16, reduce_dtype=FP32), _data, steps=3)
+
+
+class AB(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.a = nn.Linear(dim, dim, bias=False)
+        self.b = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x).float())  # an fp32 intermediate: b must cast its input itself
+
+
+@cell("grouped_cast_forward_inputs")
+def grouped_cast_forward_inputs(rank, world, ck, ckdir):
+    torch.manual_seed(42)
+    model = AB()
+    mp = MP(param_dtype=BF16, cast_forward_inputs=True)
+    fully_shard([model.a, model.b], mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    out = model(local_batch(0, rank, (2, 16), FP32))
+    ck.true("output in bf16", out.dtype == BF16, str(out.dtype))
+    out.sum().backward()
+    for name, p in model.named_parameters():
+        ck.true(f"{name}: an fp32 gradient", p.grad is not None and p.grad.dtype == FP32)
+
+
+class Recording(nn.Module):
+    def __init__(self, user_cast: bool, dim=16):
+        super().__init__()
+        self.l = nn.Linear(dim, dim)
+        self.user_cast = user_cast
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.dtype)
+        return self.l(x.to(self.l.weight.dtype) if self.user_cast else x)
+
+
+class TwoRecording(nn.Module):
+    def __init__(self, user_cast: bool):
+        super().__init__()
+        self.c1 = Recording(user_cast)
+        self.c2 = Recording(user_cast)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.dtype)
+        return self.c2(self.c1(x))
+
+
+@cell("bf16_on_one_submodule[library_casts]", case="library_casts")
+@cell("bf16_on_one_submodule[user_casts]", case="user_casts")
+@cell("bf16_on_one_submodule[output_dtype]", case="output_dtype")
+def bf16_on_one_submodule(rank, world, ck, ckdir, case):
+    torch.manual_seed(42)
+    model = TwoRecording(user_cast=case == "user_casts")
+    if case == "library_casts":
+        fully_shard(model.c2, mp_policy=MP(param_dtype=BF16))
+        expected = (FP32, FP32, BF16)
+    elif case == "user_casts":
+        fully_shard(model.c2, mp_policy=MP(param_dtype=BF16, cast_forward_inputs=False))
+        expected = (FP32, FP32, FP32)
+    else:
+        fully_shard(model.c1, mp_policy=MP(param_dtype=BF16, output_dtype=FP32))
+        expected = (FP32, BF16, FP32)
+    fully_shard(model)
+    model(local_batch(0, rank, (2, 16), FP32)).sum().backward()
+    seen = (model.seen[0], model.c1.seen[0], model.c2.seen[0])
+    ck.true("input dtypes of the root, c1, c2", seen == expected, f"{seen} != {expected}")
+    for name, p in model.named_parameters():
+        ck.true(f"{name}: fp32 gradient", p.grad is not None and p.grad.dtype == FP32)
+
+
+class TakesTwo(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.l = nn.Linear(dim, dim)
+        self.seen = None
+
+    def forward(self, x, y):
+        self.seen = (x.dtype, y.dtype)
+        return self.l(x)
+
+
+class MakesAnInput(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.l1 = nn.Linear(dim, dim)
+        self.l2 = TakesTwo(dim)
+        self.seen = None
+
+    def forward(self, x):
+        self.seen = x.dtype
+        y = torch.ones(2, 16, dtype=FP32)  # made here: an input the root never saw
+        return self.l2(self.l1(x), y)
+
+
+@cell("external_inputs[cast]", submodule_casts=True)
+@cell("external_inputs[no_cast]", submodule_casts=False)
+def external_inputs(rank, world, ck, ckdir, submodule_casts):
+    torch.manual_seed(42)
+    model = MakesAnInput()
+    fully_shard(model.l2, mp_policy=MP(param_dtype=BF16, cast_forward_inputs=submodule_casts))
+    fully_shard(model, mp_policy=MP(param_dtype=BF16))
+    model(local_batch(0, rank, (2, 16), FP32)).sum().backward()
+    ck.true("the root's input cast to bf16", model.seen == BF16, str(model.seen))
+    expected = (BF16, BF16 if submodule_casts else FP32)
+    ck.true("l2's inputs", model.l2.seen == expected, f"{model.l2.seen} != {expected}")
+
+
+class RecordingLinear(nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.input_dtypes = []
+
+    def forward(self, x):
+        self.input_dtypes.append(x.dtype)
+        return super().forward(x)
+
+
+class Recomputed(nn.Module):
+    def __init__(self, checkpoint_input_dtype):
+        super().__init__()
+        self.linear1 = RecordingLinear()
+        self.checkpoint_input_dtype = checkpoint_input_dtype
+        self.output_dtypes = []
+
+    def run(self, x):
+        x = self.linear1(x)
+        self.output_dtypes.append(x.dtype)
+        return x
+
+    def forward(self, x):
+        x = x.to(self.checkpoint_input_dtype)
+        x = torch.utils.checkpoint.checkpoint(self.run, x, use_reentrant=False, early_stop=False)
+        return x.float().sum()
+
+
+@cell("recompute_casts[inputs]", which="inputs")
+@cell("recompute_casts[outputs]", which="outputs")
+def recompute_casts(rank, world, ck, ckdir, which):
+    torch.manual_seed(42)
+    if which == "inputs":
+        model = Recomputed(FP32)
+        mp = MP(param_dtype=BF16, reduce_dtype=BF16)
+    else:
+        model = Recomputed(BF16)
+        mp = MP(param_dtype=BF16, reduce_dtype=BF16, output_dtype=FP32, cast_forward_inputs=False)
+    fully_shard(model.linear1, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model(torch.randn(8, 4)).backward()
+    if which == "inputs":
+        ck.true("linear1's inputs in forward and recomputation", model.linear1.input_dtypes == [BF16, BF16],
+                str(model.linear1.input_dtypes))
+    else:
+        ck.true("linear1's outputs in forward and recomputation", model.output_dtypes == [FP32, FP32],
+                str(model.output_dtypes))
+
+
+@cell("norm_modules[layernorm]", kind="layernorm")
+@cell("norm_modules[batchnorm1d]", kind="batchnorm1d")
+@cell("norm_modules[batchnorm2d]", kind="batchnorm2d")
+@cell("norm_modules[batchnorm_output_dtype_only]", kind="batchnorm_output_dtype_only")
+def norm_modules(rank, world, ck, ckdir, kind):
+    torch.manual_seed(42)
+    mp = MP(param_dtype=BF16)
+    if kind == "layernorm":
+        model, x = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32)), torch.randn(4, 32)
+    elif kind == "batchnorm1d":
+        model, x = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 32)), torch.randn(4, 32)
+    else:
+        model, x = nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3)), torch.randn(3, 1, 9, 9)
+    if kind == "batchnorm_output_dtype_only":
+        fully_shard(model[1], mp_policy=MP(output_dtype=BF16))
+        for m in (model[0], model[2], model):
+            fully_shard(m, mp_policy=mp)
+    else:
+        for m in (model[0], model[1], model[2], model):
+            fully_shard(m, mp_policy=mp)
+    z = model(x)
+    ck.true("output in bf16", z.dtype == BF16, str(z.dtype))
+    z.sum().backward()
+    for name, p in model.named_parameters():
+        ck.true(f"{name}: fp32 gradient", p.grad is not None and p.grad.dtype == FP32)
+
+
+@cell("our_policy")
+def our_policy(rank, world, ck, ckdir):
+    """megatron_fsdp_c.MixedPrecisionPolicy: compute in the module's dtype (bf16 here), fp32 main
+    weights and gradients, fp32 reduction; the parameters the optimizer sees are the main weights."""
+    from megatron_fsdp_c import MixedPrecisionPolicy as OurPolicy
+    model = _stack().to(BF16)
+    ref = copy.deepcopy(model).float()  # the fp32 master
+    ref_compute = copy.deepcopy(model)
+    policy = OurPolicy(main_params_dtype=FP32, main_grads_dtype=FP32, grad_comm_dtype=FP32)
+    for m in model:
+        fully_shard(m, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for name, p in model.named_parameters():
+        ck.true(f"{name}: a DTensor whose dtype is its local shard's", p.dtype == p.to_local().dtype,
+                f"{p.dtype} vs {p.to_local().dtype}")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    rtol, atol = fp32_tolerance(world)
+    for step in range(2):
+        x = _data(step, rank).to(BF16)
+        loss = model(x).sum()
+        loss.backward()
+        ref_loss = ref_compute(x).sum()
+        ref_loss.backward()
+        ck.close(f"step {step}: loss", loss, ref_loss, rtol, atol)
+        for p, pc in zip(ref.parameters(), ref_compute.parameters()):
+            p.grad = pc.grad.float() / world
+            pc.grad = None
+            dist.all_reduce(p.grad)
+        ck.grads(f"step {step}", model, ref, rtol, atol)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for p, pc in zip(ref.parameters(), ref_compute.parameters()):
+                pc.copy_(p)
+    ck.params("after training", model, ref, rtol, atol)
+    for name, p in model.named_parameters():
+        ck.true(f"{name}: the optimizer's parameter holds the fp32 main weights",
+                p.dtype == FP32 and p.to_local().dtype == FP32, f"{p.dtype} / {p.to_local().dtype}")
+
+
+# ------------------------------------------------------------------------------------------
+# test_fully_shard_clip_grad_norm_.py
+
+CFG = GPTConfig(vocab=32, seq=8, d=16, heads=2, layers=3)
+
+
+@cell("clip_grad_norm[2]", worlds=(2, 4), norm_type=2.0)
+@cell("clip_grad_norm[1]", worlds=(2, 4), norm_type=1.0)
+@cell("clip_grad_norm[inf]", worlds=(2, 4), norm_type=float("inf"))
+@cell("clip_grad_norm_mixed_strategies", norm_type=2.0, strategies=("no_shard", "optim", "optim_grads"))
+def clip_grad_norm(rank, world, ck, ckdir, norm_type, strategies=None):
+    torch.manual_seed(0)
+    model = GPT(CFG).double()
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    for i, b in enumerate(model.blocks):
+        fully_shard(b, **({"zero_dp_strategy": strategies[i]} if strategies else {}))
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for it in range(3):
+        x, y = batch(CFG, 2, seed=100 * it + rank)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        model(x, y).backward()
+        ddp(x, y).backward()
+        ck.grads(f"iteration {it}: before clipping", model, ref)
+        ref_grads = [p.grad.clone() for p in ref.parameters()]
+        unclipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in ref_grads]),
+                                             norm_type)
+        max_norm = 0.5 * unclipped.item()  # the same on every rank: DDP's gradients are
+        ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=max_norm, norm_type=norm_type)
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm, norm_type=norm_type,
+                                               foreach=True)
+        ck.close(f"iteration {it}: total norm", full(total), ref_total)
+        ck.grads(f"iteration {it}: clipped", model, ref)
+        opt.step()
+        ref_opt.step()
+    ck.params("after training", model, ref)
+
+
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,world", common.cell_ids(CELLS))
+def test_precision_behaviour(name, world):
+    common.verify(MODULE, name, world)
