@@ -141,6 +141,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--transport", choices=["auto", "torch", "nccl"], default="auto",
                     help="megatron_fsdp_c's transport (nccl: the native one, CUDA builds)")
+    ap.add_argument("--mesh", default=None,
+                    help="OUTERxSHARD (e.g. 2x2): hybrid sharding (HSDP) on a 2-D (replicate, shard) mesh")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -149,6 +151,11 @@ def main():
     torch.set_num_threads(1)
 
     model, unit_cls = build(args, device)
+    mesh = None
+    if args.mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+        outer, inner = (int(v) for v in args.mesh.split("x"))
+        mesh = init_device_mesh(device.type, (outer, inner), mesh_dim_names=("dp_outer", "dp_shard"))
     n_params = sum(p.numel() for p in model.parameters())
     train = is_gpt(args.model)
     bf16 = args.precision == "bf16"
@@ -169,6 +176,8 @@ def main():
             extra = dict(zero_dp_strategy=args.strategy)
 
         policy = Fsdp2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Fsdp2Policy()
+        if mesh is not None:
+            extra["mesh"] = mesh  # 2-D: HSDP in both
         for m in model.modules():
             if isinstance(m, unit_cls):
                 fsdp2(m, mp_policy=policy, **extra)
@@ -181,9 +190,11 @@ def main():
             model = model.to(torch.bfloat16)  # compute weights bf16; fp32 main weights in the engine
         # One rank still issues every collective (a one-rank NCCL collective is a copy): the
         # one-GPU benchmark measures the communication path, not an engine that skips it.
+        hybrid = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                      hybrid_fsdp_group=dist.group.WORLD) if mesh is not None else {}
         runner, _ = mfsdp.fully_shard(model, None, fsdp_unit_modules=[unit_cls], zero_dp_strategy=args.strategy,
                                       mixed_precision_policy=policy, transport=args.transport,
-                                      single_rank_collectives=world == 1 and train)
+                                      single_rank_collectives=world == 1 and train, **hybrid)
         sharded = runner
         params = list(runner.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4) if train else None
@@ -256,7 +267,8 @@ def main():
                   peak_bytes=(torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()),
                   peak_kind="cuda max_memory_allocated" if cuda else "peak RSS (VmHWM) during timed steps",
                   transient_bytes=(0 if cuda else peak_rss_bytes() - rss_at_start),
-                  held=held, flag_sync_ms=flag_sync_ms)
+                  held=held, flag_sync_ms=flag_sync_ms, mesh=args.mesh,
+                  grad_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad))
     if args.model == "tiny":
         result["units"] = MODELS["tiny"]["layers"]
     if sharded is not None:

@@ -39,14 +39,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(world, out, framework, model, steps, strategy=3, precision="fp32", transport="auto"):
+def launch(world, out, framework, model, steps, strategy=3, precision="fp32", transport="auto", mesh=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_port", str(free_port()), str(HERE / "bench_worker.py"), "--framework", framework,
            "--model", model, "--steps", str(steps), "--strategy", str(strategy), "--precision", precision,
-           "--transport", transport, "--out", str(out)]
+           "--transport", transport, "--out", str(out)] + (["--mesh", mesh] if mesh else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     label = {"mfsdp": f"megatron_fsdp_c {NAMES[strategy]} ({transport} transport)",
-             "mfsdp2": f"megatron_fsdp_c per-module {NAMES[strategy]}"}.get(framework, framework)
+             "mfsdp2": f"megatron_fsdp_c per-module {NAMES[strategy]}"}.get(framework, framework) + \
+        (f" on a {mesh} mesh" if mesh else "")
     print(f"[bench] world {world}: {model} ({precision}) {label}", flush=True)
     start = time.monotonic()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -57,11 +58,12 @@ def launch(world, out, framework, model, steps, strategy=3, precision="fp32", tr
 
 
 def label(r):
+    mesh = f" HSDP {r['mesh']}" if r.get("mesh") else ""
     if r["framework"] == "mfsdp":
-        return f"megatron_fsdp_c {NAMES[r['strategy']]}"
+        return f"megatron_fsdp_c {NAMES[r['strategy']]}{mesh}"
     if r["framework"] == "mfsdp2":
-        return f"megatron_fsdp_c per-module {NAMES[r['strategy']]}"
-    return r["framework"].upper()
+        return f"megatron_fsdp_c per-module {NAMES[r['strategy']]}{mesh}"
+    return r["framework"].upper() + mesh
 
 
 def mib(x):
@@ -84,7 +86,7 @@ def training_groups(results):
     """(model, world) pairs of the training benchmark, in the order they ran."""
     keys = []
     for r in results:
-        if is_gpt(r["model"]) and (r["model"], r["world"]) not in keys:
+        if is_gpt(r["model"]) and not r.get("hybrid_part") and (r["model"], r["world"]) not in keys:
             keys.append((r["model"], r["world"]))
     return keys
 
@@ -95,7 +97,7 @@ def summary(results):
     lines = ["### Summary: megatron_fsdp_c optim_grads_params against the peers", "",
              "| model | ranks | step x DDP | step x FSDP2 | peak x FSDP2 |", "|---|---|---|---|---|"]
     for model, world in training_groups(results):
-        rows = [r for r in results if r["model"] == model and r["world"] == world]
+        rows = [r for r in results if r["model"] == model and r["world"] == world and not r.get("hybrid_part")]
         ddp = next((r for r in rows if r["framework"] == "ddp"), None)
         fsdp2 = next((r for r in rows if r["framework"] == "fsdp2"), None)
         ours = next((r for r in rows if r["framework"] == "mfsdp" and r["strategy"] == 3), None)
@@ -106,10 +108,64 @@ def summary(results):
     return lines + [""]
 
 
+def ring_bytes(kind, size, ranks):
+    """Bytes one rank sends in a ring collective over `ranks` ranks on a buffer of `size` bytes
+    (all-gather and reduce-scatter: (n-1)/n of it; all-reduce: twice that)."""
+    if ranks <= 1:
+        return 0.0
+    return (2.0 if kind == "all_reduce" else 1.0) * (ranks - 1) / ranks * size
+
+
+def inter_node_bytes(r, nodes=2):
+    """Bytes per step one rank sends over collectives whose group spans nodes, on `nodes` nodes
+    of world/nodes ranks with the (outer, shard) mesh laid out shard-within-node: a 1-D group of
+    all ranks (DDP, FSDP) spans nodes; HSDP's shard groups stay inside a node and only its
+    all-reduce across replicas crosses. From our measured buffer sizes per step; DDP and FSDP2,
+    whose collectives we do not count, from the same formula on the gradient bytes."""
+    world = r["world"]
+    if r.get("mesh"):
+        outer, _ = (int(v) for v in r["mesh"].split("x"))
+        if r.get("comm_per_step"):
+            per = r["comm_per_step"]
+            return ring_bytes("all_reduce", per["outer_all_reduce_bytes"] / max(per["outer_all_reduces"], 1), outer) * \
+                per["outer_all_reduces"]
+        return ring_bytes("all_reduce", r["grad_bytes"] / (world // outer), outer)  # FSDP2: shard-sized all-reduce
+    if r.get("comm_per_step"):
+        per = r["comm_per_step"]
+        # buffer sizes: all-gather/reduce-scatter count the full bucket, all-reduce the whole buffer
+        return sum(ring_bytes(k, per[f"{k}_bytes"], world) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    if r["framework"] == "ddp":
+        return ring_bytes("all_reduce", r["grad_bytes"], world)
+    return ring_bytes("all_gather", 2 * r["grad_bytes"], world) + ring_bytes("reduce_scatter", r["grad_bytes"], world)
+
+
+def hybrid_table(results):
+    rows = [r for r in results if r.get("hybrid_part")]
+    if not rows:
+        return []
+    ddp = next(r for r in rows if r["framework"] == "ddp")
+    world, model = ddp["world"], ddp["model"]
+    lines = [f"### Hybrid sharding, {world} ranks ({rows[0]['device']}, {model}, {rows[0]['precision']}): HSDP on a "
+             "(dp_outer x dp_shard) mesh against FSDP over all ranks", "",
+             "| configuration | step ms | x DDP | held MiB | peak MiB | inner all-gather MiB/step | inner reduce-scatter "
+             "MiB/step | inner all-reduce MiB/step | outer all-reduce MiB/step | inter-node MiB/step/rank (2 nodes) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        held = sum(r["held"].values())
+        per = r.get("comm_per_step")
+        comm = " | ".join(mib(per[k]) for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
+                                                 "outer_all_reduce_bytes")) if per else "- | - | - | -"
+        lines.append(f"| {label(r)} | {r['step_ms']:.1f} | {r['step_ms'] / ddp['step_ms']:.2f} | {mib(held)} | "
+                     f"{mib(r['peak_bytes'])} | {comm} | {mib(inter_node_bytes(r))} |")
+    return lines + ["", "Buffer bytes per step by communicator (our counters); inter-node: bytes one rank sends "
+                        "through a ring over the collectives that cross nodes, with 2 ranks a node (see "
+                        "`inter_node_bytes` in benchmarks/run.py).", ""]
+
+
 def tables(results):
     lines = summary(results)
     for model, world in training_groups(results):
-        rows = [r for r in results if r["model"] == model and r["world"] == world]
+        rows = [r for r in results if r["model"] == model and r["world"] == world and not r.get("hybrid_part")]
         ddp = next(r for r in rows if r["framework"] == "ddp")
         fsdp2 = next((r for r in rows if r["framework"] == "fsdp2"), None)
         precision = rows[0].get("precision", "fp32")
@@ -142,6 +198,7 @@ def tables(results):
                                  (f"{mib(measured)} MiB" if measured else "0"))
                 lines.append(f"| {NAMES[r['strategy']]} | " + " | ".join(cells) + " |")
             lines.append("")
+    lines += hybrid_table(results)
     for world in sorted({r["world"] for r in results if r["model"] == "tiny"}):
         tiny = [r for r in results if r["model"] == "tiny" and r["world"] == world]
         ddp = next(r for r in tiny if r["framework"] == "ddp")
@@ -167,6 +224,8 @@ def plot(results, path):
         print("[bench] matplotlib not installed: no plot")
         return False
     groups = training_groups(results)
+    if not groups:
+        return False
     fig, axes = plt.subplots(len(groups), 3, figsize=(16, 4.2 * len(groups)), squeeze=False)
     for row, (model, world) in zip(axes, groups):
         rs = [r for r in results if r["model"] == model and r["world"] == world]
@@ -198,15 +257,15 @@ def main():
     ap.add_argument("--models", default=None, help="comma-separated (default: gpt on CPU, gpt-small,gpt-large on GPU)")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: fp32 on CPU, bf16 on GPU")
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--parts", default="train,hooks",
-                    help="train (the models), hooks (the hook-overhead runs), or both (benchmarks/gpu_check.sh runs "
-                         "them as separate stages)")
+    ap.add_argument("--parts", default="train,hooks,hybrid",
+                    help="train (the models), hooks (the hook-overhead runs), hybrid (HSDP at 4 CPU ranks), any "
+                         "of them comma-separated (benchmarks/gpu_check.sh runs them as separate stages)")
     ap.add_argument("--transport", choices=["auto", "torch", "nccl"], default="auto",
                     help="megatron_fsdp_c's transport")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"train", "hooks"} or not parts:
-        ap.error(f"--parts {args.parts}: choose from train, hooks")
+    if not parts <= {"train", "hooks", "hybrid"} or not parts:
+        ap.error(f"--parts {args.parts}: choose from train, hooks, hybrid")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / "results.jsonl"
@@ -234,10 +293,24 @@ def main():
         launch(hook_world, raw, "mfsdp", "tiny", args.steps, 3, transport=args.transport)
         launch(hook_world, raw, "mfsdp", "tiny", args.steps, 0, transport=args.transport)
         launch(hook_world, raw, "mfsdp2", "tiny", args.steps, 3)
+    if "hybrid" in parts and not cuda:  # 4 ranks as 2 nodes x 2; HSDP needs several ranks, not one GPU
+        mark = raw.stat().st_size if raw.exists() else 0
+        launch(4, raw, "ddp", models[0], args.steps, precision=precision)
+        launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport)
+        launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, mesh="2x2")
+        launch(4, raw, "mfsdp2", models[0], args.steps, 3, precision, mesh="2x2")
+        launch(4, raw, "fsdp2", models[0], args.steps, precision=precision, mesh="2x2")
+        with open(raw) as f:
+            f.seek(mark)
+            tagged = [dict(json.loads(line), hybrid_part=True) for line in f.read().splitlines()]
+        with open(raw, "r+") as f:
+            f.truncate(mark)
+            f.seek(mark)
+            f.write("".join(json.dumps(t) + "\n" for t in tagged))
     results = [json.loads(line) for line in raw.read_text().splitlines()]
     flags = "".join(f" --{k} {v}" for k, v in (("worlds", args.worlds), ("models", args.models),
                                                 ("precision", args.precision),
-                                                ("parts", None if args.parts == "train,hooks" else args.parts),
+                                                ("parts", None if args.parts == "train,hooks,hybrid" else args.parts),
                                                 ("transport", None if args.transport == "auto" else args.transport))
                     if v)
     text = f"## Benchmark ({machine()})\n\nCommand: `python benchmarks/run.py --steps {args.steps}{flags}`\n\n" + \

@@ -39,6 +39,7 @@ disabled forward hooks of the wrapper itself, so its forward is the module's alo
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import TYPE_CHECKING, List
@@ -61,7 +62,15 @@ def _in_backward() -> bool:
 
 
 def _grad_tensors(tree) -> List[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    """The tensors of `tree` that require grad, looking into dataclasses too (pytree does not)."""
+    out = []
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += _grad_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return out
 
 
 class _PostBackward(torch.autograd.Function):

@@ -38,7 +38,7 @@ import torch.nn as nn
 from . import _C
 from .checkpoint import register_model_hooks
 from ._distributed import DistContext, check_same_model
-from .hooks import HookManager
+from .hooks import HookManager, _grad_tensors
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
 from ._sharded import ShardedCore
@@ -142,7 +142,7 @@ class MegatronFSDP(ShardedCore, nn.Module):
 
     def _root_post_forward(self, module, args, output):
         output = self.hooks.root_post_forward(output)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not _grad_tensors(output):  # no backward will come to swap back
             self._swap_params(dist=True)
         return output
 

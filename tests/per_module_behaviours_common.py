@@ -219,9 +219,14 @@ def raised_by(modname: str, name: str, world: int, label: str) -> List[Tuple[str
     return out
 
 
-def cell_ids(cells: Dict[str, tuple]) -> List[tuple]:
-    """(name, world) for every registered cell: the parameters of a module's test."""
-    return [(name, w) for name, (_, worlds) in cells.items() for w in worlds]
+def cell_ids(cells: Dict[str, tuple], gaps: Dict[str, str] = None) -> List:
+    """(name, world) for every registered cell: the parameters of a module's test. A cell named
+    in `gaps` is a known difference from FSDP2 (the reason says which): a strict xfail, so the
+    day it passes the mark has to go."""
+    import pytest
+    gaps = gaps or {}
+    return [pytest.param(name, w, marks=pytest.mark.xfail(strict=True, reason=gaps[name])) if name in gaps
+            else (name, w) for name, (_, worlds) in cells.items() for w in worlds]
 
 
 def reraise(kind: str, message: str):

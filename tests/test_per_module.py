@@ -72,7 +72,9 @@ def train(rank, world, impl, kind, case):
     model, block_cls, path = build(kind, meta=meta)
     if case == "float64":
         model = model.double()
-    if case == "checkpointing":
+    if case == "checkpointing" and kind == "llama":  # transformers' own switch (its layers take kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif case == "checkpointing":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         parent = model if kind == "gpt" else model.model
         layers = parent.blocks if kind == "gpt" else parent.layers
@@ -86,9 +88,12 @@ def train(rank, world, impl, kind, case):
     if meta:  # torchtitan's way: shard on meta, then materialise and initialise
         model.to_empty(device="cpu")
         torch.manual_seed(1)
-        for m in model.modules():
-            if hasattr(m, "reset_parameters") and m is not model:
-                m.reset_parameters()
+        if kind == "llama":
+            model.init_weights()  # transformers' initialisation, rotary buffers included
+        else:
+            for m in model.modules():
+                if hasattr(m, "reset_parameters") and m is not model:
+                    m.reset_parameters()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     cfg = GPTConfig(vocab=CFG.vocab if kind == "gpt" else 61, seq=8)
     micro = 3 if case == "accumulate" else 1

@@ -489,6 +489,16 @@ def clip_grad_norm(rank, world, ck, ckdir, norm_type, strategies=None):
 
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,world", common.cell_ids(CELLS))
+KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
+    'norm_modules[batchnorm1d]':
+        "BatchNorm running stats are buffers kept in fp32 while FSDP2's param_dtype casts the module's compute: the engine casts parameters only",
+    'norm_modules[batchnorm2d]':
+        "BatchNorm running stats are buffers kept in fp32 while FSDP2's param_dtype casts the module's compute: the engine casts parameters only",
+    'our_policy':
+        "megatron_fsdp_c's own MixedPrecisionPolicy with a bf16 model and fp32 main gradients: the fp32 gradient DTensor cannot be attached to a bf16 parameter (torch's grad_dtype check)",
+}
+
+
+@pytest.mark.parametrize("name,world", common.cell_ids(CELLS, KNOWN_GAPS))
 def test_precision_behaviour(name, world):
     common.verify(MODULE, name, world)

@@ -396,7 +396,7 @@ BAD_INPUT = {
     "shard_placement_fn returning Shard(1)": (ValueError, r"Shard\(dim=1\).*return None or Shard\(0\)"),
     "offload_policy=CPUOffloadPolicy()": (NotImplementedError, r"CPUOffloadPolicy\(\) is not yet supported.*"
                                                                r"OffloadPolicy\(\) or None"),
-    "a 2-D mesh": (NotImplementedError, r"1-D data-parallel mesh"),
+    "a 3-D mesh": (ValueError, r"takes a 1-D mesh \(FSDP\) or a 2-D \(replicate, shard\) mesh \(HSDP\)"),
     "reshard_after_forward as an int": (TypeError, r"reshard_after_forward must be True or False"),
     "a child's forward ran first as its own root": (RuntimeError, r"outermost sharded module"),
     "a DTensor parameter": (ValueError, r"already a DTensor"),
@@ -415,7 +415,8 @@ def bad_input(rank, world, ck, ckdir):
         "a mesh on the wrong device type": lambda: fully_shard(lin(), mesh=DeviceMesh("cuda", torch.arange(world))),
         "shard_placement_fn returning Shard(1)": lambda: fully_shard(lin(), shard_placement_fn=lambda p: Shard(1)),
         "offload_policy=CPUOffloadPolicy()": lambda: fully_shard(lin(), offload_policy=CPUOffloadPolicy()),
-        "a 2-D mesh": lambda: fully_shard(lin(), mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("r", "s"))),
+        "a 3-D mesh": lambda: fully_shard(lin(), mesh=init_device_mesh("cpu", (1, 1, world),
+                                                                       mesh_dim_names=("p", "r", "s"))),
         "reshard_after_forward as an int": lambda: fully_shard(lin(), reshard_after_forward=2),
         "a child's forward ran first as its own root": lambda: _child_first(rank),
         "a DTensor parameter": lambda: _dtensor_parameter(world),
@@ -439,7 +440,28 @@ def bad_input(rank, world, ck, ckdir):
 
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,world", [c for c in common.cell_ids(CELLS) if c[0] != "bad_input"])
+KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
+    'state_dict_roundtrip[dim2]':
+        'between a forward and its backward the compute (unsharded) parameters stay registered, so a state dict taken there holds plain tensors (FSDP2 registers sharded ones per module)',
+    'state_dict_roundtrip[dim3]':
+        'between a forward and its backward the compute (unsharded) parameters stay registered, so a state dict taken there holds plain tensors (FSDP2 registers sharded ones per module)',
+    'state_dict_roundtrip[dim5]':
+        'between a forward and its backward the compute (unsharded) parameters stay registered, so a state dict taken there holds plain tensors (FSDP2 registers sharded ones per module)',
+    'state_dict_roundtrip[dim3-keep]':
+        'between a forward and its backward the compute (unsharded) parameters stay registered, so a state dict taken there holds plain tensors (FSDP2 registers sharded ones per module)',
+    'cached_state_dict[dim3]':
+        "a state dict taken before the first forward keeps the pre-engine local shards: the engine's buffers replace them at the first forward, so it stops aliasing the parameters",
+    'cached_state_dict[dim8]':
+        "a state dict taken before the first forward keeps the pre-engine local shards: the engine's buffers replace them at the first forward, so it stops aliasing the parameters",
+    'ignored_params_with_ddp':
+        'ignored_params: an ignored parameter of a sharded module is not left whole and local',
+    'ignored_params_stay_local':
+        'ignored_params: an ignored parameter of a sharded module is not left whole and local',
+}
+
+
+@pytest.mark.parametrize("name,world", [c for c in common.cell_ids(CELLS, KNOWN_GAPS)
+                                        if getattr(c, "values", c)[0] != "bad_input"])
 def test_state_behaviour(name, world):
     common.verify(MODULE, name, world)
 

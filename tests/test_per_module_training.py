@@ -1112,6 +1112,18 @@ def container_activations(rank, world, ck, ckdir, kind):
 
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,world", common.cell_ids(CELLS))
+KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
+    'unshard_child_first':
+        "a child's first forward as its own root is refused: the first forward must go through the outermost sharded module (one engine per root, built there)",
+    'frozen_across_groups[reshard-unfreeze]':
+        'gradient buffers are planned at the first forward from requires_grad: unfreezing later gives no gradients',
+    'unfreeze_after_first_forward':
+        'gradient buffers are planned at the first forward from requires_grad: unfreezing later gives no gradients',
+    'integer_parameter':
+        "integer parameters are refused by the engine's dtype check (FSDP2 shards them as they are)",
+}
+
+
+@pytest.mark.parametrize("name,world", common.cell_ids(CELLS, KNOWN_GAPS))
 def test_training_behaviour(name, world):
     common.verify(MODULE, name, world)

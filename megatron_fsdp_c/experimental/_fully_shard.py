@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import logging
 import math
-import weakref
 from typing import Iterable, List, Optional, Union
 
 import torch
@@ -39,7 +38,7 @@ from .. import _C
 from .._distributed import DistContext, make_dist_context
 from .._sharded import ShardedCore
 from ..fully_shard import parse_strategy
-from ..hooks import HookManager, _in_backward
+from ..hooks import HookManager, _grad_tensors, _in_backward
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..no_shard import is_no_shard, mark_by_name
 from ..param_buffer import ParamBuffer, ParamRecord, _contiguous_stride
@@ -48,9 +47,8 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
 logger = logging.getLogger("megatron_fsdp_c")
 
-# Parameters a group has sharded, by the original Parameter object: a parameter registered in two
-# groups (tied weights split across fully_shard calls) is caught instead of silently untied.
-_SHARDED_BY = weakref.WeakKeyDictionary()
+# A parameter a group has sharded carries `_mfsdp_sharded_by`: one registered in two groups (tied
+# weights split across fully_shard calls) is caught instead of silently untied.
 _CONTEXTS = {}      # (mesh, device) -> DistContext: one gather communicator per mesh, not per call
 _DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
 
@@ -234,7 +232,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         if isinstance(p, DTensor):
             raise ValueError(f"parameter '{attr}' of {type(mod).__name__} is already a DTensor: fully_shard takes "
                              "plain parameters (tensor parallelism with the per-module API is not supported yet)")
-        other = _SHARDED_BY.get(p)
+        other = getattr(p, "_mfsdp_sharded_by", None)  # not a weak dict: tensors compare by value
         if other is not None and id(p) not in converted:
             raise ValueError(
                 f"parameter '{attr}' of {type(mod).__name__} is shared with {other}, which fully_shard already "
@@ -249,7 +247,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         if id(p) not in converted:
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
             converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device)
-            _SHARDED_BY[p] = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
+            p._mfsdp_sharded_by = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
         mod._parameters[attr] = converted[id(p)]
     group = _Group(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy, mp_policy,
                    reshard_after_forward)
@@ -330,6 +328,7 @@ class _RootState(ShardedCore):
         for u, g in enumerate(groups):
             g.state, g.unit = self, self.hooks.units[u]
             g.unit.members = len(g.modules)
+        for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
         self._swap_params(dist=True)
 
@@ -363,7 +362,7 @@ class _RootState(ShardedCore):
     def root_post_forward(self, output):
         self.pass_root = None
         output = self.hooks.root_post_forward(output)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not _grad_tensors(output):  # no backward will come to swap back
             self._swap_params(dist=True)
         return output
 
