@@ -186,7 +186,7 @@ def tables(results):
         if comm:
             lines += [f"### Collective bytes per step, {model}, {world} ranks (measured by the transport / "
                       "theoretical)", "",
-                      "| strategy | all-gather | reduce-scatter | all-reduce |", "|---|---|---|---|"]
+                      "| configuration | all-gather | reduce-scatter | all-reduce |", "|---|---|---|---|"]
             keys = {"all_gather": "all_gather_bytes", "reduce_scatter": "reduce_scatter_bytes",
                     "all_reduce": "all_reduce_bytes"}
             for r in comm:
@@ -196,7 +196,7 @@ def tables(results):
                     measured = r["comm_per_step"][measured_key]
                     cells.append(f"{mib(measured)} / {mib(theory)} MiB = {measured / theory:.3f}" if theory else
                                  (f"{mib(measured)} MiB" if measured else "0"))
-                lines.append(f"| {NAMES[r['strategy']]} | " + " | ".join(cells) + " |")
+                lines.append(f"| {label(r).replace('megatron_fsdp_c ', '')} | " + " | ".join(cells) + " |")
             lines.append("")
     lines += hybrid_table(results)
     for world in sorted({r["world"] for r in results if r["model"] == "tiny"}):
