@@ -4,6 +4,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+import torch.distributed.device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
@@ -20,6 +21,8 @@ def make_optimizer(name, params):
 
 
 def device_mesh_arg(kind, world):
+    if isinstance(kind, torch.distributed.device_mesh.DeviceMesh):
+        return kind  # a mesh of the caller's own (hybrid sharding)
     if kind == "group":
         return dist.group.WORLD
     if kind == "mesh":
@@ -45,8 +48,9 @@ def train_pair(rank, world, strategy, optim="adamw", micro=1, *, cfg=CFG, steps=
     opt = make_optimizer(optim, [p for p in model.parameters() if p.requires_grad])
     fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
                                device_mesh=device_mesh_arg(mesh, world), **shard_kwargs)
-    losses, ref_losses = [], []
+    losses, ref_losses, per_step = [], [], []
     for step in range(steps):
+        before = fsdp.comm_stats()
         for m in range(micro):
             x, y = batch(cfg, 2, seed=10_000 * step + 100 * m + rank)
             quiet = use_no_sync and m < micro - 1
@@ -63,8 +67,11 @@ def train_pair(rank, world, strategy, optim="adamw", micro=1, *, cfg=CFG, steps=
         set_to_none = (step % 2 == 0) if alternate_set_to_none else True
         opt.zero_grad(set_to_none=set_to_none)
         ref_opt.zero_grad(set_to_none=set_to_none)
+        after = fsdp.comm_stats()
+        per_step.append({k: after[k] - before[k] for k in after})
     return dict(losses=losses, ref_losses=ref_losses, params=fsdp.full_parameters(),
-                ref_params={n: p.detach().clone() for n, p in ref.named_parameters()}, model=fsdp)
+                ref_params={n: p.detach().clone() for n, p in ref.named_parameters()}, per_step=per_step,
+                memory=fsdp.memory_report(opt), model=fsdp)
 
 
 def assert_match(result, exact=False, rtol=1e-5, atol=1e-6, param_atol=None):

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+from common import train_pair
 from conftest import get_run
 
 CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=2)
@@ -36,42 +37,20 @@ def shard_hybrid(model, opt, mesh, strategy, **kw):
 
 
 def train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype):
-    torch.manual_seed(0)
-    model = GPT(CFG).to(dtype)
-    ref = copy.deepcopy(model)
-    ddp = DDP(ref)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    fsdp, opt = shard_hybrid(model, opt, hybrid_mesh(*mesh_shape), strategy)
-    losses, ref_losses, per_step = [], [], []
-    for step in range(STEPS):
-        before = fsdp.comm_stats()
-        for m in range(micro):
-            x, y = batch(CFG, 2, seed=1000 * step + 10 * m + rank)
-            quiet = m < micro - 1
-            with fsdp.no_sync() if quiet else torch.enable_grad():
-                loss = fsdp(x, y)
-                loss.backward()
-            with ddp.no_sync() if quiet else torch.enable_grad():
-                ref_loss = ddp(x, y)
-                ref_loss.backward()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        after = fsdp.comm_stats()
-        per_step.append({k: after[k] - before[k] for k in after})
+    """tests/common.py's train_pair on a hybrid mesh (no_sync on all but the last microbatch),
+    with what the hybrid checks need: counters per step, placements, memory."""
+    r = train_pair(rank, world, strategy, "adamw", micro, cfg=CFG, steps=STEPS, dtype=dtype,
+                   mesh=hybrid_mesh(*mesh_shape), dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                   hybrid_fsdp_group=dist.group.WORLD)
+    fsdp = r.pop("model")
     buf = fsdp.param_buffer
     grad_buckets = [b for b, s in enumerate(buf.specs) if s["grad_mode"] != mf._C.GRAD_NONE]
     shard_grad_bytes = sum(buf.plan[b]["shard_size"] * 8 if buf.plan[b]["shards"] > 1 else
                            buf.plan[b]["bucket_size"] * 8 for b in grad_buckets)
-    placements = {str(p.placements) for p in fsdp.parameters()}
-    return dict(losses=losses, ref_losses=ref_losses, params=fsdp.full_parameters(),
-                ref_params={n: p.detach().clone() for n, p in ref.named_parameters()}, per_step=per_step,
-                grad_buckets=len(grad_buckets), shard_grad_bytes=shard_grad_bytes, placements=placements,
-                memory=fsdp.memory_report(opt), model_bytes=sum(p.numel() * p.element_size() for p in ref.parameters()))
+    r.update(grad_buckets=len(grad_buckets), shard_grad_bytes=shard_grad_bytes,
+             placements={str(p.placements) for p in fsdp.parameters()},
+             model_bytes=sum(p.numel() * p.element_size() for p in r["ref_params"].values()))
+    return r
 
 
 def grid(rank, world):
