@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import _C
+from .hooks import _grad_tensors
 from .param_buffer import StorageTally
 
 __all__ = ["ShardedCore"]
@@ -55,6 +56,14 @@ class ShardedCore:
             for mod, attr in r.places:
                 mod._parameters[attr] = p
         self._holds_dist_params = dist
+
+    def _finish_root_forward(self, output):
+        """The root's post-forward work: the hooks' settling, then the sharded parameters back
+        on the modules when no backward will come to swap them (no grad, or no graph)."""
+        output = self.hooks.root_post_forward(output)
+        if not torch.is_grad_enabled() or not _grad_tensors(output):
+            self._swap_params(dist=True)
+        return output
 
     # -- gradients ------------------------------------------------------------------------
     def _used_anywhere(self) -> bytes:

@@ -38,7 +38,7 @@ import torch.nn as nn
 from . import _C
 from .checkpoint import register_model_hooks
 from ._distributed import DistContext, check_same_model
-from .hooks import HookManager, _grad_tensors
+from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
 from ._sharded import ShardedCore
@@ -141,10 +141,7 @@ class MegatronFSDP(ShardedCore, nn.Module):
         self.hooks.root_pre_forward()
 
     def _root_post_forward(self, module, args, output):
-        output = self.hooks.root_post_forward(output)
-        if not torch.is_grad_enabled() or not _grad_tensors(output):  # no backward will come to swap back
-            self._swap_params(dist=True)
-        return output
+        return self._finish_root_forward(output)
 
     # -- gradient sync --------------------------------------------------------------------
     def _before_backward(self) -> None:

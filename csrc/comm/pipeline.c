@@ -1361,7 +1361,8 @@ mfsdp_status mfsdp_pipeline_set_prescale(mfsdp_pipeline* p, const int32_t* ids, 
   for (int32_t i = 0; i < n; ++i) {
     MFSDP_CHECK(check_bucket(p, ids[i]));
     const bucket* bk = &p->b[ids[i]];
-    if (bk->prescale != prescale && (bk->gstate == MFSDP_G_REDUCED || bk->held)) /* unchanged: nothing to redo */
+    /* gradients already scaled: a new scale would mix two; the same one is a no-op */
+    if (bk->prescale != prescale && (bk->gstate == MFSDP_G_REDUCED || bk->held))
       return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d holds gradients scaled the old way: zero them first", ids[i]);
   }
   for (int32_t i = 0; i < n; ++i) p->b[ids[i]].prescale = prescale;

@@ -38,7 +38,7 @@ from .. import _C
 from .._distributed import DistContext, make_dist_context
 from .._sharded import ShardedCore
 from ..fully_shard import parse_strategy
-from ..hooks import HookManager, _grad_tensors, _in_backward
+from ..hooks import HookManager, _in_backward
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..no_shard import is_no_shard, mark_by_name
 from ..param_buffer import ParamBuffer, ParamRecord, _contiguous_stride
@@ -361,10 +361,7 @@ class _RootState(ShardedCore):
 
     def root_post_forward(self, output):
         self.pass_root = None
-        output = self.hooks.root_post_forward(output)
-        if not torch.is_grad_enabled() or not _grad_tensors(output):  # no backward will come to swap back
-            self._swap_params(dist=True)
-        return output
+        return self._finish_root_forward(output)
 
     def _refresh_changed_weights(self) -> None:
         """An optimizer (or a load) changed some local shards in place since the last forward:
