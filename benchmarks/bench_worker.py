@@ -143,6 +143,8 @@ def main():
                     help="megatron_fsdp_c's transport (nccl: the native one, CUDA builds)")
     ap.add_argument("--mesh", default=None,
                     help="OUTERxSHARD (e.g. 2x2): hybrid sharding (HSDP) on a 2-D (replicate, shard) mesh")
+    ap.add_argument("--outer", choices=["no_shard", "optim"], default="no_shard",
+                    help="megatron_fsdp_c's outer_dp_sharding_strategy on --mesh (optim: HFSDP)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -191,7 +193,8 @@ def main():
         # One rank still issues every collective (a one-rank NCCL collective is a copy): the
         # one-GPU benchmark measures the communication path, not an engine that skips it.
         hybrid = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
-                      hybrid_fsdp_group=dist.group.WORLD) if mesh is not None else {}
+                      hybrid_fsdp_group=dist.group.WORLD, outer_dp_sharding_strategy=args.outer) \
+            if mesh is not None else {}
         runner, _ = mfsdp.fully_shard(model, None, fsdp_unit_modules=[unit_cls], zero_dp_strategy=args.strategy,
                                       mixed_precision_policy=policy, transport=args.transport,
                                       single_rank_collectives=world == 1 and train, **hybrid)
@@ -268,6 +271,7 @@ def main():
                   peak_kind="cuda max_memory_allocated" if cuda else "peak RSS (VmHWM) during timed steps",
                   transient_bytes=(0 if cuda else peak_rss_bytes() - rss_at_start),
                   held=held, flag_sync_ms=flag_sync_ms, mesh=args.mesh,
+                  outer=args.outer if args.mesh and args.framework == "mfsdp" else None,
                   grad_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad))
     if args.model == "tiny":
         result["units"] = MODELS["tiny"]["layers"]

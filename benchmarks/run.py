@@ -39,15 +39,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(world, out, framework, model, steps, strategy=3, precision="fp32", transport="auto", mesh=None):
+def launch(world, out, framework, model, steps, strategy=3, precision="fp32", transport="auto", mesh=None,
+           outer="no_shard"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_port", str(free_port()), str(HERE / "bench_worker.py"), "--framework", framework,
            "--model", model, "--steps", str(steps), "--strategy", str(strategy), "--precision", precision,
-           "--transport", transport, "--out", str(out)] + (["--mesh", mesh] if mesh else [])
+           "--transport", transport, "--out", str(out)] + (["--mesh", mesh, "--outer", outer] if mesh else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     label = {"mfsdp": f"megatron_fsdp_c {NAMES[strategy]} ({transport} transport)",
              "mfsdp2": f"megatron_fsdp_c per-module {NAMES[strategy]}"}.get(framework, framework) + \
-        (f" on a {mesh} mesh" if mesh else "")
+        (f" on a {mesh} mesh" if mesh else "") + (" (HFSDP)" if outer == "optim" else "")
     print(f"[bench] world {world}: {model} ({precision}) {label}", flush=True)
     start = time.monotonic()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -58,7 +59,7 @@ def launch(world, out, framework, model, steps, strategy=3, precision="fp32", tr
 
 
 def label(r):
-    mesh = f" HSDP {r['mesh']}" if r.get("mesh") else ""
+    mesh = f" {'HFSDP' if r.get('outer') == 'optim' else 'HSDP'} {r['mesh']}" if r.get("mesh") else ""
     if r["framework"] == "mfsdp":
         return f"megatron_fsdp_c {NAMES[r['strategy']]}{mesh}"
     if r["framework"] == "mfsdp2":
@@ -120,15 +121,17 @@ def inter_node_bytes(r, nodes=2):
     """Bytes per step one rank sends over collectives whose group spans nodes, on `nodes` nodes
     of world/nodes ranks with the (outer, shard) mesh laid out shard-within-node: a 1-D group of
     all ranks (DDP, FSDP) spans nodes; HSDP's shard groups stay inside a node and only its
-    all-reduce across replicas crosses. From our measured buffer sizes per step; DDP and FSDP2,
-    whose collectives we do not count, from the same formula on the gradient bytes."""
+    all-reduce across replicas crosses (HFSDP: its reduce-scatter and all-gather across replicas).
+    From our measured buffer sizes per step; DDP and FSDP2, whose collectives we do not count,
+    from the same formula on the gradient bytes."""
     world = r["world"]
     if r.get("mesh"):
         outer, _ = (int(v) for v in r["mesh"].split("x"))
         if r.get("comm_per_step"):
             per = r["comm_per_step"]
             return ring_bytes("all_reduce", per["outer_all_reduce_bytes"] / max(per["outer_all_reduces"], 1), outer) * \
-                per["outer_all_reduces"]
+                per["outer_all_reduces"] + ring_bytes("reduce_scatter", per.get("outer_reduce_scatter_bytes", 0), outer) \
+                + ring_bytes("all_gather", per.get("outer_all_gather_bytes", 0), outer)
         return ring_bytes("all_reduce", r["grad_bytes"] / (world // outer), outer)  # FSDP2: shard-sized all-reduce
     if r.get("comm_per_step"):
         per = r["comm_per_step"]
@@ -145,18 +148,20 @@ def hybrid_table(results):
         return []
     ddp = next(r for r in rows if r["framework"] == "ddp")
     world, model = ddp["world"], ddp["model"]
-    lines = [f"### Hybrid sharding, {world} ranks ({rows[0]['device']}, {model}, {rows[0]['precision']}): HSDP on a "
-             "(dp_outer x dp_shard) mesh against FSDP over all ranks", "",
-             "| configuration | step ms | x DDP | held MiB | peak MiB | inner all-gather MiB/step | inner reduce-scatter "
-             "MiB/step | inner all-reduce MiB/step | outer all-reduce MiB/step | inter-node MiB/step/rank (2 nodes) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"### Hybrid sharding, {world} ranks ({rows[0]['device']}, {model}, {rows[0]['precision']}): HSDP and "
+             "HFSDP on a (dp_outer x dp_shard) mesh against FSDP over all ranks", "",
+             "| configuration | step ms | x DDP | held MiB | optimizer state MiB | peak MiB | inner all-gather MiB/step | "
+             "inner reduce-scatter MiB/step | inner all-reduce MiB/step | outer all-reduce MiB/step | outer "
+             "reduce-scatter MiB/step | outer all-gather MiB/step | inter-node MiB/step/rank (2 nodes) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "outer_all_reduce_bytes",
+            "outer_reduce_scatter_bytes", "outer_all_gather_bytes")
     for r in rows:
         held = sum(r["held"].values())
         per = r.get("comm_per_step")
-        comm = " | ".join(mib(per[k]) for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
-                                                 "outer_all_reduce_bytes")) if per else "- | - | - | -"
+        comm = " | ".join(mib(per.get(k, 0)) for k in keys) if per else " | ".join("-" for _ in keys)
         lines.append(f"| {label(r)} | {r['step_ms']:.1f} | {r['step_ms'] / ddp['step_ms']:.2f} | {mib(held)} | "
-                     f"{mib(r['peak_bytes'])} | {comm} | {mib(inter_node_bytes(r))} |")
+                     f"{mib(r['held']['optim'])} | {mib(r['peak_bytes'])} | {comm} | {mib(inter_node_bytes(r))} |")
     return lines + ["", "Buffer bytes per step by communicator (our counters); inter-node: bytes one rank sends "
                         "through a ring over the collectives that cross nodes, with 2 ranks a node (see "
                         "`inter_node_bytes` in benchmarks/run.py).", ""]
@@ -258,7 +263,7 @@ def main():
     ap.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: fp32 on CPU, bf16 on GPU")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--parts", default="train,hooks,hybrid",
-                    help="train (the models), hooks (the hook-overhead runs), hybrid (HSDP at 4 CPU ranks), any "
+                    help="train (the models), hooks (the hook-overhead runs), hybrid (HSDP and HFSDP at 4 CPU ranks), any "
                          "of them comma-separated (benchmarks/gpu_check.sh runs them as separate stages)")
     ap.add_argument("--transport", choices=["auto", "torch", "nccl"], default="auto",
                     help="megatron_fsdp_c's transport")
@@ -298,6 +303,7 @@ def main():
         launch(4, raw, "ddp", models[0], args.steps, precision=precision)
         launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport)
         launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, mesh="2x2")
+        launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, mesh="2x2", outer="optim")
         launch(4, raw, "mfsdp2", models[0], args.steps, 3, precision, mesh="2x2")
         launch(4, raw, "fsdp2", models[0], args.steps, precision=precision, mesh="2x2")
         with open(raw) as f:

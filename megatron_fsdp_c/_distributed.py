@@ -20,7 +20,8 @@ __all__ = ["DistContext", "make_dist_context", "resolve_device"]
 class DistContext:
     group: object          # the ProcessGroup the shards span (also used for reductions)
     gather_group: object   # a second group over the same ranks, for all-gathers
-    mesh: DeviceMesh       # the DTensor mesh: 1-D over `group`, or (outer, shard) for hybrid sharding
+    mesh: DeviceMesh       # the DTensor mesh: 1-D over `group`; (outer, shard) for HSDP; the flattened
+                           # (outer, shard) mesh for HFSDP
     rank: int
     world: int
     device: torch.device
@@ -30,6 +31,9 @@ class DistContext:
     outer_world: int = 1
     outer_transport: object = None
     dp_group: object = None  # every data-parallel rank (shards x replicas); None: `group`
+    # HFSDP: sharded parameters split over every data-parallel rank, rank (o, i) holding piece
+    # o * world + i ([Note: optimizer sharded across replicas] in csrc/comm/pipeline.c).
+    outer_sharded: bool = False
 
     @property
     def dp_world(self) -> int:
@@ -40,9 +44,19 @@ class DistContext:
     def all_dp_group(self):
         return self.dp_group if self.dp_group is not None else self.group
 
+    @property
+    def pieces(self) -> int:
+        """Ranks a sharded parameter's rows are split over (torch.chunk)."""
+        return self.world * self.outer_world if self.outer_sharded else self.world
+
+    @property
+    def piece_rank(self) -> int:
+        """Which of those pieces this rank holds."""
+        return self.mesh.get_local_rank() if self.outer_sharded else self.rank
+
     def placements(self, inner):
         """DTensor placements of a parameter placed `inner` over the shards."""
-        return [Replicate(), inner] if self.outer_world > 1 or self.mesh.ndim == 2 else [inner]
+        return [Replicate(), inner] if self.mesh.ndim == 2 else [inner]
 
     def close(self) -> None:
         """Collective (every rank, at the same point): ends the native NCCL transport's
@@ -154,12 +168,25 @@ def _hybrid_groups(device_mesh, dp_shard_dim, dp_outer_dim, hybrid_fsdp_group, d
     return shard_group, outer_group, mesh2d, hybrid_fsdp_group
 
 
+def _flat_mesh(mesh2d: DeviceMesh, dp_group) -> DeviceMesh:
+    """HFSDP's DTensor mesh: the (outer, shard) mesh flattened outer-major, over dp_group, so that
+    rank (o, i) is its rank o * shards + i. The engine's collectives assume that order."""
+    order = mesh2d.mesh.flatten().tolist()
+    if order != dist.get_process_group_ranks(dp_group) or order != sorted(order):
+        raise ValueError(
+            f"outer_dp_sharding_strategy='optim' needs the (dp_outer, dp_shard) mesh to number its ranks in order, "
+            f"outer-major, as hybrid_fsdp_group does: the mesh holds {order}, the group "
+            f"{dist.get_process_group_ranks(dp_group)}. Build the mesh with init_device_mesh(device_type, "
+            "(outer, shard), mesh_dim_names=(...)) over the group's ranks")
+    return DeviceMesh.from_group(dp_group, mesh2d.device_type)
+
+
 def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport: str = "auto",
                       collective_timeout: Optional[float] = None, *, dp_outer_dim=None,
-                      hybrid_fsdp_group=None) -> DistContext:
+                      hybrid_fsdp_group=None, outer_sharded: bool = False) -> DistContext:
     """The groups and transports of one sharded model. With dp_outer_dim, hybrid sharding: the
     shards span dp_shard_dim, their replicas dp_outer_dim ([Note: hybrid sharding] in
-    csrc/comm/pipeline.c)."""
+    csrc/comm/pipeline.c); outer_sharded (HFSDP) splits sharded parameters over the replicas too."""
     hybrid = dp_outer_dim is not None
     if hybrid:
         _require_initialized()
@@ -211,6 +238,8 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
                                  **extra)
             ctx.outer_transport = _C.TorchTransport(own, own, device_index, timeout)
         ctx.outer_group, ctx.outer_world, ctx.dp_group = outer_group, outer_world, dp_group
+        if outer_sharded and outer_world > 1:
+            ctx.outer_sharded, ctx.mesh = True, _flat_mesh(mesh, dp_group)
     return ctx
 
 

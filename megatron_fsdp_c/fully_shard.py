@@ -56,12 +56,9 @@ def _parse_outer_strategy(value, strategy: int, dp_outer_dim, hybrid_fsdp_group)
         outer = int(value)
     else:
         raise ValueError(f"unknown outer_dp_sharding_strategy {value!r}: use 'no_shard' (HSDP) or 'optim' (HFSDP)")
-    if outer == 1:
-        if strategy != 3:
-            raise ValueError("outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy='optim_grads_params' "
-                             "(3) inside the replica")
-        raise NotImplementedError("outer_dp_sharding_strategy='optim' (HFSDP: optimizer state sharded across "
-                                  "replicas too) is not supported yet; use 'no_shard' (HSDP)")
+    if outer == 1 and strategy != 3:
+        raise ValueError("outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy='optim_grads_params' "
+                         "(3) inside the replica")
     return outer
 
 
@@ -180,7 +177,9 @@ def fully_shard_model(
     collective (a one-rank all-gather is a copy): tests a transport on a single GPU.
     dp_outer_dim, hybrid_fsdp_group, outer_dp_sharding_strategy: hybrid sharding (Megatron-FSDP's
     names): shard over device_mesh[dp_shard_dim], replicate over device_mesh[dp_outer_dim]
-    ("no_shard": HSDP, gradients all-reduced across the replicas once per step);
+    ("no_shard": HSDP, gradients all-reduced across the replicas once per step; "optim": HFSDP,
+    main weights, gradients and optimizer state sharded over every data-parallel rank, gradients
+    reduce-scattered across the replicas and weights all-gathered across them once per step);
     hybrid_fsdp_group is the ProcessGroup of all data-parallel ranks, required exactly when
     dp_outer_dim is given.
     """
@@ -216,8 +215,8 @@ def fully_shard_model(
     if collective_timeout is not None and not (isinstance(collective_timeout, (int, float)) and collective_timeout > 0):
         raise ValueError(f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}")
     ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport, collective_timeout,
-                            dp_outer_dim=dp_outer_dim, hybrid_fsdp_group=hybrid_fsdp_group)
-    del outer  # only "no_shard" (HSDP) gets this far
+                            dp_outer_dim=dp_outer_dim, hybrid_fsdp_group=hybrid_fsdp_group,
+                            outer_sharded=outer == 1)
     return MegatronFSDP(
         module, dist_ctx=ctx, zero_dp_strategy=strategy, fsdp_unit_modules=units, mixed_precision_policy=policy,
         sync_model_each_microbatch=sync_model_each_microbatch, overlap_grad_reduce=overlap_grad_reduce,

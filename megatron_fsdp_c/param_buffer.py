@@ -144,8 +144,9 @@ class ParamBuffer:
         for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
             plan_input.append((math.prod(r.shape), _row_size(r.shape), codes[r.param.dtype], r.unit,
                                int(r.param.requires_grad), int(r.replicated)))
-        shard_world = 1 if strategy == 0 else ctx.world
-        self.plan = _C.plan(plan_input, shard_world, ctx.rank if shard_world > 1 else 0, bucket_cap, ALIGN_BYTES)
+        shard_world = 1 if strategy == 0 else ctx.pieces
+        self.plan = _C.plan(plan_input, shard_world, ctx.piece_rank if shard_world > 1 else 0, bucket_cap,
+                            ALIGN_BYTES)
         dtype_of = {code: dt for dt, code in codes.items()}
         specs = []
         max_grad_bytes = 0
@@ -165,7 +166,8 @@ class ParamBuffer:
         self.specs = specs
         self.engine = _C.Engine(specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
                                 ctx.device, ctx.transport, single_rank_collectives,
-                                outer_transport=ctx.outer_transport, outer_world=ctx.outer_world)
+                                outer_transport=ctx.outer_transport, outer_world=ctx.outer_world,
+                                outer_sharded=ctx.outer_sharded)
         self.bucket_units = [bp["unit"] for bp in self.plan]
 
     def strategy_of(self, record: Optional[ParamRecord]) -> int:

@@ -9,6 +9,8 @@ torch's public APIs only: `full_tensor()` of every parameter, gradient and Adam 
 and sharded, with cpu_offload); `set_model_state_dict` from a plain full state dict;
 `clip_grad_norm_`'s returned norm. fp32, with the tolerances of tests/test_parity.py (see its
 [Note: reduction order at world 4]: AdamW-updated parameters at world 4 to atol 1e-3).
+At world 4 the same checks run under hybrid sharding on a 2x2 mesh: HSDP ([Replicate(),
+Shard(0)]) and HFSDP (Shard(0) over all four ranks).
 """
 import copy
 import traceback
@@ -72,13 +74,23 @@ def strip(sd):
     return {unprefix(k): v for k, v in sd.items()}
 
 
+HYBRID = {"hsdp": "no_shard", "hfsdp": "optim"}  # strategy 3 inside a 2x2 mesh's replicas
+
+
 def dtensor_checks(rank, world, kind, strategy):
     model, unit, vocab = make_model(kind)
     ref = copy.deepcopy(model)
     ddp = DDP(ref)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
-    fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[unit], zero_dp_strategy=strategy)
+    hybrid = {}
+    if strategy in HYBRID:
+        from torch.distributed.device_mesh import init_device_mesh
+        hybrid = dict(device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard")),
+                      dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD,
+                      outer_dp_sharding_strategy=HYBRID[strategy])
+        strategy = 3
+    fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[unit], zero_dp_strategy=strategy, **hybrid)
     cfg = GPTConfig(vocab=vocab, seq=8)
     out = {"norms": [], "ref_norms": []}
     for step in range(2):
@@ -115,8 +127,9 @@ def dtensor_checks(rank, world, kind, strategy):
     # redistribute to Replicate and back: the same local rows, the full values in between
     roundtrip_ok = True
     for n, p in params.items():
-        full = p.redistribute(p.device_mesh, [Replicate()]).to_local()
-        back = DTensor.from_local(full, p.device_mesh, [Replicate()]).redistribute(p.device_mesh, p.placements)
+        replicated = [Replicate()] * p.device_mesh.ndim
+        full = p.redistribute(p.device_mesh, replicated).to_local()
+        back = DTensor.from_local(full, p.device_mesh, replicated).redistribute(p.device_mesh, p.placements)
         roundtrip_ok &= torch.equal(full, out["params"][n]) and torch.equal(back.to_local(), p.to_local())
     out["redistribute_ok"] = roundtrip_ok
 
@@ -151,7 +164,7 @@ def dtensor_checks(rank, world, kind, strategy):
 def grid(rank, world):
     res = {}
     for kind in MODELS:
-        for strategy in STRATEGIES:
+        for strategy in STRATEGIES + (list(HYBRID) if world == 4 else []):
             try:
                 res[(kind, strategy)] = ("ok", dtensor_checks(rank, world, kind, strategy))
             except Exception:  # noqa: BLE001 - reported by the test of this cell
@@ -169,12 +182,24 @@ def close(a, b, what, rtol=1e-5, atol=1e-6):
 @pytest.mark.parametrize("kind", MODELS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_dtensors_are_true_dtensors(world, kind, strategy):
+    check_cell(world, kind, strategy)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("hybrid", list(HYBRID))
+def test_hybrid_dtensors_are_true_dtensors(kind, hybrid):
+    check_cell(4, kind, hybrid)
+
+
+def check_cell(world, kind, strategy):
     for rank, cells in enumerate(get_run(grid, world)):
         status, r = cells[(kind, strategy)]
         assert status == "ok", f"rank {rank}:\n{r}"
         assert r["all_dtensors"], "every parameter and Adam state is a DTensor"
-        if strategy > 0 and world > 1:
+        if strategy != 0 and world > 1:
             assert any("Shard(dim=0)" in p for p in r["placements"].values()), r["placements"]
+        if strategy == "hfsdp":
+            assert set(r["placements"].values()) <= {"(Shard(dim=0),)", "(Replicate(),)"}, r["placements"]
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(r["ref_norms"]), rtol=1e-5, atol=1e-6)
         close(r["grads"], r["ref_grads"], "grad.full_tensor()")
         close(r["sgd_like"], r["ref_sgd_like"], "p - 0.1 * p.grad")

@@ -1,10 +1,14 @@
-"""Hybrid sharding (HSDP): shards inside a replica, replicas across dp_outer, gradients all-reduced
+"""Hybrid sharding. HSDP: shards inside a replica, replicas across dp_outer, gradients all-reduced
 across the replicas once per optimisation step ([Note: hybrid sharding] in csrc/comm/pipeline.c).
+HFSDP (outer_dp_sharding_strategy="optim"): main weights, gradients and optimizer state sharded
+over every rank, a reduce-scatter and an all-gather across the replicas once per step ([Note:
+optimizer sharded across replicas]).
 
-4 gloo ranks as 2x2, 1x4 and 4x1 (dp_outer x dp_shard) meshes, every inner strategy, 1 and 3
-microbatches (no_sync on all but the last), AdamW: parity with DDP in float64 to rtol 1e-9 (an
-exact check of the algorithm), and in fp32 with tests/test_parity.py's tolerances. The engine's
-counters split by level match the theoretical volume; memory; DCP across mesh shapes; errors.
+4 gloo ranks as 2x2, 1x4 and 4x1 (dp_outer x dp_shard) meshes, every inner strategy (HFSDP: 3),
+1 and 3 microbatches (no_sync on all but the last), AdamW: parity with DDP in float64 to rtol 1e-9
+(an exact check of the algorithm), and in fp32 with tests/test_parity.py's tolerances. The
+engine's counters split by level match the theoretical volume; memory; DCP across mesh shapes
+and between HSDP, HFSDP and 1-D FSDP; errors.
 """
 import copy
 import os
@@ -21,6 +25,7 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 from common import train_pair
 from conftest import get_run
+from test_mixed_precision import CFG as MP_CFG, LOSS_RTOL, _reference_losses
 
 CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=2)
 MESHES = [(2, 2), (1, 4), (4, 1)]  # (dp_outer, dp_shard)
@@ -36,16 +41,19 @@ def shard_hybrid(model, opt, mesh, strategy, **kw):
                           dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD, **kw)
 
 
-def train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype):
+def train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype, **kw):
     """tests/common.py's train_pair on a hybrid mesh (no_sync on all but the last microbatch),
     with what the hybrid checks need: counters per step, placements, memory."""
     r = train_pair(rank, world, strategy, "adamw", micro, cfg=CFG, steps=STEPS, dtype=dtype,
                    mesh=hybrid_mesh(*mesh_shape), dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
-                   hybrid_fsdp_group=dist.group.WORLD)
+                   hybrid_fsdp_group=dist.group.WORLD, **kw)
     fsdp = r.pop("model")
     buf = fsdp.param_buffer
     grad_buckets = [b for b, s in enumerate(buf.specs) if s["grad_mode"] != mf._C.GRAD_NONE]
-    shard_grad_bytes = sum(buf.plan[b]["shard_size"] * 8 if buf.plan[b]["shards"] > 1 else
+    # what the reduction across replicas moves per bucket: the bucket's part one inner rank holds
+    # (HFSDP: shard_size is a piece of it, one of the replicas' dp_outer pieces)
+    outer = mesh_shape[0] if kw.get("outer_dp_sharding_strategy") == "optim" else 1
+    shard_grad_bytes = sum(buf.plan[b]["shard_size"] * outer * 8 if buf.plan[b]["shards"] > 1 else
                            buf.plan[b]["bucket_size"] * 8 for b in grad_buckets)
     r.update(grad_buckets=len(grad_buckets), shard_grad_bytes=shard_grad_bytes,
              placements={str(p.placements) for p in fsdp.parameters()},
@@ -53,18 +61,59 @@ def train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype):
     return r
 
 
+# HFSDP variants, float64 at 2x2: every backward syncing (a reduced sub-shard receives more
+# gradients), the collectives averaging, a frozen layer (a bucket the replicas never gather).
+HF_VARIANTS = {"sync each": dict(use_no_sync=False), "average": dict(average_in_collective=True),
+               "average, sync each": dict(average_in_collective=True, use_no_sync=False),
+               "frozen": dict(freeze=("blocks.0.attn",))}
+
+
 def grid(rank, world):
     out = {}
+
+    def cell(key, fn, *args, **kw):
+        try:
+            out[key] = ("ok", fn(*args, **kw))
+        except Exception:  # noqa: BLE001 - reported by the cell's test
+            out[key] = ("error", traceback.format_exc())
+
     for mesh_shape in MESHES:
         for strategy in (0, 1, 2, 3):
             for micro in (1, 3):
                 for dtype in ((torch.float64, torch.float32) if mesh_shape == (2, 2) else (torch.float64,)):
-                    key = (mesh_shape, strategy, micro, str(dtype))
-                    try:
-                        out[key] = ("ok", train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype))
-                    except Exception:  # noqa: BLE001 - reported by the cell's test
-                        out[key] = ("error", traceback.format_exc())
+                    cell((mesh_shape, strategy, micro, str(dtype)), train_vs_ddp, rank, world, mesh_shape, strategy,
+                         micro, dtype)
+                    if strategy == 3:
+                        cell(("hfsdp", mesh_shape, micro, str(dtype)), train_vs_ddp, rank, world, mesh_shape, 3,
+                             micro, dtype, outer_dp_sharding_strategy="optim")
+    for name, kw in HF_VARIANTS.items():
+        cell(("hfsdp", name), train_vs_ddp, rank, world, (2, 2), 3, 3, torch.float64,
+             outer_dp_sharding_strategy="optim", **kw)
+    for comm in (None, torch.bfloat16):
+        cell(("hfsdp bf16", str(comm)), hfsdp_bf16_losses, rank, world, comm)
+        cell(("bf16 reference", str(comm)), _reference_losses, rank, world, comm, STEPS)
     return out
+
+
+def hfsdp_bf16_losses(rank, world, comm):
+    """A bf16 model with fp32 main weights and gradients under HFSDP 2x2 (the replicas gather a
+    bf16 shard cast from the fp32 pieces), as tests/test_mixed_precision.py trains it."""
+    torch.manual_seed(0)
+    model = GPT(MP_CFG).to(torch.bfloat16)  # the reference's model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    policy = mf.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                                     grad_comm_dtype=comm)
+    fsdp, opt = shard_hybrid(model, opt, hybrid_mesh(2, 2), 3, mixed_precision_policy=policy,
+                             outer_dp_sharding_strategy="optim")
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(MP_CFG, 2, seed=1000 * step + rank)
+        loss = fsdp(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {str(p.dtype) for p in fsdp.parameters()}
 
 
 def _cell(key):
@@ -123,23 +172,99 @@ def test_placements_and_memory_at_2x2():
         assert abs(optim - r["model_bytes"]) <= 0.05 * r["model_bytes"], (optim, r["model_bytes"])
 
 
+# -- HFSDP ---------------------------------------------------------------------------------------
+
+def _assert_float64_parity(r):
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-9, atol=1e-12)
+    for name, ref in r["ref_params"].items():
+        torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+@pytest.mark.parametrize("micro", [1, 3])
+def test_hfsdp_matches_ddp_float64(mesh_shape, micro):
+    for r in _cell(("hfsdp", mesh_shape, micro, "torch.float64")):
+        _assert_float64_parity(r)
+        # one replica (1x4) is plain FSDP on the 2-D mesh; else Shard(0) over every rank
+        want = {"(Replicate(), Shard(dim=0))"} if mesh_shape[0] == 1 else {"(Shard(dim=0),)"}
+        assert r["placements"] == want, r["placements"]
+
+
+@pytest.mark.parametrize("variant", list(HF_VARIANTS))
+def test_hfsdp_variants_match_ddp_float64(variant):
+    for r in _cell(("hfsdp", variant)):
+        _assert_float64_parity(r)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_hfsdp_matches_ddp_fp32(micro):
+    for r in _cell(("hfsdp", (2, 2), micro, "torch.float32")):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-5, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("comm", [None, torch.bfloat16], ids=["comm=fp32", "comm=bf16"])
+def test_hfsdp_bf16_compute_fp32_main_matches_reference(comm):
+    for rank, c in enumerate(get_run(grid, 4)):
+        status, value = c[("hfsdp bf16", str(comm))]
+        assert status == "ok", f"rank {rank}:\n{value}"
+        losses, main_dtypes = value
+        ref = c[("bf16 reference", str(comm))][1]
+        assert main_dtypes == {"torch.float32"}
+        diff = ((torch.tensor(losses) - torch.tensor(ref)).abs() / torch.tensor(ref).abs()).max().item()
+        assert diff <= LOSS_RTOL, diff
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_hfsdp_collectives_per_level_at_the_theoretical_volume(mesh_shape):
+    """With no_sync on all but the last of 3 microbatches, per step and per gradient bucket: one
+    reduce-scatter across the replicas (on the syncing backward) and one all-gather across them
+    (after the step), each moving the bucket's collective shard S = O * Sv -- the model / dp_shard,
+    up to padding; inside the replica, one reduce-scatter per backward, as in FSDP."""
+    outer, inner = mesh_shape
+    for r in _cell(("hfsdp", mesh_shape, 3, "torch.float64")):
+        for step in r["per_step"]:
+            assert step["outer_all_reduces"] == 0, step
+            if outer == 1:
+                assert step["outer_reduce_scatters"] == step["outer_all_gathers"] == 0, step
+                continue
+            assert step["outer_reduce_scatters"] == step["outer_all_gathers"] == r["grad_buckets"], step
+            assert step["outer_reduce_scatter_bytes"] == step["outer_all_gather_bytes"] == r["shard_grad_bytes"], step
+            assert r["model_bytes"] / inner <= step["outer_reduce_scatter_bytes"] <= \
+                1.05 * r["model_bytes"] / inner + 4096, step
+            inner_reductions = 3 * r["grad_buckets"] if inner > 1 else 0
+            assert step["reduce_scatters"] == inner_reductions, step
+
+
+def test_hfsdp_memory_at_2x2():
+    """AdamW's two states: HFSDP holds them for a quarter of the model per rank, HSDP for half."""
+    for hf, hs in zip(_cell(("hfsdp", (2, 2), 1, "torch.float64")), _cell(((2, 2), 3, 1, "torch.float64"))):
+        model = hf["model_bytes"]
+        for r, share in ((hf, 1 / 4), (hs, 1 / 2)):
+            want = 2 * share * model
+            assert abs(r["memory"]["optimizer_state_bytes"] - want) <= 0.05 * want, (share, r["memory"], model)
+
+
 # -- checkpoints across mesh shapes ------------------------------------------------------------
 
 def dcp_chain(rank, world, path):
-    """Save at 2x2, load at 1x4, save; load at 4x1, save; load at 2x2; then into a plain 1-D model."""
+    """Save at 2x2, load at 1x4, save; load at 4x1, save; load at 2x2; then into a plain 1-D model;
+    the HFSDP links (outer "optim") hold Shard(0) over all ranks, the HSDP ones over dp_shard."""
     import torch.distributed.checkpoint as dcp
     torch.manual_seed(0)
     reference = GPT(CFG).double()
     want = {n: p.detach().clone() for n, p in reference.named_parameters()}
     out = {}
-    chain = [(2, 2), (1, 4), (4, 1), (2, 2), None]
+    chain = [(2, 2), (2, 2, "optim"), (1, 4), (4, 1, "optim"), (4, 1), (2, 2, "optim"), (2, 2), None]
     for k, shape in enumerate(chain):
         torch.manual_seed(k + 11)  # a different init: the load must overwrite it
         model = GPT(CFG).double()
         if shape is None:
             fsdp, _ = mf.fully_shard(model, None, fsdp_unit_modules=[Block], zero_dp_strategy=3)
         else:
-            fsdp, _ = shard_hybrid(model, None, hybrid_mesh(*shape), 3)
+            fsdp, _ = shard_hybrid(model, None, hybrid_mesh(*shape[:2]), 3,
+                                   outer_dp_sharding_strategy=shape[2] if len(shape) > 2 else "no_shard")
         if k == 0:
             fsdp.load_state_dict({"module." + n: v for n, v in want.items()})
         else:
@@ -153,6 +278,23 @@ def dcp_chain(rank, world, path):
             out[f"loss {shape}"] = fsdp(x, y).item()
         dcp.save(fsdp.state_dict(), checkpoint_id=os.path.join(path, f"ckpt{k}"))
         dist.barrier()
+    # meta-device initialisation under HFSDP (each rank writes its whole collective shard directly)
+    # initialises exactly what 1-D FSDP's does from the same seed
+    def from_meta(**hybrid):
+        torch.manual_seed(5)
+        with torch.device("meta"):
+            model = GPT(CFG).double()
+        kw = dict(init_model_with_meta_device=True, device=torch.device("cpu"))
+        if hybrid:
+            return shard_hybrid(model, None, hybrid_mesh(2, 2), 3, **hybrid, **kw)[0]
+        return mf.fully_shard(model, None, fsdp_unit_modules=[Block], zero_dp_strategy=3, **kw)[0]
+
+    plain, meta = from_meta(), from_meta(outer_dp_sharding_strategy="optim")
+    a, b = plain.full_parameters(), meta.full_parameters()
+    out["meta init"] = max((a[n] - b[n]).abs().max().item() for n in a)
+    x, y = batch(CFG, 2, seed=rank)
+    with torch.no_grad():
+        out["meta init loss diff"] = abs(plain(x, y).item() - meta(x, y).item())
     return out
 
 
@@ -162,6 +304,7 @@ def test_dcp_across_mesh_shapes():
         for key, value in r.items():
             if not key.startswith("loss"):
                 assert value == 0.0, (key, value)
+        assert set(r) >= {"(2, 2, 'optim')", "(4, 1, 'optim')", "meta init", "meta init loss diff"}
         losses = {v for k, v in r.items() if k.startswith("loss")}
         assert len(losses) == 1, r
 
@@ -196,6 +339,12 @@ def bad_inputs(rank, world):
                                                               dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
                                                               hybrid_fsdp_group=dist.group.WORLD,
                                                               outer_dp_sharding_strategy="optim"))
+    from torch.distributed.device_mesh import DeviceMesh
+    permuted = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("dp_outer", "dp_shard"))
+    attempt("HFSDP on a permuted mesh", lambda: mf.fully_shard(GPT(CFG), None, fsdp_unit_modules=[Block],
+                                                               device_mesh=permuted, dp_shard_dim="dp_shard",
+                                                               dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD,
+                                                               outer_dp_sharding_strategy="optim"))
     meta = GPT(CFG).to("meta")
     attempt("wrong device type", lambda: mf.fully_shard(
         GPT(CFG), None, fsdp_unit_modules=[Block], dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
@@ -211,6 +360,7 @@ def bad_inputs(rank, world):
     ("unknown dim", "dp_outer_dim='nodes' is not a dim of the device mesh"),
     ("dims do not multiply", "do not multiply to the data-parallel size"),
     ("optim outer with ZeRO-2", "needs zero_dp_strategy='optim_grads_params'"),
+    ("HFSDP on a permuted mesh", "needs the (dp_outer, dp_shard) mesh to number its ranks in order"),
     ("wrong device type", "parameters are on 'cpu'"),
 ])
 def test_hybrid_bad_input(case, match):

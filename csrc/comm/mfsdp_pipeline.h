@@ -29,7 +29,10 @@
  *   COMM, COMM_SLICE  temporary comm_dtype copy for persistent GRAD when comm != grad dtype.
  *   EXCHANGE      temporary comm_dtype receive buffer when comm_dtype is narrower than
  *                 grad_dtype: all ranks' pieces of this rank's slice, summed here in grad_dtype
- *                 (see [Note: exchange reduction] in pipeline.c). */
+ *                 (see [Note: exchange reduction] in pipeline.c).
+ *   WEIGHT_SUB, GRAD_SUB  HFSDP only ([Note: optimizer sharded across replicas] in pipeline.c):
+ *                 views of this rank's 1/O of WEIGHT_SHARD and GRAD_SHARD, the shards of the
+ *                 all-gather and reduce-scatter across the O replicas. */
 #ifndef MFSDP_PIPELINE_H
 #define MFSDP_PIPELINE_H
 
@@ -55,6 +58,8 @@ typedef enum mfsdp_buf_kind {
   MFSDP_BUF_COMM,
   MFSDP_BUF_COMM_SLICE,
   MFSDP_BUF_EXCHANGE,
+  MFSDP_BUF_WEIGHT_SUB,
+  MFSDP_BUF_GRAD_SUB,
   MFSDP_BUF_COUNT
 } mfsdp_buf_kind;
 
@@ -81,7 +86,7 @@ typedef enum mfsdp_grad_state {
 
 typedef struct mfsdp_bucket_spec {
   mfsdp_bucket_layout layout; /* copied; layout.world is the number of shards (1: replicated) */
-  int32_t shard_rank;         /* this rank's index among the shards */
+  int32_t shard_rank;         /* this rank's index among the shards (HFSDP: outer * dp_world + inner) */
   int32_t param_dtype, main_dtype, grad_dtype, comm_dtype;
   int32_t weights_sharded;  /* full weights are temporary (ZeRO-3) */
   int32_t weights_regather; /* optimizer updates a shard of persistent weights (ZeRO-1/2) */
@@ -97,6 +102,9 @@ typedef struct mfsdp_pipeline_config {
   int32_t force_comm;      /* issue collectives even on one rank (tests a transport on one GPU) */
   int32_t outer_world;     /* hybrid sharding (HSDP): replicas of the dp_world shards, across which
                               reduced gradients are also all-reduced; 0 or 1: none */
+  int32_t outer_sharded;   /* HFSDP: sharded buckets split main weights, main gradients and optimizer
+                              state over all dp_world x outer_world ranks (their layout.world);
+                              replicated buckets stay HSDP */
 } mfsdp_pipeline_config;
 
 typedef struct mfsdp_backend {
@@ -116,6 +124,8 @@ typedef struct mfsdp_comm_stats {
   int64_t reduce_scatters, reduce_scatter_bytes; /* bytes of the full input */
   int64_t all_reduces, all_reduce_bytes;
   int64_t outer_all_reduces, outer_all_reduce_bytes; /* hybrid sharding: across the replicas */
+  int64_t outer_reduce_scatters, outer_reduce_scatter_bytes; /* HFSDP: bytes of the full input */
+  int64_t outer_all_gathers, outer_all_gather_bytes;         /* HFSDP: bytes of the full output */
 } mfsdp_comm_stats;
 
 typedef struct mfsdp_pipeline mfsdp_pipeline;
@@ -156,7 +166,8 @@ mfsdp_status mfsdp_pipeline_unshard(mfsdp_pipeline* p, const int32_t* buckets, i
 mfsdp_status mfsdp_pipeline_wait_unshard(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
 mfsdp_status mfsdp_pipeline_reshard(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
 /* The optimizer (or a checkpoint load) changed the main weights: cast main -> compute shard and
- * mark full weights stale so the next unshard spreads the new values. Frozen buckets are
+ * mark full weights stale so the next unshard spreads the new values (HFSDP: after an
+ * all-gather across the replicas, issued here and awaited by that unshard). Frozen buckets are
  * skipped unless include_frozen (they only change by loading). */
 mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_frozen);
 

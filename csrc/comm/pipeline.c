@@ -55,6 +55,26 @@
  * reduced across replicas receives more gradients before it is zeroed (several syncing backwards
  * in one step), its reduced part is divided by the replicas first, so that it is counted once.
  *
+ * [Note: optimizer sharded across replicas]
+ * HFSDP (cfg.outer_sharded): a sharded bucket is laid out over V = W * O piece-shards (its
+ * layout.world), torch.chunk over every data-parallel rank: rank g = o * W + i (replica o,
+ * inner rank i) holds the rows of piece-shard g, so its parameters are Shard(0) over the
+ * flattened (outer, inner) mesh. The rank-major buffers put piece-shard v = o * W + i at slot
+ * i * O + o (slot_of): inner rank i's collective shard (S = O * Sv elements) is then the O
+ * piece-shards its replicas' twins hold, contiguous, and every inner collective moves S-sized
+ * shards exactly as without replicas. Rank (o, i) owns sub-shard o of its collective shard:
+ * - every backward reduce-scatters inside the replica into GRAD_SHARD (S: the accumulator);
+ * - a syncing backward then reduce-scatters GRAD_SHARD across the replicas, in place, into
+ *   GRAD_SUB (its sub-shard): the main gradients, Sv elements;
+ * - the optimizer steps MAIN_SHARD (Sv elements); install_main_weights writes it into
+ *   WEIGHT_SUB and all-gathers WEIGHT_SHARD across the replicas, once per step, overlapped
+ *   with whatever runs until the next unshard of the bucket waits for it.
+ * WEIGHT_SHARD and GRAD_SHARD stay S elements (the inner gather's input, the accumulator), as
+ * in Megatron-FSDP: main weights, main gradients and optimizer state shrink by O. A second
+ * syncing backward before zeroing finds stale partial sums around GRAD_SUB (zeroed) and a
+ * reduced sub-shard that only this replica holds, which the next reduce-scatter then counts
+ * once (scaled back when the collective averages).
+ *
  * [Note: exchange reduction]
  * A reduce-scatter in bf16 sums in bf16: every partial sum on the ring is rounded to 8 bits.
  * When the communication dtype is narrower than the main gradients, the pipeline sends the same
@@ -93,9 +113,14 @@ typedef struct bucket {
   int64_t* pieces;
   int64_t* param_offsets;
   int64_t* shard_offsets;
-  int32_t W;          /* shards */
-  int64_t S;          /* shard size */
+  int32_t W;          /* collective shards: ranks the inner collectives span */
+  int64_t S;          /* collective shard size */
   int64_t full_size;  /* rank-major elements: W * S (what the collectives move) */
+  int32_t V;          /* piece-shards: layout.world, W * O ([Note: optimizer sharded across replicas]) */
+  int32_t O;          /* piece-shards per collective shard: the replicas under HFSDP, else 1 */
+  int64_t Sv;         /* elements per piece-shard: layout.shard_size; S = O * Sv */
+  int32_t inner;      /* this rank's collective shard, shard_rank % W */
+  int32_t sub;        /* this rank's piece-shard inside it, shard_rank / W (HFSDP), else 0 */
   int identity;       /* rank-major and parameter-major coincide: gathers land in WEIGHT */
   int gathered;       /* full weights come from all-gathers (ZeRO-3, or ZeRO-1/2 over several shards) */
   int gather_kind;    /* GATHER, or WEIGHT when identity */
@@ -115,7 +140,7 @@ typedef struct bucket {
   int8_t hold;     /* ZeRO-2/3: accumulate locally, do not reduce ([Note: held gradients]) */
   int8_t outer_hold;    /* hybrid sharding: skip the all-reduce across replicas */
   int8_t outer_reduced; /* its reduced gradients were all-reduced across replicas since the last zero */
-  mfsdp_work* outer_work;
+  mfsdp_work* outer_work; /* across replicas: the gradient reduction, or (HFSDP) the weights' gather */
   int8_t held;     /* GRAD holds unscaled local sums of earlier backwards */
   double prescale; /* gradients are multiplied by this before the sum (default cfg.grad_prescale) */
   uint8_t* ready;
@@ -150,6 +175,9 @@ static int64_t elem_size(int32_t dtype) { return mfsdp_dtype_size(dtype); }
 static void* at(const mfsdp_buffer* b, int64_t offset) {
   return b->data ? (char*)b->data + offset * elem_size(b->dtype) : NULL;
 }
+
+/* Where piece-shard v starts in the rank-major buffers ([Note: optimizer sharded across replicas]). */
+static int64_t slot_of(const bucket* bk, int32_t v) { return ((int64_t)(v % bk->W) * bk->O + v / bk->W) * bk->Sv; }
 
 static void refresh_views(bucket* bk, int owner) {
   for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
@@ -250,7 +278,7 @@ static mfsdp_status release_temporaries(mfsdp_pipeline* p, bucket* bk) {
 /* The temporary buffers that depend on the communication dtype (see mfsdp_pipeline.h). */
 static mfsdp_status create_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
-  int64_t S = bk->S, N = bk->full_size, off = (int64_t)s->shard_rank * S;
+  int64_t S = bk->S, N = bk->full_size, off = (int64_t)bk->inner * S;
   if (s->grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
   if (s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, N, s->comm_dtype, 1));
@@ -281,7 +309,7 @@ static void drop_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
 /* Creates the buffers of one bucket per the table in mfsdp_pipeline.h. */
 static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
-  int64_t S = bk->S, N = bk->full_size, off = (int64_t)s->shard_rank * S;
+  int64_t S = bk->S, Sv = bk->Sv, N = bk->full_size, off = (int64_t)bk->inner * S, sub = (int64_t)bk->sub * Sv;
   int grads = s->grad_mode != MFSDP_GRAD_NONE;
   int accumulate = s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE;
   int wide_main = grads && s->main_dtype != s->param_dtype;
@@ -289,14 +317,16 @@ static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
   MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, s->layout.weight_size, s->param_dtype, s->weights_sharded));
   if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, N, s->param_dtype, 1));
   bk->gather_kind = bk->present[MFSDP_BUF_GATHER] ? MFSDP_BUF_GATHER : MFSDP_BUF_WEIGHT;
-  if (s->weights_sharded && !wide_main)
+  /* HFSDP keeps the whole collective shard: the replicas' all-gather fills it once per step */
+  if (s->weights_sharded && (!wide_main || bk->O > 1))
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, S, s->param_dtype, 0));
   else
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, bk->gather_kind, off, S));
+  if (bk->O > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SUB, MFSDP_BUF_WEIGHT_SHARD, sub, Sv));
   if (wide_main)
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, S, s->main_dtype, 0));
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, Sv, s->main_dtype, 0));
   else if (!(bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded)) /* else: main_in_weight */
-    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, 0, S));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, sub, Sv));
   if (grads) {
     if (accumulate) {
       MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_SHARD, S, s->grad_dtype, 0));
@@ -305,17 +335,19 @@ static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
       MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, off, S));
       MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, S));
     }
+    if (bk->O > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, sub, Sv));
     if (s->main_dtype != s->grad_dtype)
-      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, S, s->main_dtype, 0));
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, Sv, s->main_dtype, 0));
     else
-      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, 0, S));
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, sub, Sv));
     MFSDP_CHECK(create_comm_buffers(p, bk));
   }
   /* Views exist now; temporaries give their memory back until first use. */
   return release_temporaries(p, bk);
 }
 
-/* Rank r's piece of item i in the rank-major layout: elements [*first, +*n) of the item. */
+/* Piece-shard r's piece of item i (it sits at slot_of(r) + shard_offsets[i] in the rank-major
+ * layout): elements [*first, +*n) of the item. */
 static void piece(const bucket* bk, int32_t i, int32_t r, int64_t* first, int64_t* n) {
   mfsdp_piece_of(bk->numels[i], bk->pieces[i], r, first, n);
 }
@@ -324,15 +356,16 @@ static void piece(const bucket* bk, int32_t i, int32_t r, int64_t* first, int64_
  * alignment gaps, the missing rows of the last ranks' pieces, each shard's tail. */
 static mfsdp_status compute_holes(bucket* bk) {
   int32_t n = bk->spec.layout.n_items;
-  bk->holes = malloc((size_t)(2 * ((int64_t)bk->W * (n + 1))) * sizeof *bk->holes);
+  bk->holes = malloc((size_t)(2 * ((int64_t)bk->V * (n + 1))) * sizeof *bk->holes);
   if (bk->holes == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "hole table");
-  for (int32_t r = 0; r < bk->W; ++r) {
-    int64_t cursor = (int64_t)r * bk->S;
+  for (int32_t slot = 0; slot < bk->V; ++slot) { /* in memory order */
+    int32_t r = (slot % bk->O) * bk->W + slot / bk->O; /* the piece-shard at this slot */
+    int64_t cursor = (int64_t)slot * bk->Sv;
     for (int32_t i = 0; i < n; ++i) { /* pieces are laid out in item order */
       int64_t first, len;
       piece(bk, i, r, &first, &len);
       if (len == 0) continue;
-      int64_t start = (int64_t)r * bk->S + bk->shard_offsets[i];
+      int64_t start = (int64_t)slot * bk->Sv + bk->shard_offsets[i];
       if (start > cursor) {
         if (bk->n_holes > 0 && bk->holes[2 * bk->n_holes - 1] == cursor) {
           bk->holes[2 * bk->n_holes - 1] = start; /* continues the previous hole */
@@ -344,7 +377,7 @@ static mfsdp_status compute_holes(bucket* bk) {
       }
       cursor = start + len;
     }
-    int64_t end = (int64_t)(r + 1) * bk->S;
+    int64_t end = (int64_t)(slot + 1) * bk->Sv;
     if (cursor < end) {
       if (bk->n_holes > 0 && bk->holes[2 * bk->n_holes - 1] == cursor) {
         bk->holes[2 * bk->n_holes - 1] = end;
@@ -386,15 +419,21 @@ static mfsdp_status packer_add(packer* k, const void* src, int32_t src_dtype, in
   return MFSDP_OK;
 }
 
-/* This rank's rows of every item, from the parameter-major `src` (e.g. WEIGHT) into the
- * rank-major shard `dst` (S elements, cast to dst_dtype). Padding of dst is left as it is. */
-static mfsdp_status pack_own_rows(mfsdp_pipeline* p, bucket* bk, void* dst, int32_t dst_dtype, const mfsdp_buffer* src) {
+/* This rank's rows of every item, from the parameter-major `src` (e.g. WEIGHT) into `dst`
+ * (cast to dst_dtype): its whole collective shard (S elements: the O piece-shards of its
+ * inner rank) when `whole`, else its own piece-shard only (Sv elements; the same when O = 1).
+ * Padding of dst is left as it is. */
+static mfsdp_status pack_own_rows(mfsdp_pipeline* p, bucket* bk, void* dst, int32_t dst_dtype, const mfsdp_buffer* src,
+                                  int whole) {
   packer k = {p, dst, dst_dtype, 1.0, 0, 0, {{0}}};
-  int32_t r = bk->spec.shard_rank;
-  for (int32_t i = 0; i < bk->spec.layout.n_items; ++i) {
-    int64_t first, n;
-    piece(bk, i, r, &first, &n);
-    MFSDP_CHECK(packer_add(&k, at(src, bk->param_offsets[i] + first), src->dtype, bk->shard_offsets[i], n));
+  for (int32_t o = whole ? 0 : bk->sub; o < (whole ? bk->O : bk->sub + 1); ++o) {
+    int32_t r = o * bk->W + bk->inner;
+    int64_t base = whole ? (int64_t)o * bk->Sv : 0;
+    for (int32_t i = 0; i < bk->spec.layout.n_items; ++i) {
+      int64_t first, n;
+      piece(bk, i, r, &first, &n);
+      MFSDP_CHECK(packer_add(&k, at(src, bk->param_offsets[i] + first), src->dtype, base + bk->shard_offsets[i], n));
+    }
   }
   return packer_flush(&k);
 }
@@ -407,9 +446,14 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
   if (l->world < 1 || s->shard_rank < 0 || s->shard_rank >= l->world || l->n_items < 0)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: %d shards, rank %d, %d items", i, l->world,
                       s->shard_rank, l->n_items);
-  if (l->world != 1 && l->world != cfg->dp_world)
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: %d shards but data-parallel size %d", i, l->world,
-                      cfg->dp_world);
+  int32_t pieces = cfg->dp_world * (cfg->outer_sharded && cfg->outer_world > 1 ? cfg->outer_world : 1);
+  if (l->world != 1 && l->world != pieces)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: %d shards but %d data-parallel ranks shard it", i,
+                      l->world, pieces);
+  if (l->world > 1 && pieces > cfg->dp_world &&
+      (!s->weights_sharded || (s->grad_mode != MFSDP_GRAD_NONE && s->grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE)))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT,
+                      "bucket %d: sharding across replicas (HFSDP) needs sharded weights and gradients (ZeRO-3)", i);
   mfsdp_status st = mfsdp_layout_validate(l, NULL);
   if (st != MFSDP_OK) return MFSDP_FAIL(st, "bucket %d: %s", i, mfsdp_last_error());
   if (!mfsdp_dtype_valid(s->param_dtype) || s->grad_mode < MFSDP_GRAD_NONE ||
@@ -425,7 +469,7 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: %d shards but its weights are never gathered", i,
                       l->world);
   if ((s->grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE || s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) &&
-      l->world != cfg->dp_world)
+      l->world != pieces)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: reduce-scatter needs one shard per rank", i);
   return MFSDP_OK;
 }
@@ -480,10 +524,16 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->spec.layout.pieces = bk->pieces;
     bk->spec.layout.param_offsets = bk->param_offsets;
     bk->spec.layout.shard_offsets = bk->shard_offsets;
-    bk->W = l->world;
-    bk->S = l->shard_size;
+    bk->V = l->world;
+    bk->O = l->world > 1 && cfg->outer_sharded && cfg->outer_world > 1 ? cfg->outer_world : 1;
+    bk->W = bk->V / bk->O;
+    bk->Sv = l->shard_size;
+    bk->S = bk->O * bk->Sv;
+    bk->inner = specs[i].shard_rank % bk->W;
+    bk->sub = specs[i].shard_rank / bk->W;
     bk->full_size = (int64_t)l->world * l->shard_size;
-    bk->identity = mfsdp_layout_is_identity(l);
+    /* slots are permuted across replicas unless one index is trivial: then rank-major is piece order */
+    bk->identity = mfsdp_layout_is_identity(l) && (bk->O == 1 || bk->W == 1);
     bk->gathered = specs[i].weights_sharded || (specs[i].weights_regather && l->world > 1);
     for (int k = 0; k < MFSDP_BUF_COUNT; ++k) bk->owner[k] = -1;
     MFSDP_CHECK_GOTO(compute_holes(bk), st, fail);
@@ -575,6 +625,10 @@ void mfsdp_pipeline_stats(const mfsdp_pipeline* p, int32_t b, mfsdp_comm_stats* 
     out->all_reduce_bytes += s->all_reduce_bytes;
     out->outer_all_reduces += s->outer_all_reduces;
     out->outer_all_reduce_bytes += s->outer_all_reduce_bytes;
+    out->outer_reduce_scatters += s->outer_reduce_scatters;
+    out->outer_reduce_scatter_bytes += s->outer_reduce_scatter_bytes;
+    out->outer_all_gathers += s->outer_all_gathers;
+    out->outer_all_gather_bytes += s->outer_all_gather_bytes;
   }
 }
 
@@ -594,9 +648,10 @@ mfsdp_status mfsdp_pipeline_local_piece(const mfsdp_pipeline* p, int32_t b, int3
     *offset = bk->param_offsets[item] + first;
   } else if (!bk->present[kind]) {
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no buffer of kind %d", b, kind);
-  } else {
+  } else { /* HFSDP: this rank's piece-shard inside the collective shard */
+    int whole = kind == MFSDP_BUF_WEIGHT_SHARD || kind == MFSDP_BUF_GRAD_SHARD;
     *where = kind;
-    *offset = bk->shard_offsets[item];
+    *offset = bk->shard_offsets[item] + (whole ? (int64_t)bk->sub * bk->Sv : 0);
   }
   return MFSDP_OK;
 }
@@ -654,6 +709,8 @@ static mfsdp_status zero_buffer(mfsdp_pipeline* p, bucket* bk, int kind) {
 }
 
 static mfsdp_status finish_gather(mfsdp_pipeline* p, bucket* bk);
+static mfsdp_status complete_outer_of(mfsdp_pipeline* p, bucket* bk);
+static mfsdp_status launch_outer_gather(mfsdp_pipeline* p, bucket* bk);
 
 /* Two ways in. Full (direct = 0): the full weights are materialised, items are copied into
  * them and init_end derives shard and main weights from them. Direct (direct = 1, for
@@ -692,18 +749,20 @@ mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t b, int32_t item,
     MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT], bk->param_offsets[item]),
                         bk->spec.param_dtype, src, src_dtype, numel, 1.0));
   if (bk->initializing == 1) return MFSDP_OK;
-  /* direct: this rank's rows of the item, into the persistent shard buffers */
-  int64_t first, n;
-  piece(bk, item, bk->spec.shard_rank, &first, &n);
-  if (n == 0) return MFSDP_OK;
-  const void* from = (const char*)src + first * elem_size(src_dtype);
-  int64_t to = bk->shard_offsets[item];
+  /* direct: this rank's rows of the item, into the persistent shard buffers (an own WEIGHT_SHARD
+   * takes its whole collective shard: under HFSDP the rows of its replicas' twins too) */
+  int64_t first, n, to = bk->shard_offsets[item];
   if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], to), bk->spec.param_dtype, from,
-                        src_dtype, n, 1.0));
-  if (own_main(bk))
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_MAIN_SHARD], to), bk->spec.main_dtype, from,
-                        src_dtype, n, 1.0));
+    for (int32_t o = 0; o < bk->O; ++o) {
+      piece(bk, item, o * bk->W + bk->inner, &first, &n);
+      if (n > 0)
+        MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], (int64_t)o * bk->Sv + to),
+                            bk->spec.param_dtype, (const char*)src + first * elem_size(src_dtype), src_dtype, n, 1.0));
+    }
+  piece(bk, item, bk->spec.shard_rank, &first, &n);
+  if (n > 0 && own_main(bk))
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_MAIN_SHARD], to), bk->spec.main_dtype,
+                        (const char*)src + first * elem_size(src_dtype), src_dtype, n, 1.0));
   return MFSDP_OK;
 }
 
@@ -715,11 +774,11 @@ mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
     const mfsdp_buffer* w = &bk->buf[MFSDP_BUF_WEIGHT];
     if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) {
       MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT_SHARD));
-      MFSDP_CHECK(pack_own_rows(p, bk, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype, w));
+      MFSDP_CHECK(pack_own_rows(p, bk, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype, w, 1));
     }
     if (own_main(bk)) {
       MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_MAIN_SHARD));
-      MFSDP_CHECK(pack_own_rows(p, bk, bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, w));
+      MFSDP_CHECK(pack_own_rows(p, bk, bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, w, 0));
     }
   }
   bk->initializing = 0;
@@ -741,15 +800,22 @@ static mfsdp_status fill_own_slice(mfsdp_pipeline* p, bucket* bk) {
   if (casts_on_gather(bk)) /* see [Note: cast on gather] */
     return p->be.kernels->copy(p->be.kernels_ctx, slice, bk->spec.param_dtype, bk->buf[MFSDP_BUF_MAIN_SHARD].data,
                                bk->spec.main_dtype, bk->S, 1.0);
-  if (main_in_weight(bk)) return pack_own_rows(p, bk, slice, bk->spec.param_dtype, &bk->buf[MFSDP_BUF_WEIGHT]);
+  if (main_in_weight(bk)) return pack_own_rows(p, bk, slice, bk->spec.param_dtype, &bk->buf[MFSDP_BUF_WEIGHT], 1);
   return MFSDP_OK; /* an own WEIGHT_SHARD, or the slice already is this rank's part of WEIGHT */
 }
 
 static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
+  MFSDP_CHECK(complete_outer_of(p, bk)); /* HFSDP: the replicas' gather of this step's weights */
   MFSDP_CHECK(materialize(p, bk, bk->gather_kind));
   MFSDP_CHECK(fill_own_slice(p, bk));
   bk->wstate = MFSDP_W_GATHERING;
-  if (!communicates(p, bk)) return MFSDP_OK;
+  if (!communicates(p, bk)) {
+    if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) /* one inner rank (HFSDP 4x1): a copy */
+      MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, at(&bk->buf[bk->gather_kind], (int64_t)bk->inner * bk->S),
+                                      bk->spec.param_dtype, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
+                                      bk->S, 1.0));
+    return MFSDP_OK;
+  }
   mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[bk->gather_kind],
                                                 &bk->buf[MFSDP_BUF_WEIGHT_SHARD], &bk->gather_work);
   if (st != MFSDP_OK) return comm_failed(p, st);
@@ -765,12 +831,12 @@ static mfsdp_status copy_out(mfsdp_pipeline* p, bucket* bk) {
   packer k = {p, bk->buf[MFSDP_BUF_WEIGHT].data, bk->spec.param_dtype, 1.0, 0, 0, {{0}}};
   int32_t skip = main_in_weight(bk) ? bk->spec.shard_rank : -1;
   for (int32_t i = 0; i < bk->spec.layout.n_items; ++i)
-    for (int32_t r = 0; r < bk->W; ++r) {
+    for (int32_t r = 0; r < bk->V; ++r) {
       if (r == skip) continue;
       int64_t first, n;
       piece(bk, i, r, &first, &n);
-      MFSDP_CHECK(packer_add(&k, at(g, (int64_t)r * bk->S + bk->shard_offsets[i]), g->dtype,
-                             bk->param_offsets[i] + first, n));
+      MFSDP_CHECK(packer_add(&k, at(g, slot_of(bk, r) + bk->shard_offsets[i]), g->dtype, bk->param_offsets[i] + first,
+                             n));
     }
   return packer_flush(&k);
 }
@@ -856,6 +922,10 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
       bk->wstate = bk->spec.weights_sharded ? MFSDP_W_EMPTY : MFSDP_W_STALE;
     }
     if (bk->wstate != MFSDP_W_EMPTY) bk->wstate = MFSDP_W_STALE; /* the next unshard spreads the new values */
+    if (bk->O > 1) { /* the replicas' sub-shards first ([Note: optimizer sharded across replicas]) */
+      MFSDP_CHECK(complete_outer_of(p, bk));
+      MFSDP_CHECK(launch_outer_gather(p, bk));
+    }
   }
   return MFSDP_OK;
 }
@@ -916,29 +986,55 @@ static mfsdp_status gather_exchanged(mfsdp_pipeline* p, bucket* bk) {
   return k->copy(kc, g->data, gdt, bk->buf[MFSDP_BUF_COMM].data, cdt, bk->full_size, 1.0);
 }
 
-/* The all-reduce across replicas of what the bucket's inner reduction left ([Note: hybrid sharding]). */
+/* The reduction across replicas of what the bucket's inner reduction left: an all-reduce
+ * ([Note: hybrid sharding]), or under HFSDP a reduce-scatter of the accumulated collective
+ * shard into this rank's sub-shard ([Note: optimizer sharded across replicas]). */
 static mfsdp_status launch_outer(mfsdp_pipeline* p, bucket* bk) {
-  int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD
-               : bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE ? MFSDP_BUF_GRAD_SLICE
-                                                                   : MFSDP_BUF_GRAD;
-  const mfsdp_buffer* b = &bk->buf[target];
-  mfsdp_status st = p->be.outer->all_reduce(p->be.outer_ctx, b, (mfsdp_reduce_op)p->cfg.reduce_op, 1.0,
-                                            &bk->outer_work);
-  if (st != MFSDP_OK) return comm_failed(p, st);
+  mfsdp_reduce_op op = (mfsdp_reduce_op)p->cfg.reduce_op;
+  mfsdp_status st;
+  if (bk->O > 1) {
+    const mfsdp_buffer* b = &bk->buf[MFSDP_BUF_GRAD_SHARD];
+    st = p->be.outer->reduce_scatter(p->be.outer_ctx, &bk->buf[MFSDP_BUF_GRAD_SUB], b, op, 1.0, &bk->outer_work);
+    if (st != MFSDP_OK) return comm_failed(p, st);
+    bk->stats.outer_reduce_scatters++;
+    bk->stats.outer_reduce_scatter_bytes += b->numel * elem_size(b->dtype);
+  } else {
+    int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD
+                 : bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE ? MFSDP_BUF_GRAD_SLICE
+                                                                     : MFSDP_BUF_GRAD;
+    const mfsdp_buffer* b = &bk->buf[target];
+    st = p->be.outer->all_reduce(p->be.outer_ctx, b, op, 1.0, &bk->outer_work);
+    if (st != MFSDP_OK) return comm_failed(p, st);
+    bk->stats.outer_all_reduces++;
+    bk->stats.outer_all_reduce_bytes += b->numel * elem_size(b->dtype);
+  }
   bk->outer_reduced = 1; /* once the work completes (complete_outer, before anyone reads it) */
-  bk->stats.outer_all_reduces++;
-  bk->stats.outer_all_reduce_bytes += b->numel * elem_size(b->dtype);
   return MFSDP_OK;
 }
 
+/* HFSDP: the updated sub-shard into WEIGHT_SUB, then the collective shard gathered across the
+ * replicas in place ([Note: optimizer sharded across replicas]); the next unshard waits. */
+static mfsdp_status launch_outer_gather(mfsdp_pipeline* p, bucket* bk) {
+  if (own_main(bk))
+    MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SUB].data, bk->spec.param_dtype,
+                                    bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->Sv, 1.0));
+  const mfsdp_buffer* b = &bk->buf[MFSDP_BUF_WEIGHT_SHARD];
+  mfsdp_status st = p->be.outer->all_gather(p->be.outer_ctx, b, &bk->buf[MFSDP_BUF_WEIGHT_SUB], &bk->outer_work);
+  if (st != MFSDP_OK) return comm_failed(p, st);
+  bk->stats.outer_all_gathers++;
+  bk->stats.outer_all_gather_bytes += b->numel * elem_size(b->dtype);
+  return MFSDP_OK;
+}
+
+/* Waits for one bucket's collective across replicas. */
+static mfsdp_status complete_outer_of(mfsdp_pipeline* p, bucket* bk) {
+  mfsdp_work* w = bk->outer_work;
+  bk->outer_work = NULL;
+  return w == NULL ? MFSDP_OK : comm_failed(p, p->be.outer->wait(p->be.outer_ctx, w));
+}
+
 static mfsdp_status complete_outer(mfsdp_pipeline* p) {
-  for (int32_t i = 0; i < p->n; ++i) {
-    bucket* bk = &p->b[i];
-    if (bk->outer_work == NULL) continue;
-    mfsdp_work* w = bk->outer_work;
-    bk->outer_work = NULL;
-    MFSDP_CHECK(comm_failed(p, p->be.outer->wait(p->be.outer_ctx, w)));
-  }
+  for (int32_t i = 0; i < p->n; ++i) MFSDP_CHECK(complete_outer_of(p, &p->b[i]));
   return MFSDP_OK;
 }
 
@@ -956,7 +1052,15 @@ static mfsdp_status complete_front(mfsdp_pipeline* p) {
   int exchanged = exchanges(p, bk);
   switch (bk->spec.grad_mode) {
     case MFSDP_GRAD_SCATTER_ACCUMULATE:
-      if (bk->outer_reduced) { /* [Note: hybrid sharding]: the replicas' sum, counted once more */
+      if (bk->outer_reduced && bk->O > 1) { /* [Note: optimizer sharded across replicas] */
+        const mfsdp_buffer* gs = &bk->buf[MFSDP_BUF_GRAD_SHARD];
+        int64_t sub = (int64_t)bk->sub * bk->Sv;
+        MFSDP_CHECK(k->fill_zero(kc, gs->data, gs->dtype, sub));
+        MFSDP_CHECK(k->fill_zero(kc, at(gs, sub + bk->Sv), gs->dtype, S - sub - bk->Sv));
+        if (p->cfg.reduce_op == MFSDP_REDUCE_AVG)
+          MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SUB].data, gs->dtype, bk->Sv, (double)bk->O));
+        bk->outer_reduced = 0;
+      } else if (bk->outer_reduced) { /* [Note: hybrid sharding]: the replicas' sum, counted once more */
         MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype, S, 1.0 / outer_factor(p)));
         bk->outer_reduced = 0;
       }
@@ -1077,7 +1181,7 @@ static mfsdp_status rebase(mfsdp_pipeline* p, bucket* bk) {
     double c = 1.0 / (world * f);
     if (c != 1.0) MFSDP_CHECK(k->scale(kc, g->data, g->dtype, bk->full_size, c));
   } else {
-    int64_t S = bk->S, off = (int64_t)bk->spec.shard_rank * S;
+    int64_t S = bk->S, off = (int64_t)bk->inner * S;
     MFSDP_CHECK(k->fill_zero(kc, g->data, g->dtype, off));
     MFSDP_CHECK(k->fill_zero(kc, at(g, off + S), g->dtype, bk->full_size - off - S));
     if (f != 1.0) MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SLICE].data, g->dtype, S, 1.0 / f));
@@ -1102,8 +1206,8 @@ static mfsdp_status launch_bucket(mfsdp_pipeline* p, int32_t id) {
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
     } else if (bk->n_ready < bk->spec.layout.n_items) {
       for (int32_t j = 0; j < bk->spec.layout.n_items; ++j)
-        for (int32_t r = 0; r < bk->W && !bk->ready[j]; ++r)
-          MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, at(g, (int64_t)r * bk->S + bk->shard_offsets[j]), g->dtype,
+        for (int32_t r = 0; r < bk->V && !bk->ready[j]; ++r)
+          MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, at(g, slot_of(bk, r) + bk->shard_offsets[j]), g->dtype,
                                    bk->pieces[j]));
     }
   } else if (bk->gstate == MFSDP_G_REDUCED) {
@@ -1176,11 +1280,11 @@ static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
   for (int32_t j = 0; j < bk->n_pending && st == MFSDP_OK; ++j) {
     const pending_grad* pg = &bk->pending[j];
     int64_t width = elem_size(pg->dtype);
-    for (int32_t r = 0; r < bk->W && st == MFSDP_OK; ++r) {
+    for (int32_t r = 0; r < bk->V && st == MFSDP_OK; ++r) {
       int64_t first, n;
       piece(bk, pg->item, r, &first, &n);
-      st = packer_add(&k, (const char*)pg->src + first * width, pg->dtype,
-                      (int64_t)r * bk->S + bk->shard_offsets[pg->item], n);
+      st = packer_add(&k, (const char*)pg->src + first * width, pg->dtype, slot_of(bk, r) + bk->shard_offsets[pg->item],
+                      n);
     }
   }
   if (st == MFSDP_OK) st = packer_flush(&k);
@@ -1276,7 +1380,8 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
     bucket* bk = &p->b[i];
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype,
-                                      bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype, bk->S, 1.0));
+                                      at(&bk->buf[MFSDP_BUF_GRAD_SHARD], (int64_t)bk->sub * bk->Sv), bk->spec.grad_dtype,
+                                      bk->Sv, 1.0));
   }
   return MFSDP_OK;
 }
@@ -1299,7 +1404,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
     }
     bk->outer_reduced = 0;
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
-      MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->S));
+      MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->Sv));
     bk->gstate = MFSDP_G_CLEAN;
   }
   return MFSDP_OK;
@@ -1322,13 +1427,14 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
     if (i < 0 || i >= bk->spec.layout.n_items)
       return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no item %d", b, i);
     if (persistent) {
-      for (int32_t r = 0; r < bk->W; ++r)
-        MFSDP_CHECK(k->fill_zero(kc, at(g, (int64_t)r * bk->S + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
+      for (int32_t r = 0; r < bk->V; ++r)
+        MFSDP_CHECK(k->fill_zero(kc, at(g, slot_of(bk, r) + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
     } else {
-      MFSDP_CHECK(k->fill_zero(kc, at(g, bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
+      for (int32_t o = 0; o < bk->O; ++o)
+        MFSDP_CHECK(k->fill_zero(kc, at(g, (int64_t)o * bk->Sv + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
       const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
-      for (int32_t r = 0; bk->held && r < bk->W; ++r)
-        MFSDP_CHECK(k->fill_zero(kc, at(held, (int64_t)r * bk->S + bk->shard_offsets[i]), held->dtype, bk->pieces[i]));
+      for (int32_t r = 0; bk->held && r < bk->V; ++r)
+        MFSDP_CHECK(k->fill_zero(kc, at(held, slot_of(bk, r) + bk->shard_offsets[i]), held->dtype, bk->pieces[i]));
     }
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(k->fill_zero(kc, at(&bk->buf[MFSDP_BUF_OPT_GRAD], bk->shard_offsets[i]), bk->spec.main_dtype,
@@ -1385,9 +1491,9 @@ mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t b, int32_t item
   if (n == 0) return MFSDP_OK;
   const mfsdp_kernel_ops* k = p->be.kernels;
   int64_t to = bk->shard_offsets[item];
-  if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], to), bk->spec.param_dtype, src,
-                        src_dtype, n, 1.0));
+  if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) /* HFSDP: the replicas' gather brings the rest */
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], (int64_t)bk->sub * bk->Sv + to),
+                        bk->spec.param_dtype, src, src_dtype, n, 1.0));
   if (own_main(bk))
     MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_MAIN_SHARD], to), bk->spec.main_dtype, src, src_dtype,
                         n, 1.0));
@@ -1449,5 +1555,6 @@ mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t b, i
   piece(bk, item, bk->spec.shard_rank, &first, &n);
   if (n == 0) return MFSDP_OK;
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD_SHARD];
-  return p->be.kernels->count_nonfinite(p->be.kernels_ctx, at(g, bk->shard_offsets[item]), g->dtype, n, count);
+  return p->be.kernels->count_nonfinite(p->be.kernels_ctx, at(g, (int64_t)bk->sub * bk->Sv + bk->shard_offsets[item]),
+                                        g->dtype, n, count);
 }

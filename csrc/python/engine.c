@@ -127,15 +127,18 @@ PyDoc_STRVAR(engine_doc,
              "reduce_op: 'sum' or 'avg'. device: torch.device of every buffer. transport: a\n"
              "TorchTransport or NcclTransport over the data-parallel ranks (of one replica).\n"
              "outer_transport, outer_world: hybrid sharding, the replicas across which reduced gradients\n"
-             "are also all-reduced ([Note: hybrid sharding] in csrc/comm/pipeline.c).");
+             "are also all-reduced ([Note: hybrid sharding] in csrc/comm/pipeline.c). outer_sharded:\n"
+             "HFSDP, sharded buckets also split over the replicas ([Note: optimizer sharded across\n"
+             "replicas]): their specs have dp_world * outer_world shards.");
 
 static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   engine_object* e = (engine_object*)self;
   module_state* st = engine_state(self);
   static char* kwlist[] = {"buckets", "dp_world",  "dp_rank",    "grad_prescale",   "reduce_op",   "reduce_queue_bytes",
-                           "device",  "transport", "force_comm", "outer_transport", "outer_world", NULL};
+                           "device",  "transport", "force_comm", "outer_transport", "outer_world", "outer_sharded",
+                           NULL};
   PyObject *specs_obj, *device, *transport, *outer = Py_None;
-  int dp_world, dp_rank, force_comm = 0, outer_world = 1;
+  int dp_world, dp_rank, force_comm = 0, outer_world = 1, outer_sharded = 0;
   double prescale;
   const char* op;
   long long queue_bytes;
@@ -143,9 +146,9 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     PyErr_SetString(PyExc_RuntimeError, "Engine is already initialised");
     return -1;
   }
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiidsLOO|pOi:Engine", kwlist, &specs_obj, &dp_world, &dp_rank,
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiidsLOO|pOip:Engine", kwlist, &specs_obj, &dp_world, &dp_rank,
                                    &prescale, &op, &queue_bytes, &device, &transport, &force_comm, &outer,
-                                   &outer_world))
+                                   &outer_world, &outer_sharded))
     return -1;
   for (int k = 0; k < 2; ++k) {
     PyObject* t = k == 0 ? transport : outer;
@@ -228,7 +231,7 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   transport_object* o = (transport_object*)e->outer_transport;
   mfsdp_backend be = {&mfsdp_torch_memory_ops, &e->memory, t->ops, t->ctx, kernels, kernels_ctx,
                       o ? o->ops : NULL, o ? o->ctx : NULL};
-  mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes, force_comm, outer_world};
+  mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes, force_comm, outer_world, outer_sharded};
   mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, (int32_t)n, &e->pipeline);
   if (s != MFSDP_OK) {
     fail(self, s);
@@ -573,12 +576,14 @@ static PyObject* engine_stats(PyObject* self, PyObject* args) {
   if (b < -1 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %d", b);
   mfsdp_comm_stats s;
   mfsdp_pipeline_stats(e->pipeline, b, &s);
-  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "all_gathers", (long long)s.all_gathers,
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "all_gathers", (long long)s.all_gathers,
                        "all_gather_bytes", (long long)s.all_gather_bytes, "reduce_scatters",
                        (long long)s.reduce_scatters, "reduce_scatter_bytes", (long long)s.reduce_scatter_bytes,
                        "all_reduces", (long long)s.all_reduces, "all_reduce_bytes", (long long)s.all_reduce_bytes,
                        "outer_all_reduces", (long long)s.outer_all_reduces, "outer_all_reduce_bytes",
-                       (long long)s.outer_all_reduce_bytes);
+                       (long long)s.outer_all_reduce_bytes, "outer_reduce_scatters", (long long)s.outer_reduce_scatters,
+                       "outer_reduce_scatter_bytes", (long long)s.outer_reduce_scatter_bytes, "outer_all_gathers",
+                       (long long)s.outer_all_gathers, "outer_all_gather_bytes", (long long)s.outer_all_gather_bytes);
 }
 
 static PyObject* engine_count_nonfinite_grad(PyObject* self, PyObject* args) {

@@ -402,7 +402,8 @@ static int module_exec(PyObject* module) {
   PyModule_AddIntConstant(module, "GRAD_SCATTER_ACCUMULATE", MFSDP_GRAD_SCATTER_ACCUMULATE);
   static const char* kinds[MFSDP_BUF_COUNT] = {"WEIGHT",     "GATHER",   "WEIGHT_SHARD", "MAIN_SHARD",
                                                "GRAD",       "GRAD_SLICE", "GRAD_SHARD", "OPT_GRAD",
-                                               "COMM",       "COMM_SLICE", "EXCHANGE"};
+                                               "COMM",       "COMM_SLICE", "EXCHANGE",   "WEIGHT_SUB",
+                                               "GRAD_SUB"};
   for (int k = 0; k < MFSDP_BUF_COUNT; ++k) {
     char name[32];
     snprintf(name, sizeof name, "BUF_%s", kinds[k]);

@@ -310,7 +310,8 @@ static void test_rank_divergent_graphs(void) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* hybrid sharding (see [Note: hybrid sharding] in pipeline.c): 2 replicas x 2 shards */
+/* hybrid sharding (see [Note: hybrid sharding] in pipeline.c): 2 replicas x 2 shards; HFSDP
+ * ([Note: optimizer sharded across replicas]): the same, main weights and gradients in 4 pieces */
 
 #define HY_INNER 2
 #define HY_OUTER 2
@@ -320,27 +321,39 @@ typedef struct hybrid_thread {
   loop_world* outer;  /* the ranks holding the same shard in every replica */
   int inner_rank, outer_rank, grad_mode, backwards, sync_each;
   int outer_hold; /* sync each backward inside the replica, across replicas on the last one only */
+  int hfsdp;      /* ZeRO-3 buckets whose main weights and gradients are sharded across replicas too */
 } hybrid_thread;
 
 static double hy_grad(int rank, int mb, int item, int64_t j) { return 0.25 * (rank + 1) + 0.5 * mb - 0.1 * item + 1e-3 * j; }
+static double hy_weight(int item, int64_t j) { return item - 0.01 * j; }
 
 static void* hybrid_worker(void* arg) {
   hybrid_thread* t = arg;
   int rank = t->outer_rank * HY_INNER + t->inner_rank, W = HY_INNER * HY_OUTER;
   mfsdp_param_info infos[2] = {{6 * 4, 4, MFSDP_F32, 0, 1, 0}, {5, 1, MFSDP_F32, 0, 1, 0}};
-  int shard_world = t->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : HY_INNER;
+  int shard_world = t->hfsdp ? W : t->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : HY_INNER;
   mfsdp_plan plan;
   CHECK_OK(mfsdp_plan_build(infos, 2, shard_world, 0, 16, &plan));
   const mfsdp_bucket_layout* L = &plan.buckets[0].layout;
-  mfsdp_bucket_spec spec = {*L, shard_world > 1 ? t->inner_rank : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32,
-                            0, shard_world > 1, t->grad_mode};
+  mfsdp_bucket_spec spec = {*L, t->hfsdp ? rank : shard_world > 1 ? t->inner_rank : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32,
+                            MFSDP_F32, t->hfsdp, shard_world > 1 && !t->hfsdp, t->grad_mode};
   loop_rank in = {t->inner, t->inner_rank}, out = {t->outer, t->outer_rank};
   mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, &in, &mfsdp_cpu_kernels, NULL,
                       &loop_transport_ops, &out};
-  mfsdp_pipeline_config cfg = {HY_INNER, t->inner_rank, 1.0 / W, MFSDP_REDUCE_SUM, 1 << 20, 0, HY_OUTER};
+  mfsdp_pipeline_config cfg = {HY_INNER, t->inner_rank, 1.0 / W, MFSDP_REDUCE_SUM, 1 << 20, 0, HY_OUTER, t->hfsdp};
   mfsdp_pipeline* p = NULL;
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
   if (p == NULL) goto out;
+  if (t->hfsdp) { /* known weights, so that the optimizer's update can be checked after the replicas' gather */
+    CHECK_OK(mfsdp_pipeline_init_begin(p, 0, 0));
+    for (int i = 0; i < L->n_items; ++i) {
+      float* w = malloc((size_t)L->numels[i] * sizeof *w);
+      for (int64_t j = 0; j < L->numels[i]; ++j) w[j] = (float)hy_weight(plan.buckets[0].params[i], j);
+      CHECK_OK(mfsdp_pipeline_set_item(p, 0, i, w, MFSDP_F32, L->numels[i]));
+      free(w);
+    }
+    CHECK_OK(mfsdp_pipeline_init_end(p, 0));
+  }
   int all_items[2] = {0, 1}, bucket0 = 0;
   /* two steps (the second after zeroing every item, as set_to_none does) of several backwards:
    * the first ones without sync (unless sync_each), or without the outer reduction (outer_hold) */
@@ -383,8 +396,43 @@ static void* hybrid_worker(void* arg) {
   int syncs = (step + 1) * (t->sync_each ? t->backwards : 1);
   CHECK(wrong == 0, "hybrid grad mode %d, %d backwards (sync each %d, outer hold %d), step %d, rank %d: %d gradients "
         "wrong", t->grad_mode, t->backwards, t->sync_each, t->outer_hold, step, rank, wrong);
-  CHECK(st.outer_all_reduces == syncs, "hybrid grad mode %d: %lld all-reduces across replicas, expected %d (one per "
-        "syncing backward)", t->grad_mode, (long long)st.outer_all_reduces, syncs);
+  int64_t outer_reductions = t->hfsdp ? st.outer_reduce_scatters : st.outer_all_reduces;
+  CHECK(outer_reductions == syncs && (t->hfsdp ? st.outer_all_reduces : st.outer_reduce_scatters) == 0,
+        "hybrid grad mode %d (HFSDP %d): %lld reductions across replicas, expected %d (one per syncing backward)",
+        t->grad_mode, t->hfsdp, (long long)outer_reductions, syncs);
+  if (t->hfsdp) { /* an SGD step on this rank's piece, then every rank's full weights must carry every update */
+    for (int i = 0; i < L->n_items; ++i) {
+      int32_t where, gwhere;
+      int64_t off, goff, first, n;
+      CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_MAIN_SHARD, &where, &off, &n));
+      CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_OPT_GRAD, &gwhere, &goff, &n));
+      float* w = mfsdp_pipeline_buffer(p, 0, where)->data;
+      const float* g = mfsdp_pipeline_buffer(p, 0, gwhere)->data;
+      for (int64_t j = 0; j < n; ++j) w[off + j] -= 0.5f * g[goff + j];
+      (void)first;
+    }
+    CHECK_OK(mfsdp_pipeline_install_main_weights(p, 0));
+    CHECK_OK(mfsdp_pipeline_unshard(p, &bucket0, 1));
+    CHECK_OK(mfsdp_pipeline_wait_unshard(p, &bucket0, 1));
+    const mfsdp_buffer* full = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT);
+    int bad = 0;
+    for (int i = 0; i < L->n_items; ++i)
+      for (int64_t j = 0; j < L->numels[i]; ++j) {
+        double want = 0;
+        for (int mb = 0; mb < t->backwards; ++mb)
+          for (int r = 0; r < W; ++r) want += hy_grad(r, mb, plan.buckets[0].params[i], j) / W;
+        want = hy_weight(plan.buckets[0].params[i], j) - 0.5 * (step + 1) * want;
+        double got = load_as_double(full->data, MFSDP_F32, L->param_offsets[i] + j);
+        if (fabs(got - want) > 1e-5 * (fabs(want) + 1) && bad++ < 2)
+          fprintf(stderr, "  HFSDP rank %d step %d item %d elem %lld: weight %g want %g\n", rank, step, i, (long long)j,
+                  got, want);
+      }
+    CHECK(bad == 0, "HFSDP rank %d step %d: %d weights wrong after the replicas' gather", rank, step, bad);
+    mfsdp_pipeline_stats(p, -1, &st);
+    CHECK(st.outer_all_gathers == step + 1, "HFSDP: %lld gathers across replicas after %d steps",
+          (long long)st.outer_all_gathers, step + 1);
+    CHECK_OK(mfsdp_pipeline_reshard(p, &bucket0, 1));
+  }
   }
   mfsdp_pipeline_destroy(p);
 out:
@@ -393,8 +441,9 @@ out:
 }
 
 static void test_hybrid_sharding(void) {
-  const int modes[3] = {MFSDP_GRAD_SCATTER_ACCUMULATE, MFSDP_GRAD_SCATTER_IN_PLACE, MFSDP_GRAD_ALL_REDUCE};
-  for (int m = 0; m < 3; ++m)
+  const int modes[4] = {MFSDP_GRAD_SCATTER_ACCUMULATE, MFSDP_GRAD_SCATTER_IN_PLACE, MFSDP_GRAD_ALL_REDUCE,
+                        MFSDP_GRAD_SCATTER_ACCUMULATE};
+  for (int m = 0; m < 4; ++m) /* the last: HFSDP */
     for (int backwards = 1; backwards <= 3; backwards += 2)
       for (int sync_each = 0; sync_each <= 2; ++sync_each) { /* 2: outer hold */
         loop_world inner[HY_OUTER], outer[HY_INNER];
@@ -405,7 +454,7 @@ static void test_hybrid_sharding(void) {
         for (int o = 0; o < HY_OUTER; ++o)
           for (int i = 0; i < HY_INNER; ++i) {
             args[o * HY_INNER + i] = (hybrid_thread){&inner[o], &outer[i], i, o, modes[m], backwards, sync_each == 1,
-                                                     sync_each == 2};
+                                                     sync_each == 2, m == 3};
             pthread_create(&threads[o * HY_INNER + i], NULL, hybrid_worker, &args[o * HY_INNER + i]);
           }
         for (int r = 0; r < HY_INNER * HY_OUTER; ++r) pthread_join(threads[r], NULL);
