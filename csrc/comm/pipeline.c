@@ -141,6 +141,7 @@ typedef struct bucket {
   int8_t outer_hold;    /* hybrid sharding: skip the all-reduce across replicas */
   int8_t outer_reduced; /* its reduced gradients were all-reduced across replicas since the last zero */
   mfsdp_work* outer_work; /* across replicas: the gradient reduction, or (HFSDP) the weights' gather */
+  int8_t outer_gathering; /* outer_work is the weights' gather: only this bucket's next unshard waits */
   int8_t held;     /* GRAD holds unscaled local sums of earlier backwards */
   double prescale; /* gradients are multiplied by this before the sum (default cfg.grad_prescale) */
   uint8_t* ready;
@@ -991,6 +992,7 @@ static mfsdp_status gather_exchanged(mfsdp_pipeline* p, bucket* bk) {
  * shard into this rank's sub-shard ([Note: optimizer sharded across replicas]). */
 static mfsdp_status launch_outer(mfsdp_pipeline* p, bucket* bk) {
   mfsdp_reduce_op op = (mfsdp_reduce_op)p->cfg.reduce_op;
+  MFSDP_CHECK(complete_outer_of(p, bk)); /* a weights' gather no forward waited for (its unit did not run) */
   mfsdp_status st;
   if (bk->O > 1) {
     const mfsdp_buffer* b = &bk->buf[MFSDP_BUF_GRAD_SHARD];
@@ -1021,6 +1023,7 @@ static mfsdp_status launch_outer_gather(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_buffer* b = &bk->buf[MFSDP_BUF_WEIGHT_SHARD];
   mfsdp_status st = p->be.outer->all_gather(p->be.outer_ctx, b, &bk->buf[MFSDP_BUF_WEIGHT_SUB], &bk->outer_work);
   if (st != MFSDP_OK) return comm_failed(p, st);
+  bk->outer_gathering = 1;
   bk->stats.outer_all_gathers++;
   bk->stats.outer_all_gather_bytes += b->numel * elem_size(b->dtype);
   return MFSDP_OK;
@@ -1030,11 +1033,15 @@ static mfsdp_status launch_outer_gather(mfsdp_pipeline* p, bucket* bk) {
 static mfsdp_status complete_outer_of(mfsdp_pipeline* p, bucket* bk) {
   mfsdp_work* w = bk->outer_work;
   bk->outer_work = NULL;
+  bk->outer_gathering = 0;
   return w == NULL ? MFSDP_OK : comm_failed(p, p->be.outer->wait(p->be.outer_ctx, w));
 }
 
-static mfsdp_status complete_outer(mfsdp_pipeline* p) {
-  for (int32_t i = 0; i < p->n; ++i) MFSDP_CHECK(complete_outer_of(p, &p->b[i]));
+/* Finishes the reductions across replicas (and, with `gathers`, the weights' gathers too: those
+ * touch no gradient, so gradient work never waits for them). */
+static mfsdp_status complete_outer(mfsdp_pipeline* p, int gathers) {
+  for (int32_t i = 0; i < p->n; ++i)
+    if (gathers || !p->b[i].outer_gathering) MFSDP_CHECK(complete_outer_of(p, &p->b[i]));
   return MFSDP_OK;
 }
 
@@ -1352,7 +1359,7 @@ mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p) {
   }
   MFSDP_CHECK(launch_in_order(p));
   MFSDP_CHECK(complete_all(p));
-  MFSDP_CHECK(complete_outer(p));
+  MFSDP_CHECK(complete_outer(p, 0));
   p->reduce_due = 0; /* no_shard/ZeRO-1 sums left unreduced by this backward: the step's sync reduces them */
   for (int32_t i = 0; i < p->n; ++i)
     if ((p->b[i].spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || p->b[i].spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
@@ -1375,7 +1382,7 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
     p->reduce_due = 0;
   }
   MFSDP_CHECK(complete_all(p));
-  MFSDP_CHECK(complete_outer(p));
+  MFSDP_CHECK(complete_outer(p, 0));
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
@@ -1390,7 +1397,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
   MFSDP_CHECK(healthy(p));
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "zero_grad inside a backward pass");
   MFSDP_CHECK(complete_all(p));
-  MFSDP_CHECK(complete_outer(p));
+  MFSDP_CHECK(complete_outer(p, 0));
   p->reduce_due = 0; /* nothing left to reduce */
   const mfsdp_kernel_ops* k = p->be.kernels;
   for (int32_t i = 0; i < p->n; ++i) {
@@ -1417,7 +1424,7 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
   bucket* bk = &p->b[b];
   if (bk->spec.grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
   if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(complete_until(p, b));
-  MFSDP_CHECK(complete_outer(p));
+  MFSDP_CHECK(complete_outer(p, 0));
   const mfsdp_kernel_ops* k = p->be.kernels;
   void* kc = p->be.kernels_ctx;
   int persistent = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE; /* GRAD holds every rank's pieces */
@@ -1536,7 +1543,7 @@ int32_t mfsdp_pipeline_comm_dtype(const mfsdp_pipeline* p, int32_t bucket_id) {
 mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p) {
   MFSDP_CHECK(healthy(p));
   MFSDP_CHECK(complete_all(p));
-  MFSDP_CHECK(complete_outer(p));
+  MFSDP_CHECK(complete_outer(p, 1));
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(finish_gather(p, bk));

@@ -412,6 +412,10 @@ static void* hybrid_worker(void* arg) {
       (void)first;
     }
     CHECK_OK(mfsdp_pipeline_install_main_weights(p, 0));
+    /* the first step's gather across replicas is left in flight: zeroing does not wait for it,
+     * the next backward's reduction across replicas does (same communicator, one at a time) */
+    CHECK_OK(mfsdp_pipeline_zero_item_grads(p, 0, all_items, L->n_items));
+    if (step == 0) continue;
     CHECK_OK(mfsdp_pipeline_unshard(p, &bucket0, 1));
     CHECK_OK(mfsdp_pipeline_wait_unshard(p, &bucket0, 1));
     const mfsdp_buffer* full = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT);
