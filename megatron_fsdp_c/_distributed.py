@@ -61,9 +61,10 @@ class DistContext:
     def close(self) -> None:
         """Collective (every rank, at the same point): ends the native NCCL transport's
         communicators. The torch transport borrows the process groups: nothing to end."""
-        close = getattr(self.transport, "close", None)
-        if close is not None:
-            close()
+        for t in (self.transport, self.outer_transport):
+            close = getattr(t, "close", None)
+            if close is not None:
+                close()
 
 
 def _require_initialized():
@@ -202,8 +203,6 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
         raise ValueError(f"transport must be 'auto', 'torch' or 'nccl', not {transport!r}")
     if transport == "nccl" and device.type != "cuda":
         raise ValueError("transport='nccl' needs CUDA parameters; CPU training uses transport='torch' (gloo)")
-    if hybrid and transport == "nccl":
-        raise NotImplementedError("hybrid sharding runs on the torch transport for now (transport='torch' or 'auto')")
     if device.type == "cuda" and device.index is None:
         raise ValueError("make_dist_context: a CUDA device needs its index (see resolve_device)")
     use_nccl = use_native_nccl(transport, device)
@@ -231,7 +230,13 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
     ctx = DistContext(group, gather_group, mesh, rank, world, device, t)
     if hybrid:
         outer_world = dist.get_world_size(outer_group)
-        if outer_world > 1:
+        if outer_world > 1 and use_nccl:
+            # native: two communicators of its own across the replicas (gathers, reductions), next
+            # to the two inside the replica: outer traffic never queues behind inner traffic
+            from ._nccl import make_nccl_transport
+            ctx.outer_transport = make_nccl_transport(outer_group, dist.get_rank(outer_group), outer_world, device,
+                                                      timeout or group_timeout(outer_group, device))
+        elif outer_world > 1:
             # its own communicator: reductions across replicas never queue behind the shards' ones
             ranks = dist.get_process_group_ranks(outer_group)
             own = dist.new_group(ranks=ranks, use_local_synchronization=True, backend=dist.get_backend(outer_group),

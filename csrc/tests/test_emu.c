@@ -254,24 +254,28 @@ static void emu_world_destroy(void* world) {
   free(w);
 }
 
-static int emu_rank_setup(void* world, int rank, mfsdp_backend* be, void** state) {
-  emu_world* w = world;
+/* Rank `rank` of `world` on device `device`. */
+static int emu_rank_setup_on(emu_world* w, int rank, int device, mfsdp_backend* be, void** state) {
   emu_rank* r = calloc(1, sizeof *r);
   /* One device per rank, with torch's current stream on it; the thread's current device stays
    * 0, as on a rank that never called torch.cuda.set_device: the engine must not depend on it. */
-  cudaSetDevice(rank);
+  cudaSetDevice(device);
   cudaStreamCreateWithPriority(&r->stream, cudaStreamNonBlocking, 0);
   cudaSetDevice(0);
-  if (mfsdp_cuda_kernel_context(rank, &r->kernels_ctx) != MFSDP_OK) return -1;
+  if (mfsdp_cuda_kernel_context(device, &r->kernels_ctx) != MFSDP_OK) return -1;
   mfsdp_cuda_set_stream(r->kernels_ctx, r->stream);
   *state = r;
   pthread_barrier_wait(&w->start);
-  if (mfsdp_nccl_create(w->ids, rank, w->n, rank, w->timeout_s, w->hooks, &r->nccl) != MFSDP_OK) return -1;
+  if (mfsdp_nccl_create(w->ids, rank, w->n, device, w->timeout_s, w->hooks, &r->nccl) != MFSDP_OK) return -1;
   int current = -1;
   cudaGetDevice(&current);
   CHECK(current == 0, "creating the transport left device %d current (the caller's was 0)", current);
   *be = (mfsdp_backend){&dev_memory_ops, r, &mfsdp_nccl_ops, r->nccl, mfsdp_cuda_kernels, r->kernels_ctx};
   return 0;
+}
+
+static int emu_rank_setup(void* world, int rank, mfsdp_backend* be, void** state) {
+  return emu_rank_setup_on(world, rank, rank, be, state);
 }
 
 static void emu_rank_sync(void* state) { cudaStreamSynchronize(((emu_rank*)state)->stream); }
@@ -359,6 +363,130 @@ done:
 out:
   mfsdp_plan_free(&plan);
   return NULL;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* HFSDP on native NCCL: 2 replicas x 2 shards, each rank with its own communicators inside the
+ * replica and across replicas ([Note: optimizer sharded across replicas] in pipeline.c) */
+
+enum { HF_OUTER = 2, HF_INNER = 2, HF_ROWS = 7, HF_COLS = 3, HF_STEPS = 2, HF_MICRO = 3 };
+
+typedef struct hfsdp_thread {
+  emu_world* inner; /* this rank's replica */
+  emu_world* outer; /* its twins in the other replicas */
+  int o, i;
+} hfsdp_thread;
+
+static double hf_grad(int rank, int mb, int64_t j) { return 0.5 * (rank + 1) - 0.25 * mb + 1e-2 * j; }
+
+static void* hfsdp_worker(void* arg) {
+  hfsdp_thread* t = arg;
+  int W = HF_OUTER * HF_INNER, rank = t->o * HF_INNER + t->i, n = HF_ROWS * HF_COLS;
+  mfsdp_param_info info = {n, HF_COLS, MFSDP_F32, 0, 1, 0};
+  mfsdp_plan plan;
+  CHECK_OK(mfsdp_plan_build(&info, 1, W, 0, 16, &plan));
+  mfsdp_bucket_spec spec = {plan.buckets[0].layout, rank, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
+                            MFSDP_GRAD_SCATTER_ACCUMULATE};
+  mfsdp_backend be;
+  void* dev = NULL;
+  mfsdp_pipeline* p = NULL;
+  mfsdp_nccl* across = NULL;
+  if (emu_rank_setup_on(t->inner, t->i, rank, &be, &dev) != 0) {
+    CHECK(0, "setup: %s", mfsdp_last_error());
+    goto out;
+  }
+  pthread_barrier_wait(&t->outer->start);
+  CHECK_OK(mfsdp_nccl_create(t->outer->ids, t->o, HF_OUTER, rank, t->outer->timeout_s, NULL, &across));
+  if (across == NULL) goto done;
+  be.outer = &mfsdp_nccl_ops;
+  be.outer_ctx = across;
+  mfsdp_pipeline_config cfg = {HF_INNER, t->i, 1.0 / W, MFSDP_REDUCE_SUM, 1 << 20, 0, HF_OUTER, 1};
+  CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
+  if (p == NULL) goto done;
+  float* v = malloc((size_t)n * sizeof *v);
+  for (int j = 0; j < n; ++j) v[j] = (float)(1.0 - 0.05 * j);
+  CHECK_OK(mfsdp_pipeline_init_begin(p, 0, 0));
+  CHECK_OK(mfsdp_pipeline_set_item(p, 0, 0, v, MFSDP_F32, n));
+  CHECK_OK(mfsdp_pipeline_init_end(p, 0));
+  int32_t b0 = 0;
+  for (int step = 0; step < HF_STEPS; ++step) {
+    CHECK_OK(mfsdp_pipeline_zero_grads(p));
+    for (int mb = 0; mb < HF_MICRO; ++mb) { /* the outer reduce-scatter on the last backward only */
+      CHECK_OK(mfsdp_pipeline_unshard(p, &b0, 1));
+      CHECK_OK(mfsdp_pipeline_wait_unshard(p, &b0, 1));
+      CHECK_OK(mfsdp_pipeline_reshard(p, &b0, 1));
+      CHECK_OK(mfsdp_pipeline_begin_backward(p, mb == HF_MICRO - 1));
+      for (int j = 0; j < n; ++j) v[j] = (float)hf_grad(rank, mb, j);
+      CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, 0, v, MFSDP_F32, n, NULL));
+      CHECK_OK(mfsdp_pipeline_end_backward(p));
+      emu_rank_sync(dev); /* v is reused: its packing must have run */
+    }
+    CHECK_OK(mfsdp_pipeline_sync_grads(p));
+    emu_rank_sync(dev);
+    int32_t where, gwhere;
+    int64_t off, goff, len, first, count;
+    CHECK_OK(mfsdp_pipeline_local_piece(p, 0, 0, MFSDP_BUF_MAIN_SHARD, &where, &off, &len));
+    CHECK_OK(mfsdp_pipeline_local_piece(p, 0, 0, MFSDP_BUF_OPT_GRAD, &gwhere, &goff, &len));
+    mfsdp_piece_of(n, plan.buckets[0].layout.pieces[0], rank, &first, &count);
+    float* w = mfsdp_pipeline_buffer(p, 0, where)->data;
+    const float* g = mfsdp_pipeline_buffer(p, 0, gwhere)->data;
+    int wrong = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      double want = 0;
+      for (int mb = 0; mb < HF_MICRO; ++mb)
+        for (int r = 0; r < W; ++r) want += hf_grad(r, mb, first + j) / W;
+      wrong += fabs(g[goff + j] - want) > 1e-5 * (fabs(want) + 1);
+      w[off + j] -= 0.5f * g[goff + j]; /* the optimizer, on this rank's piece only */
+    }
+    CHECK(wrong == 0, "HFSDP on NCCL, rank %d step %d: %d main gradients wrong", rank, step, wrong);
+    CHECK_OK(mfsdp_pipeline_install_main_weights(p, 0));
+  }
+  CHECK_OK(mfsdp_pipeline_unshard(p, &b0, 1));
+  CHECK_OK(mfsdp_pipeline_wait_unshard(p, &b0, 1));
+  emu_rank_sync(dev);
+  const float* full = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT)->data;
+  int wrong = 0;
+  for (int j = 0; j < n; ++j) {
+    double step_grad = 0;
+    for (int mb = 0; mb < HF_MICRO; ++mb)
+      for (int r = 0; r < W; ++r) step_grad += hf_grad(r, mb, j) / W;
+    wrong += fabs(full[j] - (1.0 - 0.05 * j - 0.5 * HF_STEPS * step_grad)) > 1e-4;
+  }
+  CHECK(wrong == 0, "HFSDP on NCCL, rank %d: %d full weights wrong after the replicas' gathers", rank, wrong);
+  mfsdp_comm_stats st;
+  mfsdp_pipeline_stats(p, -1, &st);
+  CHECK(st.outer_reduce_scatters == HF_STEPS && st.outer_all_gathers == HF_STEPS && st.outer_all_reduces == 0,
+        "HFSDP on NCCL: %lld reduce-scatters and %lld all-gathers across replicas, expected %d each",
+        (long long)st.outer_reduce_scatters, (long long)st.outer_all_gathers, HF_STEPS);
+  free(v);
+done:
+  if (p) emu_rank_sync(dev);
+  mfsdp_pipeline_destroy(p);
+  if (across) {
+    mfsdp_nccl_close(across);
+    mfsdp_nccl_destroy(across);
+  }
+  emu_rank_teardown(dev);
+out:
+  mfsdp_plan_free(&plan);
+  return NULL;
+}
+
+static void test_hfsdp(void) {
+  emu_world* inner[HF_OUTER];
+  emu_world* outer[HF_INNER];
+  for (int o = 0; o < HF_OUTER; ++o) inner[o] = emu_world_create(HF_INNER);
+  for (int i = 0; i < HF_INNER; ++i) outer[i] = emu_world_create(HF_OUTER);
+  pthread_t threads[HF_OUTER * HF_INNER];
+  hfsdp_thread args[HF_OUTER * HF_INNER];
+  for (int o = 0; o < HF_OUTER; ++o)
+    for (int i = 0; i < HF_INNER; ++i) {
+      args[o * HF_INNER + i] = (hfsdp_thread){inner[o], outer[i], o, i};
+      pthread_create(&threads[o * HF_INNER + i], NULL, hfsdp_worker, &args[o * HF_INNER + i]);
+    }
+  for (int r = 0; r < HF_OUTER * HF_INNER; ++r) pthread_join(threads[r], NULL);
+  for (int o = 0; o < HF_OUTER; ++o) emu_world_destroy(inner[o]);
+  for (int i = 0; i < HF_INNER; ++i) emu_world_destroy(outer[i]);
 }
 
 static void test_grouped_unit(void) {
@@ -827,6 +955,7 @@ int main(int argc, char** argv) {
     CHECK(emu_nccl_premul_reductions() > 0, "no_shard / ZeRO-1 float32 reductions pre-multiply inside NCCL");
   }
   if (wanted(argc, argv, "grouped")) test_grouped_unit();
+  if (wanted(argc, argv, "hfsdp")) test_hfsdp();
   long collectives = emu_nccl_collectives() - before;
   CHECK(emu_nccl_live_ops() == 0, "%d pre-multiply operators never destroyed", emu_nccl_live_ops());
   if (wanted(argc, argv, "watchdog")) test_watchdog();
