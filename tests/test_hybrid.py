@@ -25,7 +25,7 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 from common import train_pair
 from conftest import get_run
-from test_mixed_precision import CFG as MP_CFG, LOSS_RTOL, _reference_losses
+from test_mixed_precision import LOSS_RTOL, _reference_losses, _sharded_losses
 
 CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=2)
 MESHES = [(2, 2), (1, 4), (4, 1)]  # (dp_outer, dp_shard)
@@ -97,23 +97,10 @@ def grid(rank, world):
 
 def hfsdp_bf16_losses(rank, world, comm):
     """A bf16 model with fp32 main weights and gradients under HFSDP 2x2 (the replicas gather a
-    bf16 shard cast from the fp32 pieces), as tests/test_mixed_precision.py trains it."""
-    torch.manual_seed(0)
-    model = GPT(MP_CFG).to(torch.bfloat16)  # the reference's model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    policy = mf.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
-                                     grad_comm_dtype=comm)
-    fsdp, opt = shard_hybrid(model, opt, hybrid_mesh(2, 2), 3, mixed_precision_policy=policy,
-                             outer_dp_sharding_strategy="optim")
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(MP_CFG, 2, seed=1000 * step + rank)
-        loss = fsdp(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {str(p.dtype) for p in fsdp.parameters()}
+    bf16 shard cast from the fp32 pieces), trained as tests/test_mixed_precision.py trains it."""
+    return _sharded_losses(rank, world, 3, comm, STEPS, device_mesh=hybrid_mesh(2, 2), dp_shard_dim="dp_shard",
+                           dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD,
+                           outer_dp_sharding_strategy="optim")
 
 
 def _cell(key):
@@ -209,9 +196,9 @@ def test_hfsdp_bf16_compute_fp32_main_matches_reference(comm):
     for rank, c in enumerate(get_run(grid, 4)):
         status, value = c[("hfsdp bf16", str(comm))]
         assert status == "ok", f"rank {rank}:\n{value}"
-        losses, main_dtypes = value
+        losses, main_dtypes, compute_dtypes = value
         ref = c[("bf16 reference", str(comm))][1]
-        assert main_dtypes == {"torch.float32"}
+        assert main_dtypes == {torch.float32} and compute_dtypes == {torch.bfloat16}
         diff = ((torch.tensor(losses) - torch.tensor(ref)).abs() / torch.tensor(ref).abs()).max().item()
         assert diff <= LOSS_RTOL, diff
 

@@ -144,14 +144,14 @@ def _reference_losses(rank, world, comm_dtype, steps, reduce=True):
     return losses
 
 
-def _sharded_losses(rank, world, strategy, comm_dtype, steps):
+def _sharded_losses(rank, world, strategy, comm_dtype, steps, **shard_kwargs):
     torch.manual_seed(0)
     model = GPT(CFG).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     policy = mf.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
                                      grad_comm_dtype=comm_dtype)
     fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
-                               mixed_precision_policy=policy)
+                               mixed_precision_policy=policy, **shard_kwargs)
     losses = []
     for step in range(steps):
         x, y = batch(CFG, 2, seed=1000 * step + rank)
