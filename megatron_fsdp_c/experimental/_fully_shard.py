@@ -36,12 +36,12 @@ from torch.utils._pytree import tree_map
 
 from .. import _C
 from .._distributed import DistContext, make_dist_context
-from .._sharded import ShardedCore
-from ..fully_shard import parse_strategy
-from ..hooks import HookManager, _in_backward
+from .._common import contiguous_stride, in_backward, parse_strategy
+from .._sharded import EngineOwner
+from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..no_shard import is_no_shard, mark_by_name
-from ..param_buffer import ParamBuffer, ParamRecord, _contiguous_stride
+from ..param_buffer import ParamBuffer, ParamRecord
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
@@ -176,7 +176,7 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: tor
         placement = Shard(0)
         local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=data.dtype, device="meta") if data.is_meta \
             else data[lo:hi].clone()
-    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape, stride=_contiguous_stride(shape))
+    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape, stride=contiguous_stride(shape))
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
@@ -266,7 +266,7 @@ def _fsdp_class(cls: type) -> type:
 
 # -- the engine of a root (lazy init) ----------------------------------------------------------------
 
-class _RootState(ShardedCore):
+class _RootState(EngineOwner):
     """The engine of one root's groups (see [Note: per-module groups]); the owner the hooks see."""
 
     overlap_param_gather = True
@@ -427,7 +427,7 @@ def _state_of(module) -> "_RootState":
 def _pre_forward(module, args, kwargs):
     g = module._mfsdp_group
     state = _state_of(module)
-    if state.pass_root is None and not _in_backward():
+    if state.pass_root is None and not in_backward():
         state.root_pre_forward(module)
     mp = g.mp_policy
     if _is_torch_policy(mp) and mp.cast_forward_inputs and mp.param_dtype is not None:
