@@ -24,7 +24,7 @@ _DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
 
 @dataclasses.dataclass(eq=False)
 class ShardGroup:
-    """One fully_shard call (see [Note: per-module groups])."""
+    """One fully_shard call (see [Note: per-module groups] in _fully_shard.py)."""
     modules: List[nn.Module]
     places: List[tuple]            # (module, attribute, original parameter) of the group's parameters
     ctx: DistContext
