@@ -118,14 +118,29 @@ typedef struct mfsdp_backend {
   void* outer_ctx;
 } mfsdp_backend;
 
-/* Collective accounting, per bucket and summed over the pipeline. */
+/* Collective accounting, per bucket and summed over the pipeline. Each kind of collective has a
+ * count `<kind>s` and a byte total `<kind>_bytes`. This list is their only spelling: it makes
+ * the struct below, the sum in mfsdp_pipeline_stats and the Python stats dict (engine.c).
+ *   all_gather            bytes of the full output
+ *   reduce_scatter        bytes of the full input
+ *   all_reduce            bytes of the buffer
+ *   outer_all_reduce      hybrid sharding: across the replicas
+ *   outer_reduce_scatter  HFSDP: bytes of the full input
+ *   outer_all_gather      HFSDP: bytes of the full output
+ * A reduction done as an exchange ([Note: exchange reduction] in pipeline.c) counts as the
+ * all-reduce or reduce-scatter it replaces. */
+#define MFSDP_COMM_COUNTERS(X) \
+  X(all_gather)                \
+  X(reduce_scatter)            \
+  X(all_reduce)                \
+  X(outer_all_reduce)          \
+  X(outer_reduce_scatter)      \
+  X(outer_all_gather)
+
 typedef struct mfsdp_comm_stats {
-  int64_t all_gathers, all_gather_bytes;       /* bytes of the full output */
-  int64_t reduce_scatters, reduce_scatter_bytes; /* bytes of the full input */
-  int64_t all_reduces, all_reduce_bytes;
-  int64_t outer_all_reduces, outer_all_reduce_bytes; /* hybrid sharding: across the replicas */
-  int64_t outer_reduce_scatters, outer_reduce_scatter_bytes; /* HFSDP: bytes of the full input */
-  int64_t outer_all_gathers, outer_all_gather_bytes;         /* HFSDP: bytes of the full output */
+#define MFSDP_COMM_FIELDS_(kind) int64_t kind##s, kind##_bytes;
+  MFSDP_COMM_COUNTERS(MFSDP_COMM_FIELDS_)
+#undef MFSDP_COMM_FIELDS_
 } mfsdp_comm_stats;
 
 typedef struct mfsdp_pipeline mfsdp_pipeline;

@@ -153,6 +153,13 @@ typedef struct bucket {
   mfsdp_comm_stats stats;
 } bucket;
 
+/* The kinds of MFSDP_COMM_COUNTERS, for count(). */
+typedef enum comm_kind {
+#define COMM_KIND_(kind) COMM_##kind,
+  MFSDP_COMM_COUNTERS(COMM_KIND_)
+#undef COMM_KIND_
+} comm_kind;
+
 struct mfsdp_pipeline {
   mfsdp_pipeline_config cfg;
   mfsdp_backend be;
@@ -172,6 +179,19 @@ struct mfsdp_pipeline {
 /* buffers */
 
 static int64_t elem_size(int32_t dtype) { return mfsdp_dtype_size(dtype); }
+
+/* Every collective issued is counted here, once it went out: one more of `kind`, moving `bytes`. */
+static void count(bucket* bk, comm_kind kind, int64_t bytes) {
+  switch (kind) {
+#define COUNT_(k)                 \
+  case COMM_##k:                  \
+    bk->stats.k##s++;             \
+    bk->stats.k##_bytes += bytes; \
+    break;
+    MFSDP_COMM_COUNTERS(COUNT_)
+#undef COUNT_
+  }
+}
 
 static void* at(const mfsdp_buffer* b, int64_t offset) {
   return b->data ? (char*)b->data + offset * elem_size(b->dtype) : NULL;
@@ -618,18 +638,11 @@ void mfsdp_pipeline_stats(const mfsdp_pipeline* p, int32_t b, mfsdp_comm_stats* 
   for (int32_t i = 0; i < p->n; ++i) {
     if (b >= 0 && i != b) continue;
     const mfsdp_comm_stats* s = &p->b[i].stats;
-    out->all_gathers += s->all_gathers;
-    out->all_gather_bytes += s->all_gather_bytes;
-    out->reduce_scatters += s->reduce_scatters;
-    out->reduce_scatter_bytes += s->reduce_scatter_bytes;
-    out->all_reduces += s->all_reduces;
-    out->all_reduce_bytes += s->all_reduce_bytes;
-    out->outer_all_reduces += s->outer_all_reduces;
-    out->outer_all_reduce_bytes += s->outer_all_reduce_bytes;
-    out->outer_reduce_scatters += s->outer_reduce_scatters;
-    out->outer_reduce_scatter_bytes += s->outer_reduce_scatter_bytes;
-    out->outer_all_gathers += s->outer_all_gathers;
-    out->outer_all_gather_bytes += s->outer_all_gather_bytes;
+#define ADD_(kind)            \
+  out->kind##s += s->kind##s; \
+  out->kind##_bytes += s->kind##_bytes;
+    MFSDP_COMM_COUNTERS(ADD_)
+#undef ADD_
   }
 }
 
@@ -820,8 +833,7 @@ static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
   mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[bk->gather_kind],
                                                 &bk->buf[MFSDP_BUF_WEIGHT_SHARD], &bk->gather_work);
   if (st != MFSDP_OK) return comm_failed(p, st);
-  bk->stats.all_gathers++;
-  bk->stats.all_gather_bytes += bk->full_size * elem_size(bk->spec.param_dtype);
+  count(bk, COMM_all_gather, bk->full_size * elem_size(bk->spec.param_dtype));
   return MFSDP_OK;
 }
 
@@ -998,8 +1010,7 @@ static mfsdp_status launch_outer(mfsdp_pipeline* p, bucket* bk) {
     const mfsdp_buffer* b = &bk->buf[MFSDP_BUF_GRAD_SHARD];
     st = p->be.outer->reduce_scatter(p->be.outer_ctx, &bk->buf[MFSDP_BUF_GRAD_SUB], b, op, 1.0, &bk->outer_work);
     if (st != MFSDP_OK) return comm_failed(p, st);
-    bk->stats.outer_reduce_scatters++;
-    bk->stats.outer_reduce_scatter_bytes += b->numel * elem_size(b->dtype);
+    count(bk, COMM_outer_reduce_scatter, b->numel * elem_size(b->dtype));
   } else {
     int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD
                  : bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE ? MFSDP_BUF_GRAD_SLICE
@@ -1007,8 +1018,7 @@ static mfsdp_status launch_outer(mfsdp_pipeline* p, bucket* bk) {
     const mfsdp_buffer* b = &bk->buf[target];
     st = p->be.outer->all_reduce(p->be.outer_ctx, b, op, 1.0, &bk->outer_work);
     if (st != MFSDP_OK) return comm_failed(p, st);
-    bk->stats.outer_all_reduces++;
-    bk->stats.outer_all_reduce_bytes += b->numel * elem_size(b->dtype);
+    count(bk, COMM_outer_all_reduce, b->numel * elem_size(b->dtype));
   }
   bk->outer_reduced = 1; /* once the work completes (complete_outer, before anyone reads it) */
   return MFSDP_OK;
@@ -1024,8 +1034,7 @@ static mfsdp_status launch_outer_gather(mfsdp_pipeline* p, bucket* bk) {
   mfsdp_status st = p->be.outer->all_gather(p->be.outer_ctx, b, &bk->buf[MFSDP_BUF_WEIGHT_SUB], &bk->outer_work);
   if (st != MFSDP_OK) return comm_failed(p, st);
   bk->outer_gathering = 1;
-  bk->stats.outer_all_gathers++;
-  bk->stats.outer_all_gather_bytes += b->numel * elem_size(b->dtype);
+  count(bk, COMM_outer_all_gather, b->numel * elem_size(b->dtype));
   return MFSDP_OK;
 }
 
@@ -1148,23 +1157,14 @@ static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
   if (exchange) {
     MFSDP_CHECK(materialize(p, bk, MFSDP_BUF_EXCHANGE));
     st = p->be.transport->all_to_all(p->be.transport_ctx, &bk->buf[MFSDP_BUF_EXCHANGE], &bk->buf[full], &work);
-    if (bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
-      bk->stats.all_reduces++;
-      bk->stats.all_reduce_bytes += reduce_bytes(bk);
-    } else {
-      bk->stats.reduce_scatters++;
-      bk->stats.reduce_scatter_bytes += reduce_bytes(bk);
-    }
   } else if (comm && bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
     st = p->be.transport->all_reduce(p->be.transport_ctx, &bk->buf[full], op, premul, &work);
-    bk->stats.all_reduces++;
-    bk->stats.all_reduce_bytes += reduce_bytes(bk);
   } else if (comm) {
     st = p->be.transport->reduce_scatter(p->be.transport_ctx, &bk->buf[slice], &bk->buf[full], op, premul, &work);
-    bk->stats.reduce_scatters++;
-    bk->stats.reduce_scatter_bytes += reduce_bytes(bk);
   }
   if (st != MFSDP_OK) return comm_failed(p, st);
+  if (exchange || comm) /* an exchange counts as the reduction it replaces */
+    count(bk, bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE ? COMM_all_reduce : COMM_reduce_scatter, reduce_bytes(bk));
   bk->reduce_work = work;
   bk->gstate = MFSDP_G_REDUCING;
   bk->launched = 1;
