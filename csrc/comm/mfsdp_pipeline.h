@@ -31,8 +31,8 @@
  *                 grad_dtype: all ranks' pieces of this rank's slice, summed here in grad_dtype
  *                 (see [Note: exchange reduction] in pipeline.c).
  *   WEIGHT_SUB, GRAD_SUB  HFSDP only ([Note: optimizer sharded across replicas] in pipeline.c):
- *                 views of this rank's 1/O of WEIGHT_SHARD and GRAD_SHARD, the shards of the
- *                 all-gather and reduce-scatter across the O replicas. */
+ *                 views of this rank's sub-shard (1/replicas) of WEIGHT_SHARD and GRAD_SHARD,
+ *                 the shards of the all-gather and reduce-scatter across the replicas. */
 #ifndef MFSDP_PIPELINE_H
 #define MFSDP_PIPELINE_H
 

@@ -56,24 +56,26 @@
  * in one step), its reduced part is divided by the replicas first, so that it is counted once.
  *
  * [Note: optimizer sharded across replicas]
- * HFSDP (cfg.outer_sharded): a sharded bucket is laid out over V = W * O piece-shards (its
- * layout.world), torch.chunk over every data-parallel rank: rank g = o * W + i (replica o,
- * inner rank i) holds the rows of piece-shard g, so its parameters are Shard(0) over the
- * flattened (outer, inner) mesh. The rank-major buffers put piece-shard v = o * W + i at slot
- * i * O + o (slot_of): inner rank i's collective shard (S = O * Sv elements) is then the O
- * piece-shards its replicas' twins hold, contiguous, and every inner collective moves S-sized
- * shards exactly as without replicas. Rank (o, i) owns sub-shard o of its collective shard:
- * - every backward reduce-scatters inside the replica into GRAD_SHARD (S: the accumulator);
+ * HFSDP (cfg.outer_sharded): a sharded bucket is laid out over owners = shards * subs
+ * sub-shards (its layout.world; subs = the replicas), torch.chunk over every data-parallel
+ * rank: rank g = o * shards + i (replica o, inner rank i) holds the rows of sub-shard g, so its
+ * parameters are Shard(0) over the flattened (outer, inner) mesh. The rank-major buffers put
+ * sub-shard o * shards + i at slot i * subs + o (slot_of, [Note: bucket geometry]): inner rank
+ * i's collective shard (shard_size = subs * sub_size elements) is then the sub-shards its
+ * replicas' twins hold, contiguous, and every inner collective moves whole collective shards
+ * exactly as without replicas. Rank (o, i) owns sub-shard o of its collective shard:
+ * - every backward reduce-scatters inside the replica into GRAD_SHARD (shard_size: the
+ *   accumulator);
  * - a syncing backward then reduce-scatters GRAD_SHARD across the replicas, in place, into
- *   GRAD_SUB (its sub-shard): the main gradients, Sv elements;
- * - the optimizer steps MAIN_SHARD (Sv elements); install_main_weights writes it into
+ *   GRAD_SUB (its sub-shard): the main gradients, sub_size elements;
+ * - the optimizer steps MAIN_SHARD (sub_size elements); install_main_weights writes it into
  *   WEIGHT_SUB and all-gathers WEIGHT_SHARD across the replicas, once per step, overlapped
  *   with whatever runs until the next unshard of the bucket waits for it.
- * WEIGHT_SHARD and GRAD_SHARD stay S elements (the inner gather's input, the accumulator), as
- * in Megatron-FSDP: main weights, main gradients and optimizer state shrink by O. A second
- * syncing backward before zeroing finds stale partial sums around GRAD_SUB (zeroed) and a
- * reduced sub-shard that only this replica holds, which the next reduce-scatter then counts
- * once (scaled back when the collective averages).
+ * WEIGHT_SHARD and GRAD_SHARD stay shard_size elements (the inner gather's input, the
+ * accumulator), as in Megatron-FSDP: main weights, main gradients and optimizer state shrink by
+ * the replicas. A second syncing backward before zeroing finds stale partial sums around
+ * GRAD_SUB (zeroed) and a reduced sub-shard that only this replica holds, which the next
+ * reduce-scatter then counts once (scaled back when the collective averages).
  *
  * [Note: exchange reduction]
  * A reduce-scatter in bf16 sums in bf16: every partial sum on the ring is rounded to 8 bits.
@@ -88,7 +90,7 @@
  * is the main shard. Each gather casts it into this rank's slice of the freshly materialised
  * gather buffer and all-gathers in place, so no compute-dtype shard is kept between passes:
  * under ZeRO-3 that is 2 bytes a parameter / world less than keeping one, the same held memory
- * as FSDP2, for one cast of S elements per gather. */
+ * as FSDP2, for one cast of shard_size elements per gather. */
 #include "mfsdp_pipeline.h"
 
 #include <stdlib.h>
@@ -107,20 +109,43 @@ typedef struct pending_grad {
   void* handle; /* keeps the gradient's memory alive until packed (may be NULL) */
 } pending_grad;
 
+/* [Note: bucket geometry]
+ * A bucket has two kinds of shard. Its layout (core/mfsdp_layout.h) cuts every item into
+ * layout.world pieces of whole rows, torch.chunk's split: the "owners", one per rank that holds
+ * rows of its own, each with a sub-shard of layout.shard_size elements. The collectives inside a
+ * replica move "collective shards", one per rank they span. Without HFSDP the two coincide (one
+ * sub-shard per collective shard); under HFSDP ([Note: optimizer sharded across replicas]) the
+ * owners are the ranks of every replica and a collective shard holds the sub-shards of one
+ * inner rank's twins in all replicas. The fields (and the letters the code used before):
+ *   shards      W    collective shards: ranks an inner collective spans (1: not sharded)
+ *   shard_size  S    elements of one collective shard: subs * sub_size
+ *   full_size   W*S  rank-major elements: what an inner collective moves
+ *   subs        O    sub-shards per collective shard: the replicas under HFSDP, else 1
+ *   sub_size    Sv   elements of one sub-shard: layout.shard_size
+ *   owners      V    sub-shards in all: layout.world = shards * subs
+ *   own_shard   inner  this rank's collective shard: spec.shard_rank % shards
+ *   own_sub     sub  this rank's sub-shard inside it: spec.shard_rank / shards (0 without HFSDP)
+ *   shard_start, sub_start  own_shard * shard_size, own_sub * sub_size
+ * Owner v = o * shards + i (replica o, inner rank i) sits at slot i * subs + o of the rank-major
+ * buffers (slot_of), so collective shard i is one contiguous run; without HFSDP slot v is
+ * owner v. */
 typedef struct bucket {
   mfsdp_bucket_spec spec; /* spec.layout's arrays point at the copies below */
   int64_t* numels;
   int64_t* pieces;
   int64_t* param_offsets;
   int64_t* shard_offsets;
-  int32_t W;          /* collective shards: ranks the inner collectives span */
-  int64_t S;          /* collective shard size */
-  int64_t full_size;  /* rank-major elements: W * S (what the collectives move) */
-  int32_t V;          /* piece-shards: layout.world, W * O ([Note: optimizer sharded across replicas]) */
-  int32_t O;          /* piece-shards per collective shard: the replicas under HFSDP, else 1 */
-  int64_t Sv;         /* elements per piece-shard: layout.shard_size; S = O * Sv */
-  int32_t inner;      /* this rank's collective shard, shard_rank % W */
-  int32_t sub;        /* this rank's piece-shard inside it, shard_rank / W (HFSDP), else 0 */
+  /* geometry: see [Note: bucket geometry] */
+  int32_t shards;      /* collective shards */
+  int64_t shard_size;  /* elements of one: subs * sub_size */
+  int64_t full_size;   /* rank-major elements: shards * shard_size */
+  int32_t subs;        /* sub-shards per collective shard */
+  int64_t sub_size;    /* elements of one: layout.shard_size */
+  int32_t owners;      /* sub-shards in all: layout.world */
+  int32_t own_shard;   /* this rank's collective shard */
+  int32_t own_sub;     /* this rank's sub-shard inside it */
+  int64_t shard_start; /* own_shard * shard_size: its collective shard in the rank-major buffers */
+  int64_t sub_start;   /* own_sub * sub_size: its sub-shard inside the collective shard */
   int identity;       /* rank-major and parameter-major coincide: gathers land in WEIGHT */
   int gathered;       /* full weights come from all-gathers (ZeRO-3, or ZeRO-1/2 over several shards) */
   int gather_kind;    /* GATHER, or WEIGHT when identity */
@@ -197,8 +222,8 @@ static void* at(const mfsdp_buffer* b, int64_t offset) {
   return b->data ? (char*)b->data + offset * elem_size(b->dtype) : NULL;
 }
 
-/* Where piece-shard v starts in the rank-major buffers ([Note: optimizer sharded across replicas]). */
-static int64_t slot_of(const bucket* bk, int32_t v) { return ((int64_t)(v % bk->W) * bk->O + v / bk->W) * bk->Sv; }
+/* Where owner v's sub-shard starts in the rank-major buffers ([Note: bucket geometry]). */
+static int64_t slot_of(const bucket* bk, int32_t v) { return ((int64_t)(v % bk->shards) * bk->subs + v / bk->shards) * bk->sub_size; }
 
 static void refresh_views(bucket* bk, int owner) {
   for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
@@ -268,7 +293,7 @@ static int main_in_weight(const bucket* bk) { return !bk->present[MFSDP_BUF_MAIN
 static int exchanges(const mfsdp_pipeline* p, const bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
   if (s->grad_mode == MFSDP_GRAD_NONE || p->cfg.dp_world < 2) return 0;
-  if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && bk->W < 2) return 0;
+  if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && bk->shards < 2) return 0;
   return mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
 }
 
@@ -299,21 +324,21 @@ static mfsdp_status release_temporaries(mfsdp_pipeline* p, bucket* bk) {
 /* The temporary buffers that depend on the communication dtype (see mfsdp_pipeline.h). */
 static mfsdp_status create_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
-  int64_t S = bk->S, N = bk->full_size, off = (int64_t)bk->inner * S;
+  int64_t full = bk->full_size;
   if (s->grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
   if (s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, N, s->comm_dtype, 1));
-    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, off, S));
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, bk->shard_start, bk->shard_size));
   } else if (s->grad_mode == MFSDP_GRAD_ALL_REDUCE && exchanges(p, bk)) {
-    int64_t B = exchange_block(p, bk);
-    N = B * p->cfg.dp_world;
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, N, s->comm_dtype, 1));
-    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, (int64_t)p->cfg.dp_rank * B, B));
+    int64_t block = exchange_block(p, bk);
+    full = block * p->cfg.dp_world;
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, (int64_t)p->cfg.dp_rank * block, block));
   } else if (s->comm_dtype != s->grad_dtype) {
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, N, s->comm_dtype, 1));
-    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, off, S));
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, bk->shard_start, bk->shard_size));
   }
-  if (exchanges(p, bk)) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, N, s->comm_dtype, 1));
+  if (exchanges(p, bk)) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, full, s->comm_dtype, 1));
   return MFSDP_OK;
 }
 
@@ -330,44 +355,44 @@ static void drop_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
 /* Creates the buffers of one bucket per the table in mfsdp_pipeline.h. */
 static mfsdp_status create_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
-  int64_t S = bk->S, Sv = bk->Sv, N = bk->full_size, off = (int64_t)bk->inner * S, sub = (int64_t)bk->sub * Sv;
+  int64_t shard = bk->shard_size, sub = bk->sub_size, full = bk->full_size;
   int grads = s->grad_mode != MFSDP_GRAD_NONE;
   int accumulate = s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE;
   int wide_main = grads && s->main_dtype != s->param_dtype;
 
   MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, s->layout.weight_size, s->param_dtype, s->weights_sharded));
-  if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, N, s->param_dtype, 1));
+  if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, full, s->param_dtype, 1));
   bk->gather_kind = bk->present[MFSDP_BUF_GATHER] ? MFSDP_BUF_GATHER : MFSDP_BUF_WEIGHT;
   /* HFSDP keeps the whole collective shard: the replicas' all-gather fills it once per step */
-  if (s->weights_sharded && (!wide_main || bk->O > 1))
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, S, s->param_dtype, 0));
+  if (s->weights_sharded && (!wide_main || bk->subs > 1))
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, shard, s->param_dtype, 0));
   else
-    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, bk->gather_kind, off, S));
-  if (bk->O > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SUB, MFSDP_BUF_WEIGHT_SHARD, sub, Sv));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, bk->gather_kind, bk->shard_start, shard));
+  if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SUB, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
   if (wide_main)
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, Sv, s->main_dtype, 0));
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, sub, s->main_dtype, 0));
   else if (!(bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded)) /* else: main_in_weight */
-    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, sub, Sv));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
   if (grads) {
     if (accumulate) {
-      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_SHARD, S, s->grad_dtype, 0));
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_SHARD, shard, s->grad_dtype, 0));
     } else { /* persistent full gradients accumulate locally until the step's reduction */
-      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, N, s->grad_dtype, 0));
-      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, off, S));
-      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, S));
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, full, s->grad_dtype, 0));
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, bk->shard_start, shard));
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, shard));
     }
-    if (bk->O > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, sub, Sv));
+    if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
     if (s->main_dtype != s->grad_dtype)
-      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, Sv, s->main_dtype, 0));
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype, 0));
     else
-      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, sub, Sv));
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
     MFSDP_CHECK(create_comm_buffers(p, bk));
   }
   /* Views exist now; temporaries give their memory back until first use. */
   return release_temporaries(p, bk);
 }
 
-/* Piece-shard r's piece of item i (it sits at slot_of(r) + shard_offsets[i] in the rank-major
+/* Owner r's piece of item i (it sits at slot_of(r) + shard_offsets[i] in the rank-major
  * layout): elements [*first, +*n) of the item. */
 static void piece(const bucket* bk, int32_t i, int32_t r, int64_t* first, int64_t* n) {
   mfsdp_piece_of(bk->numels[i], bk->pieces[i], r, first, n);
@@ -377,16 +402,16 @@ static void piece(const bucket* bk, int32_t i, int32_t r, int64_t* first, int64_
  * alignment gaps, the missing rows of the last ranks' pieces, each shard's tail. */
 static mfsdp_status compute_holes(bucket* bk) {
   int32_t n = bk->spec.layout.n_items;
-  bk->holes = malloc((size_t)(2 * ((int64_t)bk->V * (n + 1))) * sizeof *bk->holes);
+  bk->holes = malloc((size_t)(2 * ((int64_t)bk->owners * (n + 1))) * sizeof *bk->holes);
   if (bk->holes == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "hole table");
-  for (int32_t slot = 0; slot < bk->V; ++slot) { /* in memory order */
-    int32_t r = (slot % bk->O) * bk->W + slot / bk->O; /* the piece-shard at this slot */
-    int64_t cursor = (int64_t)slot * bk->Sv;
+  for (int32_t slot = 0; slot < bk->owners; ++slot) { /* in memory order */
+    int32_t r = (slot % bk->subs) * bk->shards + slot / bk->subs; /* the owner at this slot */
+    int64_t cursor = (int64_t)slot * bk->sub_size;
     for (int32_t i = 0; i < n; ++i) { /* pieces are laid out in item order */
       int64_t first, len;
       piece(bk, i, r, &first, &len);
       if (len == 0) continue;
-      int64_t start = (int64_t)slot * bk->Sv + bk->shard_offsets[i];
+      int64_t start = (int64_t)slot * bk->sub_size + bk->shard_offsets[i];
       if (start > cursor) {
         if (bk->n_holes > 0 && bk->holes[2 * bk->n_holes - 1] == cursor) {
           bk->holes[2 * bk->n_holes - 1] = start; /* continues the previous hole */
@@ -398,7 +423,7 @@ static mfsdp_status compute_holes(bucket* bk) {
       }
       cursor = start + len;
     }
-    int64_t end = (int64_t)(slot + 1) * bk->Sv;
+    int64_t end = (int64_t)(slot + 1) * bk->sub_size;
     if (cursor < end) {
       if (bk->n_holes > 0 && bk->holes[2 * bk->n_holes - 1] == cursor) {
         bk->holes[2 * bk->n_holes - 1] = end;
@@ -441,15 +466,16 @@ static mfsdp_status packer_add(packer* k, const void* src, int32_t src_dtype, in
 }
 
 /* This rank's rows of every item, from the parameter-major `src` (e.g. WEIGHT) into `dst`
- * (cast to dst_dtype): its whole collective shard (S elements: the O piece-shards of its
- * inner rank) when `whole`, else its own piece-shard only (Sv elements; the same when O = 1).
+ * (cast to dst_dtype): its whole collective shard (shard_size elements: the sub-shards of its
+ * inner rank's twins) when `whole`, else its own sub-shard only (sub_size elements; the same
+ * without HFSDP).
  * Padding of dst is left as it is. */
 static mfsdp_status pack_own_rows(mfsdp_pipeline* p, bucket* bk, void* dst, int32_t dst_dtype, const mfsdp_buffer* src,
                                   int whole) {
   packer k = {p, dst, dst_dtype, 1.0, 0, 0, {{0}}};
-  for (int32_t o = whole ? 0 : bk->sub; o < (whole ? bk->O : bk->sub + 1); ++o) {
-    int32_t r = o * bk->W + bk->inner;
-    int64_t base = whole ? (int64_t)o * bk->Sv : 0;
+  for (int32_t o = whole ? 0 : bk->own_sub; o < (whole ? bk->subs : bk->own_sub + 1); ++o) {
+    int32_t r = o * bk->shards + bk->own_shard;
+    int64_t base = whole ? (int64_t)o * bk->sub_size : 0;
     for (int32_t i = 0; i < bk->spec.layout.n_items; ++i) {
       int64_t first, n;
       piece(bk, i, r, &first, &n);
@@ -493,6 +519,24 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
       l->world != pieces)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: reduce-scatter needs one shard per rank", i);
   return MFSDP_OK;
+}
+
+/* See [Note: bucket geometry]. */
+static void set_geometry(bucket* bk, const mfsdp_pipeline_config* cfg) {
+  const mfsdp_bucket_layout* l = &bk->spec.layout;
+  bk->owners = l->world;
+  bk->subs = l->world > 1 && cfg->outer_sharded && cfg->outer_world > 1 ? cfg->outer_world : 1;
+  bk->shards = bk->owners / bk->subs;
+  bk->sub_size = l->shard_size;
+  bk->shard_size = bk->subs * bk->sub_size;
+  bk->full_size = (int64_t)l->world * l->shard_size;
+  bk->own_shard = bk->spec.shard_rank % bk->shards;
+  bk->own_sub = bk->spec.shard_rank / bk->shards;
+  bk->shard_start = bk->own_shard * bk->shard_size;
+  bk->sub_start = bk->own_sub * bk->sub_size;
+  /* slots are permuted across replicas unless one index is trivial: then rank-major is piece order */
+  bk->identity = mfsdp_layout_is_identity(l) && (bk->subs == 1 || bk->shards == 1);
+  bk->gathered = bk->spec.weights_sharded || (bk->spec.weights_regather && l->world > 1);
 }
 
 static int64_t* copy_i64(const int64_t* src, int32_t n) {
@@ -545,17 +589,7 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->spec.layout.pieces = bk->pieces;
     bk->spec.layout.param_offsets = bk->param_offsets;
     bk->spec.layout.shard_offsets = bk->shard_offsets;
-    bk->V = l->world;
-    bk->O = l->world > 1 && cfg->outer_sharded && cfg->outer_world > 1 ? cfg->outer_world : 1;
-    bk->W = bk->V / bk->O;
-    bk->Sv = l->shard_size;
-    bk->S = bk->O * bk->Sv;
-    bk->inner = specs[i].shard_rank % bk->W;
-    bk->sub = specs[i].shard_rank / bk->W;
-    bk->full_size = (int64_t)l->world * l->shard_size;
-    /* slots are permuted across replicas unless one index is trivial: then rank-major is piece order */
-    bk->identity = mfsdp_layout_is_identity(l) && (bk->O == 1 || bk->W == 1);
-    bk->gathered = specs[i].weights_sharded || (specs[i].weights_regather && l->world > 1);
+    set_geometry(bk, cfg);
     for (int k = 0; k < MFSDP_BUF_COUNT; ++k) bk->owner[k] = -1;
     MFSDP_CHECK_GOTO(compute_holes(bk), st, fail);
     MFSDP_CHECK_GOTO(create_buffers(p, bk), st, fail);
@@ -662,10 +696,10 @@ mfsdp_status mfsdp_pipeline_local_piece(const mfsdp_pipeline* p, int32_t b, int3
     *offset = bk->param_offsets[item] + first;
   } else if (!bk->present[kind]) {
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no buffer of kind %d", b, kind);
-  } else { /* HFSDP: this rank's piece-shard inside the collective shard */
+  } else { /* HFSDP: this rank's sub-shard inside the collective shard */
     int whole = kind == MFSDP_BUF_WEIGHT_SHARD || kind == MFSDP_BUF_GRAD_SHARD;
     *where = kind;
-    *offset = bk->shard_offsets[item] + (whole ? (int64_t)bk->sub * bk->Sv : 0);
+    *offset = bk->shard_offsets[item] + (whole ? bk->sub_start : 0);
   }
   return MFSDP_OK;
 }
@@ -697,7 +731,7 @@ static mfsdp_status check_bucket(const mfsdp_pipeline* p, int32_t b) {
 
 static int communicates(const mfsdp_pipeline* p, const bucket* bk) {
   if (p->cfg.force_comm) return 1; /* single-rank collectives: exercises a transport on one device */
-  return p->cfg.dp_world > 1 && (bk->W > 1 || bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE);
+  return p->cfg.dp_world > 1 && (bk->shards > 1 || bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE);
 }
 
 static int has_outer(const mfsdp_pipeline* p) { return p->cfg.outer_world > 1 && p->be.outer != NULL; }
@@ -767,10 +801,10 @@ mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t b, int32_t item,
    * takes its whole collective shard: under HFSDP the rows of its replicas' twins too) */
   int64_t first, n, to = bk->shard_offsets[item];
   if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
-    for (int32_t o = 0; o < bk->O; ++o) {
-      piece(bk, item, o * bk->W + bk->inner, &first, &n);
+    for (int32_t o = 0; o < bk->subs; ++o) {
+      piece(bk, item, o * bk->shards + bk->own_shard, &first, &n);
       if (n > 0)
-        MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], (int64_t)o * bk->Sv + to),
+        MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], (int64_t)o * bk->sub_size + to),
                             bk->spec.param_dtype, (const char*)src + first * elem_size(src_dtype), src_dtype, n, 1.0));
     }
   piece(bk, item, bk->spec.shard_rank, &first, &n);
@@ -813,7 +847,7 @@ static mfsdp_status fill_own_slice(mfsdp_pipeline* p, bucket* bk) {
   void* slice = bk->buf[MFSDP_BUF_WEIGHT_SHARD].data;
   if (casts_on_gather(bk)) /* see [Note: cast on gather] */
     return p->be.kernels->copy(p->be.kernels_ctx, slice, bk->spec.param_dtype, bk->buf[MFSDP_BUF_MAIN_SHARD].data,
-                               bk->spec.main_dtype, bk->S, 1.0);
+                               bk->spec.main_dtype, bk->shard_size, 1.0);
   if (main_in_weight(bk)) return pack_own_rows(p, bk, slice, bk->spec.param_dtype, &bk->buf[MFSDP_BUF_WEIGHT], 1);
   return MFSDP_OK; /* an own WEIGHT_SHARD, or the slice already is this rank's part of WEIGHT */
 }
@@ -825,9 +859,9 @@ static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
   bk->wstate = MFSDP_W_GATHERING;
   if (!communicates(p, bk)) {
     if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) /* one inner rank (HFSDP 4x1): a copy */
-      MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, at(&bk->buf[bk->gather_kind], (int64_t)bk->inner * bk->S),
+      MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, at(&bk->buf[bk->gather_kind], bk->shard_start),
                                       bk->spec.param_dtype, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
-                                      bk->S, 1.0));
+                                      bk->shard_size, 1.0));
     return MFSDP_OK;
   }
   mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[bk->gather_kind],
@@ -844,7 +878,7 @@ static mfsdp_status copy_out(mfsdp_pipeline* p, bucket* bk) {
   packer k = {p, bk->buf[MFSDP_BUF_WEIGHT].data, bk->spec.param_dtype, 1.0, 0, 0, {{0}}};
   int32_t skip = main_in_weight(bk) ? bk->spec.shard_rank : -1;
   for (int32_t i = 0; i < bk->spec.layout.n_items; ++i)
-    for (int32_t r = 0; r < bk->V; ++r) {
+    for (int32_t r = 0; r < bk->owners; ++r) {
       if (r == skip) continue;
       int64_t first, n;
       piece(bk, i, r, &first, &n);
@@ -926,7 +960,7 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
     if (!bk->gathered) { /* the shard is the whole bucket: main -> compute weights now */
       if (own_main(bk))
         MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
-                                        bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->S, 1.0));
+                                        bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->shard_size, 1.0));
       continue;
     }
     if (bk->wstate == MFSDP_W_GATHERING) { /* carries the old values: drop it */
@@ -935,7 +969,7 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
       bk->wstate = bk->spec.weights_sharded ? MFSDP_W_EMPTY : MFSDP_W_STALE;
     }
     if (bk->wstate != MFSDP_W_EMPTY) bk->wstate = MFSDP_W_STALE; /* the next unshard spreads the new values */
-    if (bk->O > 1) { /* the replicas' sub-shards first ([Note: optimizer sharded across replicas]) */
+    if (bk->subs > 1) { /* the replicas' sub-shards first ([Note: optimizer sharded across replicas]) */
       MFSDP_CHECK(complete_outer_of(p, bk));
       MFSDP_CHECK(launch_outer_gather(p, bk));
     }
@@ -964,12 +998,12 @@ static mfsdp_status zero_holes(mfsdp_pipeline* p, bucket* bk) {
  * comm dtype) into `dst` (grad dtype) in rank order, rounding in the grad dtype. */
 static mfsdp_status sum_exchanged(mfsdp_pipeline* p, bucket* bk, void* dst, int zero_first) {
   const mfsdp_kernel_ops* k = p->be.kernels;
-  int64_t S = bk->S;
-  double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / bk->W : 1.0;
-  if (zero_first) MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, dst, bk->spec.grad_dtype, S));
-  for (int32_t r = 0; r < bk->W; ++r)
-    MFSDP_CHECK(k->accumulate(p->be.kernels_ctx, dst, bk->spec.grad_dtype, at(&bk->buf[MFSDP_BUF_EXCHANGE], r * S),
-                              bk->spec.comm_dtype, S, alpha));
+  int64_t size = bk->shard_size;
+  double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / bk->shards : 1.0;
+  if (zero_first) MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, dst, bk->spec.grad_dtype, size));
+  for (int32_t r = 0; r < bk->shards; ++r)
+    MFSDP_CHECK(k->accumulate(p->be.kernels_ctx, dst, bk->spec.grad_dtype, at(&bk->buf[MFSDP_BUF_EXCHANGE], r * size),
+                              bk->spec.comm_dtype, size, alpha));
   return release(p, bk, MFSDP_BUF_EXCHANGE);
 }
 
@@ -979,19 +1013,19 @@ static mfsdp_status sum_exchanged(mfsdp_pipeline* p, bucket* bk, void* dst, int 
 static mfsdp_status gather_exchanged(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_kernel_ops* k = p->be.kernels;
   void* kc = p->be.kernels_ctx;
-  int32_t W = p->cfg.dp_world, gdt = bk->spec.grad_dtype, cdt = bk->spec.comm_dtype;
-  int64_t B = exchange_block(p, bk), first = (int64_t)p->cfg.dp_rank * B;
+  int32_t world = p->cfg.dp_world, gdt = bk->spec.grad_dtype, cdt = bk->spec.comm_dtype;
+  int64_t size = exchange_block(p, bk), first = (int64_t)p->cfg.dp_rank * size;
   int64_t valid = bk->full_size - first;
-  valid = valid < 0 ? 0 : valid > B ? B : valid;
-  double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / W : 1.0;
+  valid = valid < 0 ? 0 : valid > size ? size : valid;
+  double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / world : 1.0;
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
   MFSDP_CHECK(k->fill_zero(kc, at(g, first), gdt, valid));
-  for (int32_t r = 0; r < W; ++r)
-    MFSDP_CHECK(k->accumulate(kc, at(g, first), gdt, at(&bk->buf[MFSDP_BUF_EXCHANGE], r * B), cdt, valid, alpha));
+  for (int32_t r = 0; r < world; ++r)
+    MFSDP_CHECK(k->accumulate(kc, at(g, first), gdt, at(&bk->buf[MFSDP_BUF_EXCHANGE], r * size), cdt, valid, alpha));
   MFSDP_CHECK(release(p, bk, MFSDP_BUF_EXCHANGE));
   const mfsdp_buffer* block = &bk->buf[MFSDP_BUF_COMM_SLICE];
   MFSDP_CHECK(k->copy(kc, block->data, cdt, at(g, first), gdt, valid, 1.0));
-  MFSDP_CHECK(k->fill_zero(kc, at(block, valid), cdt, B - valid));
+  MFSDP_CHECK(k->fill_zero(kc, at(block, valid), cdt, size - valid));
   mfsdp_work* work = NULL;
   mfsdp_status st = p->be.transport->all_gather(p->be.transport_ctx, &bk->buf[MFSDP_BUF_COMM], block, &work);
   if (st != MFSDP_OK) return comm_failed(p, st);
@@ -1006,7 +1040,7 @@ static mfsdp_status launch_outer(mfsdp_pipeline* p, bucket* bk) {
   mfsdp_reduce_op op = (mfsdp_reduce_op)p->cfg.reduce_op;
   MFSDP_CHECK(complete_outer_of(p, bk)); /* a weights' gather no forward waited for (its unit did not run) */
   mfsdp_status st;
-  if (bk->O > 1) {
+  if (bk->subs > 1) {
     const mfsdp_buffer* b = &bk->buf[MFSDP_BUF_GRAD_SHARD];
     st = p->be.outer->reduce_scatter(p->be.outer_ctx, &bk->buf[MFSDP_BUF_GRAD_SUB], b, op, 1.0, &bk->outer_work);
     if (st != MFSDP_OK) return comm_failed(p, st);
@@ -1024,12 +1058,43 @@ static mfsdp_status launch_outer(mfsdp_pipeline* p, bucket* bk) {
   return MFSDP_OK;
 }
 
+/* A bucket's inner reduction completed: in a syncing backward (no_shard/ZeRO-1 reduce only to
+ * sync) its result goes on across the replicas, unless the bucket is held from that. */
+static mfsdp_status reduce_across_replicas(mfsdp_pipeline* p, bucket* bk) {
+  int syncing = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync;
+  if (!has_outer(p) || bk->outer_hold || !syncing) return MFSDP_OK;
+  return launch_outer(p, bk);
+}
+
+/* A ZeRO-2/3 gradient shard already reduced across the replicas is about to receive more: what
+ * the replicas summed must count once in the next reduction across them. HFSDP ([Note: optimizer
+ * sharded across replicas]): the stale partial sums around the reduced sub-shard go, and an
+ * averaging collective's result is scaled back to a sum. HSDP ([Note: hybrid sharding]): the
+ * replicas' sum is divided by the factor that reduction will apply again. */
+static mfsdp_status rebase_across_replicas(mfsdp_pipeline* p, bucket* bk) {
+  if (!bk->outer_reduced) return MFSDP_OK;
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  void* kc = p->be.kernels_ctx;
+  const mfsdp_buffer* gs = &bk->buf[MFSDP_BUF_GRAD_SHARD];
+  if (bk->subs > 1) {
+    int64_t end = bk->sub_start + bk->sub_size;
+    MFSDP_CHECK(k->fill_zero(kc, gs->data, gs->dtype, bk->sub_start));
+    MFSDP_CHECK(k->fill_zero(kc, at(gs, end), gs->dtype, bk->shard_size - end));
+    if (p->cfg.reduce_op == MFSDP_REDUCE_AVG)
+      MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SUB].data, gs->dtype, bk->sub_size, (double)bk->subs));
+  } else {
+    MFSDP_CHECK(k->scale(kc, gs->data, bk->spec.grad_dtype, bk->shard_size, 1.0 / outer_factor(p)));
+  }
+  bk->outer_reduced = 0;
+  return MFSDP_OK;
+}
+
 /* HFSDP: the updated sub-shard into WEIGHT_SUB, then the collective shard gathered across the
  * replicas in place ([Note: optimizer sharded across replicas]); the next unshard waits. */
 static mfsdp_status launch_outer_gather(mfsdp_pipeline* p, bucket* bk) {
   if (own_main(bk))
     MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SUB].data, bk->spec.param_dtype,
-                                    bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->Sv, 1.0));
+                                    bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->sub_size, 1.0));
   const mfsdp_buffer* b = &bk->buf[MFSDP_BUF_WEIGHT_SHARD];
   mfsdp_status st = p->be.outer->all_gather(p->be.outer_ctx, b, &bk->buf[MFSDP_BUF_WEIGHT_SUB], &bk->outer_work);
   if (st != MFSDP_OK) return comm_failed(p, st);
@@ -1054,63 +1119,65 @@ static mfsdp_status complete_outer(mfsdp_pipeline* p, int gathers) {
   return MFSDP_OK;
 }
 
-/* Completes the reduction of the bucket at the head of the queue. */
-static mfsdp_status complete_front(mfsdp_pipeline* p) {
-  int32_t id = p->queue[p->q_head];
-  bucket* bk = &p->b[id];
+/* Takes the oldest reduction off the queue. */
+static bucket* pop_front(mfsdp_pipeline* p) {
+  bucket* bk = &p->b[p->queue[p->q_head]];
   p->q_head = (p->q_head + 1) % (p->n ? p->n : 1);
   p->q_len--;
   p->q_bytes -= reduce_bytes(bk);
+  return bk;
+}
+
+/* ZeRO-2/3: this backward's reduced slice (or exchanged pieces) is added to the main gradient
+ * shard; the temporary full gradients go. */
+static mfsdp_status finish_accumulate(mfsdp_pipeline* p, bucket* bk) {
+  MFSDP_CHECK(rebase_across_replicas(p, bk));
+  if (exchanges(p, bk))
+    MFSDP_CHECK(sum_exchanged(p, bk, bk->buf[MFSDP_BUF_GRAD_SHARD].data, 0));
+  else
+    MFSDP_CHECK(p->be.kernels->accumulate(p->be.kernels_ctx, bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype,
+                                          bk->buf[MFSDP_BUF_GRAD_SLICE].data, bk->spec.comm_dtype, bk->shard_size, 1.0));
+  MFSDP_CHECK(release(p, bk, MFSDP_BUF_GRAD));
+  bk->gstate = MFSDP_G_CLEAN;
+  bk->held = 0;
+  return MFSDP_OK;
+}
+
+/* no_shard / ZeRO-1: the reduced values land in the persistent GRAD (all of it, or this rank's
+ * slice), widened from the comm copy or summed from the exchanged pieces. */
+static mfsdp_status finish_in_place(mfsdp_pipeline* p, bucket* bk) {
+  int whole = bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE;
+  if (exchanges(p, bk) && whole) {
+    MFSDP_CHECK(gather_exchanged(p, bk));
+  } else if (exchanges(p, bk)) {
+    MFSDP_CHECK(sum_exchanged(p, bk, bk->buf[MFSDP_BUF_GRAD_SLICE].data, 1));
+  } else if (bk->present[MFSDP_BUF_COMM]) {
+    int dst = whole ? MFSDP_BUF_GRAD : MFSDP_BUF_GRAD_SLICE, src = whole ? MFSDP_BUF_COMM : MFSDP_BUF_COMM_SLICE;
+    MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[dst].data, bk->spec.grad_dtype, bk->buf[src].data,
+                                    bk->spec.comm_dtype, bk->buf[dst].numel, 1.0));
+  }
+  MFSDP_CHECK(release(p, bk, MFSDP_BUF_COMM));
+  bk->gstate = MFSDP_G_REDUCED;
+  return MFSDP_OK;
+}
+
+/* Completes the reduction at the head of the queue: its bucket's per-mode work, then the
+ * reduction across replicas that follows it. */
+static mfsdp_status complete_front(mfsdp_pipeline* p) {
+  bucket* bk = pop_front(p);
   MFSDP_CHECK(wait_work(p, &bk->reduce_work));
-  const mfsdp_kernel_ops* k = p->be.kernels;
-  void* kc = p->be.kernels_ctx;
-  int64_t S = bk->S;
-  int exchanged = exchanges(p, bk);
   switch (bk->spec.grad_mode) {
     case MFSDP_GRAD_SCATTER_ACCUMULATE:
-      if (bk->outer_reduced && bk->O > 1) { /* [Note: optimizer sharded across replicas] */
-        const mfsdp_buffer* gs = &bk->buf[MFSDP_BUF_GRAD_SHARD];
-        int64_t sub = (int64_t)bk->sub * bk->Sv;
-        MFSDP_CHECK(k->fill_zero(kc, gs->data, gs->dtype, sub));
-        MFSDP_CHECK(k->fill_zero(kc, at(gs, sub + bk->Sv), gs->dtype, S - sub - bk->Sv));
-        if (p->cfg.reduce_op == MFSDP_REDUCE_AVG)
-          MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SUB].data, gs->dtype, bk->Sv, (double)bk->O));
-        bk->outer_reduced = 0;
-      } else if (bk->outer_reduced) { /* [Note: hybrid sharding]: the replicas' sum, counted once more */
-        MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype, S, 1.0 / outer_factor(p)));
-        bk->outer_reduced = 0;
-      }
-      if (exchanged)
-        MFSDP_CHECK(sum_exchanged(p, bk, bk->buf[MFSDP_BUF_GRAD_SHARD].data, 0));
-      else
-        MFSDP_CHECK(k->accumulate(kc, bk->buf[MFSDP_BUF_GRAD_SHARD].data, bk->spec.grad_dtype,
-                                  bk->buf[MFSDP_BUF_GRAD_SLICE].data, bk->spec.comm_dtype, S, 1.0));
-      MFSDP_CHECK(release(p, bk, MFSDP_BUF_GRAD));
-      bk->gstate = MFSDP_G_CLEAN;
-      bk->held = 0;
+      MFSDP_CHECK(finish_accumulate(p, bk));
       break;
     case MFSDP_GRAD_ALL_REDUCE:
-    case MFSDP_GRAD_SCATTER_IN_PLACE: {
-      if (exchanged && bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
-        MFSDP_CHECK(gather_exchanged(p, bk));
-      } else if (exchanged) {
-        MFSDP_CHECK(sum_exchanged(p, bk, bk->buf[MFSDP_BUF_GRAD_SLICE].data, 1));
-      } else if (bk->present[MFSDP_BUF_COMM]) {
-        int whole = bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE;
-        int dst = whole ? MFSDP_BUF_GRAD : MFSDP_BUF_GRAD_SLICE, src = whole ? MFSDP_BUF_COMM : MFSDP_BUF_COMM_SLICE;
-        MFSDP_CHECK(k->copy(kc, bk->buf[dst].data, bk->spec.grad_dtype, bk->buf[src].data, bk->spec.comm_dtype,
-                            bk->buf[dst].numel, 1.0));
-      }
-      MFSDP_CHECK(release(p, bk, MFSDP_BUF_COMM));
-      bk->gstate = MFSDP_G_REDUCED;
+    case MFSDP_GRAD_SCATTER_IN_PLACE:
+      MFSDP_CHECK(finish_in_place(p, bk));
       break;
-    }
     default:
-      return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: queued without gradients", id);
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: queued without gradients", (int)(bk - p->b));
   }
-  int syncing = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync; /* 0/1 reduce only to sync */
-  if (has_outer(p) && !bk->outer_hold && syncing) MFSDP_CHECK(launch_outer(p, bk));
-  return MFSDP_OK;
+  return reduce_across_replicas(p, bk);
 }
 
 static mfsdp_status complete_until(mfsdp_pipeline* p, int32_t id) {
@@ -1188,10 +1255,10 @@ static mfsdp_status rebase(mfsdp_pipeline* p, bucket* bk) {
     double c = 1.0 / (world * f);
     if (c != 1.0) MFSDP_CHECK(k->scale(kc, g->data, g->dtype, bk->full_size, c));
   } else {
-    int64_t S = bk->S, off = (int64_t)bk->inner * S;
-    MFSDP_CHECK(k->fill_zero(kc, g->data, g->dtype, off));
-    MFSDP_CHECK(k->fill_zero(kc, at(g, off + S), g->dtype, bk->full_size - off - S));
-    if (f != 1.0) MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SLICE].data, g->dtype, S, 1.0 / f));
+    int64_t start = bk->shard_start, end = start + bk->shard_size;
+    MFSDP_CHECK(k->fill_zero(kc, g->data, g->dtype, start));
+    MFSDP_CHECK(k->fill_zero(kc, at(g, end), g->dtype, bk->full_size - end));
+    if (f != 1.0) MFSDP_CHECK(k->scale(kc, bk->buf[MFSDP_BUF_GRAD_SLICE].data, g->dtype, bk->shard_size, 1.0 / f));
   }
   bk->gstate = MFSDP_G_DIRTY;
   return MFSDP_OK;
@@ -1213,7 +1280,7 @@ static mfsdp_status launch_bucket(mfsdp_pipeline* p, int32_t id) {
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
     } else if (bk->n_ready < bk->spec.layout.n_items) {
       for (int32_t j = 0; j < bk->spec.layout.n_items; ++j)
-        for (int32_t r = 0; r < bk->V && !bk->ready[j]; ++r)
+        for (int32_t r = 0; r < bk->owners && !bk->ready[j]; ++r)
           MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, at(g, slot_of(bk, r) + bk->shard_offsets[j]), g->dtype,
                                    bk->pieces[j]));
     }
@@ -1287,7 +1354,7 @@ static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
   for (int32_t j = 0; j < bk->n_pending && st == MFSDP_OK; ++j) {
     const pending_grad* pg = &bk->pending[j];
     int64_t width = elem_size(pg->dtype);
-    for (int32_t r = 0; r < bk->V && st == MFSDP_OK; ++r) {
+    for (int32_t r = 0; r < bk->owners && st == MFSDP_OK; ++r) {
       int64_t first, n;
       piece(bk, pg->item, r, &first, &n);
       st = packer_add(&k, (const char*)pg->src + first * width, pg->dtype, slot_of(bk, r) + bk->shard_offsets[pg->item],
@@ -1387,8 +1454,8 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
     bucket* bk = &p->b[i];
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype,
-                                      at(&bk->buf[MFSDP_BUF_GRAD_SHARD], (int64_t)bk->sub * bk->Sv), bk->spec.grad_dtype,
-                                      bk->Sv, 1.0));
+                                      at(&bk->buf[MFSDP_BUF_GRAD_SHARD], bk->sub_start), bk->spec.grad_dtype,
+                                      bk->sub_size, 1.0));
   }
   return MFSDP_OK;
 }
@@ -1411,7 +1478,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
     }
     bk->outer_reduced = 0;
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
-      MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->Sv));
+      MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->sub_size));
     bk->gstate = MFSDP_G_CLEAN;
   }
   return MFSDP_OK;
@@ -1434,13 +1501,13 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
     if (i < 0 || i >= bk->spec.layout.n_items)
       return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no item %d", b, i);
     if (persistent) {
-      for (int32_t r = 0; r < bk->V; ++r)
+      for (int32_t r = 0; r < bk->owners; ++r)
         MFSDP_CHECK(k->fill_zero(kc, at(g, slot_of(bk, r) + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
     } else {
-      for (int32_t o = 0; o < bk->O; ++o)
-        MFSDP_CHECK(k->fill_zero(kc, at(g, (int64_t)o * bk->Sv + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
+      for (int32_t o = 0; o < bk->subs; ++o)
+        MFSDP_CHECK(k->fill_zero(kc, at(g, (int64_t)o * bk->sub_size + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
       const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
-      for (int32_t r = 0; bk->held && r < bk->V; ++r)
+      for (int32_t r = 0; bk->held && r < bk->owners; ++r)
         MFSDP_CHECK(k->fill_zero(kc, at(held, slot_of(bk, r) + bk->shard_offsets[i]), held->dtype, bk->pieces[i]));
     }
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
@@ -1499,7 +1566,7 @@ mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t b, int32_t item
   const mfsdp_kernel_ops* k = p->be.kernels;
   int64_t to = bk->shard_offsets[item];
   if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) /* HFSDP: the replicas' gather brings the rest */
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], (int64_t)bk->sub * bk->Sv + to),
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], bk->sub_start + to),
                         bk->spec.param_dtype, src, src_dtype, n, 1.0));
   if (own_main(bk))
     MFSDP_CHECK(k->copy(p->be.kernels_ctx, at(&bk->buf[MFSDP_BUF_MAIN_SHARD], to), bk->spec.main_dtype, src, src_dtype,
@@ -1562,6 +1629,6 @@ mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t b, i
   piece(bk, item, bk->spec.shard_rank, &first, &n);
   if (n == 0) return MFSDP_OK;
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD_SHARD];
-  return p->be.kernels->count_nonfinite(p->be.kernels_ctx, at(g, (int64_t)bk->sub * bk->Sv + bk->shard_offsets[item]),
+  return p->be.kernels->count_nonfinite(p->be.kernels_ctx, at(g, bk->sub_start + bk->shard_offsets[item]),
                                         g->dtype, n, count);
 }
