@@ -21,7 +21,7 @@ optimizer zeroes it). At each sync one small all-reduce (MAX over those bytes) t
 which parameters some rank used; a parameter becomes "has a gradient" then, and loses it only
 when zero_grad(set_to_none=True) clears it, exactly torch's own `.grad` life cycle. Parameters
 used on some ranks only still get the others' zeros in the reduction (see [Note: collective
-order] in csrc/comm/pipeline.c).
+order] in csrc/comm/reduce.c).
 """
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def _engine_policy(mp, param_dtype: torch.dtype):
     compute = mp.param_dtype or param_dtype
     # FSDP2: sharded parameters and gradients stay in the parameter's dtype; reduce in
     # reduce_dtype (or the compute dtype). A narrower reduction still sums in the gradient
-    # dtype here ([Note: exchange reduction] in csrc/comm/pipeline.c).
+    # dtype here ([Note: exchange reduction] in csrc/comm/reduce.c).
     return compute, OurPolicy(main_params_dtype=param_dtype, main_grads_dtype=param_dtype,
                               grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True)
 
@@ -502,7 +502,7 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Off: backwards accumulate unsharded local gradients and communicate nothing; the next
         backward with sync on reduces the sum (the memory of one full gradient copy per group
-        meanwhile, as DDP holds; [Note: held gradients] in csrc/comm/pipeline.c)."""
+        meanwhile, as DDP holds; [Note: held gradients] in csrc/comm/backward.c)."""
         groups = self._groups(recurse)
         for g in groups:
             g.requires_gradient_sync = bool(requires_gradient_sync)
@@ -511,7 +511,7 @@ class FSDPModule:
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP (2-D mesh): off, backwards still reduce within the shard dim but skip the
         all-reduce across replicas; the next backward with it on all-reduces the sum, once
-        ([Note: hybrid sharding] in csrc/comm/pipeline.c). No effect on a 1-D mesh."""
+        ([Note: hybrid sharding] in csrc/comm/replicas.c). No effect on a 1-D mesh."""
         groups = self._groups(recurse)
         for g in groups:
             g.requires_all_reduce = bool(requires_all_reduce)
