@@ -27,7 +27,9 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).parent.resolve()
 
 CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c"]
-COMM = ["csrc/comm/pipeline.c"]
+# the collective pipeline, one file per concern (map at the top of csrc/comm/pipeline.c; the
+# Makefile's COMM_SRC lists the same files)
+COMM = [f"csrc/comm/{name}.c" for name in ("pipeline", "buffers", "weights", "reduce", "backward", "replicas")]
 GLUE = ["csrc/python/module.c", "csrc/python/torch_backend.c", "csrc/python/engine.c", "csrc/python/cuda_glue.c"]
 CUDA_C = ["csrc/cuda/nccl_transport.c"]  # C, compiled by the C compiler
 CUDA_CU = ["csrc/cuda/kernels.cu"]

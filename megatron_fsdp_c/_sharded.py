@@ -10,7 +10,7 @@ its optimizer zeroes it). At each sync one small all-reduce (MAX over those byte
 `_used_anywhere`) tells every rank which parameters some rank used; a parameter becomes "has a
 gradient" then (`_has_grad`), and loses it only when zero_grad(set_to_none=True) clears it,
 exactly torch's own `.grad` life cycle. Parameters used on some ranks only still get the others'
-zeros in the reduction (see [Note: collective order] in csrc/comm/pipeline.c).
+zeros in the reduction (see [Note: collective order] in csrc/comm/reduce.c).
 """
 from __future__ import annotations
 

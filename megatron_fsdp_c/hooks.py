@@ -171,7 +171,7 @@ class HookManager:
     def _set_reduce_order(self, buf, ends) -> None:
         """Reductions in the order backward completes buckets: the unit whose forward ended last
         first, then the buckets outside every unit (see [Note: collective order] in
-        csrc/comm/pipeline.c)."""
+        csrc/comm/reduce.c)."""
         units = buf.bucket_units
         order = sorted(range(len(buf.plan)), key=lambda b: (units[b] < 0, -ends.get(units[b], -1), -b))
         self.engine.set_reduce_order(order)

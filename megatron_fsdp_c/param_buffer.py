@@ -2,7 +2,7 @@
 
 1. The compute parameter: the module's own nn.Parameter object, whose .data is a view into the
    bucket's full-weight buffer (WEIGHT). Under ZeRO-3 that buffer's storage exists only while
-   the unit runs; the view stays valid (see [Note: storage resize] in csrc/comm/pipeline.c).
+   the unit runs; the view stays valid (see [Note: storage resize] in csrc/comm/buffers.c).
 2. The distributed parameter: an nn.Parameter holding a DTensor whose local tensor is a view
    of this rank's rows of the main weights: torch's own Shard(0) (rank r holds the torch.chunk
    rows [r*ceil(R/W), ...), see [Note: chunked layout] in csrc/core/mfsdp_layout.h), or

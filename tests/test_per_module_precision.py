@@ -9,7 +9,7 @@ torch's MixedPrecisionPolicy semantics, as documented by FSDP2 (and our one diff
 - reduce_dtype (default: param_dtype): the dtype gradients travel in. Where it is narrower than
   the parameter, FSDP2's reduce-scatter sums in it; ours rounds each rank's (pre-scaled)
   contribution to it once and sums in the parameter's dtype ([Note: exchange reduction] in
-  csrc/comm/pipeline.c). The reference does exactly that, so at world 2 the numbers match bit for
+  csrc/comm/reduce.c). The reference does exactly that, so at world 2 the numbers match bit for
   bit; at world 4 the fp32 sums may run in another order (rtol 1e-6).
 - with sync off, unsharded gradients accumulate in reduce_dtype (fp32 under a bf16 compute dtype).
 - cast_forward_inputs casts floating inputs (inside containers too) to param_dtype at every group,

@@ -4,7 +4,7 @@
  * torch backend, gloo on CPU) and the native NCCL transport (csrc/cuda/nccl_transport.c, our
  * own communicators and streams). Memory is always torch's: buffers are torch tensors whose
  * storage is resized between 0 and full size, so views held by parameters and autograd stay
- * valid while the memory itself comes and goes (see [Note: storage resize] in pipeline.c). */
+ * valid while the memory itself comes and goes (see [Note: storage resize] in buffers.c). */
 #ifndef MFSDP_TRANSPORT_H
 #define MFSDP_TRANSPORT_H
 

@@ -576,14 +576,20 @@ static PyObject* engine_stats(PyObject* self, PyObject* args) {
   if (b < -1 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %d", b);
   mfsdp_comm_stats s;
   mfsdp_pipeline_stats(e->pipeline, b, &s);
-  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "all_gathers", (long long)s.all_gathers,
-                       "all_gather_bytes", (long long)s.all_gather_bytes, "reduce_scatters",
-                       (long long)s.reduce_scatters, "reduce_scatter_bytes", (long long)s.reduce_scatter_bytes,
-                       "all_reduces", (long long)s.all_reduces, "all_reduce_bytes", (long long)s.all_reduce_bytes,
-                       "outer_all_reduces", (long long)s.outer_all_reduces, "outer_all_reduce_bytes",
-                       (long long)s.outer_all_reduce_bytes, "outer_reduce_scatters", (long long)s.outer_reduce_scatters,
-                       "outer_reduce_scatter_bytes", (long long)s.outer_reduce_scatter_bytes, "outer_all_gathers",
-                       (long long)s.outer_all_gathers, "outer_all_gather_bytes", (long long)s.outer_all_gather_bytes);
+  /* every counter of MFSDP_COMM_COUNTERS, in its order: "<kind>s" and "<kind>_bytes" */
+#define STAT_KEYS_(kind) #kind "s", #kind "_bytes",
+#define STAT_VALUES_(kind) s.kind##s, s.kind##_bytes,
+  static const char* const keys[] = {MFSDP_COMM_COUNTERS(STAT_KEYS_)};
+  const int64_t values[] = {MFSDP_COMM_COUNTERS(STAT_VALUES_)};
+#undef STAT_KEYS_
+#undef STAT_VALUES_
+  PyObject* dict = PyDict_New();
+  for (size_t i = 0; dict != NULL && i < sizeof keys / sizeof *keys; ++i) {
+    PyObject* value = PyLong_FromLongLong((long long)values[i]);
+    if (value == NULL || PyDict_SetItemString(dict, keys[i], value) < 0) Py_CLEAR(dict);
+    Py_XDECREF(value);
+  }
+  return dict;
 }
 
 static PyObject* engine_count_nonfinite_grad(PyObject* self, PyObject* args) {

@@ -206,7 +206,7 @@ static void test_layout(void) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* graphs that differ across ranks (see [Note: collective order] in pipeline.c) */
+/* graphs that differ across ranks (see [Note: collective order] in reduce.c) */
 
 #define DIV_UNITS 3
 #define DIV_WORLD 3
@@ -310,7 +310,7 @@ static void test_rank_divergent_graphs(void) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* hybrid sharding (see [Note: hybrid sharding] in pipeline.c): 2 replicas x 2 shards; HFSDP
+/* hybrid sharding (see [Note: hybrid sharding] in replicas.c): 2 replicas x 2 shards; HFSDP
  * ([Note: optimizer sharded across replicas]): the same, main weights and gradients in 4 pieces */
 
 #define HY_INNER 2

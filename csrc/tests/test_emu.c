@@ -367,7 +367,7 @@ out:
 
 /* ------------------------------------------------------------------------------------------ */
 /* HFSDP on native NCCL: 2 replicas x 2 shards, each rank with its own communicators inside the
- * replica and across replicas ([Note: optimizer sharded across replicas] in pipeline.c) */
+ * replica and across replicas ([Note: optimizer sharded across replicas] in replicas.c) */
 
 enum { HF_OUTER = 2, HF_INNER = 2, HF_ROWS = 7, HF_COLS = 3, HF_STEPS = 2, HF_MICRO = 3 };
 

@@ -39,6 +39,143 @@ from ._root import RootState, post_forward, pre_forward, state_of
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
+<<<<<<< HEAD
+=======
+logger = logging.getLogger("megatron_fsdp_c")
+
+# A parameter a group has sharded carries `_mfsdp_sharded_by`: one registered in two groups (tied
+# weights split across fully_shard calls) is caught instead of silently untied.
+_CONTEXTS = {}      # (mesh, device) -> DistContext: one gather communicator per mesh, not per call
+_DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """One fully_shard call (see [Note: per-module groups])."""
+    modules: List[nn.Module]
+    places: List[tuple]            # (module, attribute, original parameter) of the group's parameters
+    ctx: DistContext
+    strategy: int
+    mp_policy: object              # torch's MixedPrecisionPolicy or ours
+    reshard_after_forward: bool
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True   # HSDP: the all-reduce across replicas
+    forward_prefetch: Optional[List[nn.Module]] = None
+    backward_prefetch: Optional[List[nn.Module]] = None
+    divide_factor: Optional[float] = None
+    is_last_backward: bool = True
+    state: Optional["_RootState"] = None  # the engine, from the lazy init on
+    unit: Optional[object] = None          # its unit in the engine's hooks
+
+
+# -- mixed precision ------------------------------------------------------------------------------
+
+def _is_torch_policy(mp) -> bool:
+    return all(hasattr(mp, f) for f in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"))
+
+
+def _engine_policy(mp, param_dtype: torch.dtype):
+    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype`."""
+    if isinstance(mp, OurPolicy):
+        return param_dtype, mp
+    compute = mp.param_dtype or param_dtype
+    # FSDP2: sharded parameters and gradients stay in the parameter's dtype; reduce in
+    # reduce_dtype (or the compute dtype). A narrower reduction still sums in the gradient
+    # dtype here ([Note: exchange reduction] in csrc/comm/reduce.c).
+    return compute, OurPolicy(main_params_dtype=param_dtype, main_grads_dtype=param_dtype,
+                              grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True)
+
+
+def _cast_floats(tree, dtype):
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+# -- fully_shard -----------------------------------------------------------------------------------
+
+def _check_policies(mp_policy, offload_policy, shard_placement_fn) -> None:
+    if not (isinstance(mp_policy, OurPolicy) or _is_torch_policy(mp_policy)):
+        raise TypeError("mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy or "
+                        f"megatron_fsdp_c.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if offload_policy is not None:
+        if type(offload_policy).__name__ == "CPUOffloadPolicy":
+            raise NotImplementedError("offload_policy=CPUOffloadPolicy() is not yet supported by megatron_fsdp_c: "
+                                      "leave offload_policy at its default (OffloadPolicy() or None)")
+        if type(offload_policy).__name__ != "OffloadPolicy":
+            raise TypeError(f"offload_policy must be torch's OffloadPolicy() or None, got {type(offload_policy).__name__}")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError("shard_placement_fn must be a callable (parameter -> None or Shard(0))")
+
+
+def _mesh_and_context(mesh, device_type: str) -> DistContext:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
+                           "(launch with torchrun; backend 'gloo' on CPU, 'nccl' on GPU)")
+    if mesh is None:
+        mesh = _DEFAULT_MESH.get(device_type)
+        if mesh is None:
+            mesh = _DEFAULT_MESH[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: the per-module fully_shard takes a 1-D "
+                         "mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), as torch's does; slice a larger mesh "
+                         "first, e.g. mesh['dp_outer', 'dp_shard']")
+    if mesh.device_type != device_type:
+        raise ValueError(f"mesh is on '{mesh.device_type}' but the parameters are on '{device_type}': build the mesh "
+                         f"with init_device_mesh('{device_type}', ...) or move the module first")
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    key = (id(mesh), str(device))
+    ctx = _CONTEXTS.get(key)
+    if ctx is None:
+        # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
+        ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
+            make_dist_context(mesh, 1, device, dp_outer_dim=0)
+        ctx.mesh_ref = mesh  # keep the mesh (and so the key) alive with the context
+    return ctx
+
+
+def _group_params(modules, ignored) -> List[tuple]:
+    """(module, attr, param) of every parameter of `modules` not in a submodule's group."""
+    places, seen_places = [], set()
+    stack = list(modules)
+    visited = set()
+    while stack:
+        mod = stack.pop(0)
+        if id(mod) in visited:
+            continue
+        visited.add(id(mod))
+        if getattr(mod, "_mfsdp_group", None) is not None and mod not in modules:
+            continue  # a sharded submodule: its parameters are its group's
+        for attr, p in mod._parameters.items():
+            if p is None or (id(mod), attr) in seen_places or p in ignored:
+                continue
+            seen_places.add((id(mod), attr))
+            places.append((mod, attr, p))
+        stack.extend(mod.children())
+    return places
+
+
+def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: torch.device) -> nn.Parameter:
+    """This rank's torch.chunk rows of `p` (or all of it, replicated) as a DTensor Parameter."""
+    shape = p.shape
+    data = p.detach()
+    if not data.is_meta and data.device != device:
+        data = data.to(device)
+    if replicated:
+        placement, local = Replicate(), data
+    else:
+        rows = shape[0]
+        chunk = -(-rows // ctx.world)
+        lo = min(ctx.rank * chunk, rows)
+        hi = min(lo + chunk, rows)
+        placement = Shard(0)
+        local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=data.dtype, device="meta") if data.is_meta \
+            else data[lo:hi].clone()
+    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape, stride=_contiguous_stride(shape))
+    return nn.Parameter(dt, requires_grad=p.requires_grad)
+
+>>>>>>> r/ccomm
 
 def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
                 reshard_after_forward: bool = True, shard_placement_fn=None, mp_policy=None, offload_policy=None,
@@ -141,7 +278,7 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Off: backwards accumulate unsharded local gradients and communicate nothing; the next
         backward with sync on reduces the sum (the memory of one full gradient copy per group
-        meanwhile, as DDP holds; [Note: held gradients] in csrc/comm/pipeline.c)."""
+        meanwhile, as DDP holds; [Note: held gradients] in csrc/comm/backward.c)."""
         groups = self._groups(recurse)
         for g in groups:
             g.requires_gradient_sync = bool(requires_gradient_sync)
@@ -150,7 +287,7 @@ class FSDPModule:
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP (2-D mesh): off, backwards still reduce within the shard dim but skip the
         all-reduce across replicas; the next backward with it on all-reduces the sum, once
-        ([Note: hybrid sharding] in csrc/comm/pipeline.c). No effect on a 1-D mesh."""
+        ([Note: hybrid sharding] in csrc/comm/replicas.c). No effect on a 1-D mesh."""
         groups = self._groups(recurse)
         for g in groups:
             g.requires_all_reduce = bool(requires_all_reduce)

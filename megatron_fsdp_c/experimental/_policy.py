@@ -23,7 +23,7 @@ def engine_policy(mp, param_dtype: torch.dtype):
     compute = mp.param_dtype or param_dtype
     # FSDP2: sharded parameters and gradients stay in the parameter's dtype; reduce in
     # reduce_dtype (or the compute dtype). A narrower reduction still sums in the gradient
-    # dtype here ([Note: exchange reduction] in csrc/comm/pipeline.c).
+    # dtype here ([Note: exchange reduction] in csrc/comm/reduce.c).
     return compute, OurPolicy(main_params_dtype=param_dtype, main_grads_dtype=param_dtype,
                               grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True)
 
