@@ -5,7 +5,9 @@
  * pipeline may call it. Calls run with the GIL held, except while the native NCCL transport
  * waits for NCCL (it lets go of the GIL then): `busy` refuses a call from another thread
  * meanwhile, since the pipeline is not re-entrant. */
-#include "glue.h"
+#include "bucket_spec.h"
+#include "pieces.h"
+#include "torch_memory.h"
 
 #include "../cuda/mfsdp_cuda.h"
 
@@ -21,7 +23,7 @@ typedef struct engine_object {
   int busy;
 } engine_object;
 
-static module_state* engine_state(PyObject* self) { return mfsdp_state_of_type(Py_TYPE(self)); }
+static module_state* engine_state(PyObject* self) { return mfsdp_type_state(Py_TYPE(self)); }
 
 static PyObject* fail(PyObject* self, mfsdp_status s) { return mfsdp_raise(engine_state(self), s); }
 
@@ -51,75 +53,6 @@ static int ready(engine_object* e) {
 
 /* ------------------------------------------------------------------------------------------ */
 /* construction */
-
-static int dict_long(PyObject* d, const char* key, long long* out) {
-  PyObject* v = PyDict_GetItemString(d, key);
-  if (v == NULL) {
-    PyErr_Format(PyExc_KeyError, "bucket spec is missing '%s'", key);
-    return -1;
-  }
-  *out = PyLong_AsLongLong(v);
-  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-static int64_t* dict_i64s(PyObject* d, const char* key, int32_t* n) {
-  PyObject* v = PyDict_GetItemString(d, key);
-  if (v == NULL) {
-    PyErr_Format(PyExc_KeyError, "bucket spec is missing '%s'", key);
-    return NULL;
-  }
-  PyObject* fast = PySequence_Fast(v, "bucket spec field must be a sequence");
-  if (fast == NULL) return NULL;
-  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
-  int64_t* out = PyMem_Malloc((size_t)(len ? len : 1) * sizeof *out);
-  for (Py_ssize_t i = 0; out && i < len; ++i) {
-    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (out[i] == -1 && PyErr_Occurred()) {
-      PyMem_Free(out);
-      out = NULL;
-    }
-  }
-  if (out == NULL && !PyErr_Occurred()) PyErr_NoMemory();
-  *n = (int32_t)len;
-  Py_DECREF(fast);
-  return out;
-}
-
-static void free_spec(mfsdp_bucket_spec* s) {
-  PyMem_Free((void*)s->layout.numels);
-  PyMem_Free((void*)s->layout.pieces);
-  PyMem_Free((void*)s->layout.param_offsets);
-  PyMem_Free((void*)s->layout.shard_offsets);
-  memset(&s->layout, 0, sizeof s->layout);
-}
-
-/* A bucket dict as _C.plan makes it (plus the dtypes and modes the wrapper adds). */
-static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
-  if (!PyDict_Check(d)) {
-    PyErr_SetString(PyExc_TypeError, "bucket spec must be a dict");
-    return -1;
-  }
-  long long v[11];
-  static const char* keys[11] = {"shards",     "shard_rank", "shard_size",      "param_dtype",      "main_dtype",
-                                 "grad_dtype", "comm_dtype", "weights_sharded", "weights_regather", "grad_mode",
-                                 "weight_size"};
-  for (int i = 0; i < 11; ++i)
-    if (dict_long(d, keys[i], &v[i]) < 0) return -1;
-  int32_t n[4] = {0, 0, 0, 0};
-  static const char* arrays[4] = {"numels", "pieces", "param_offsets", "shard_offsets"};
-  int64_t* a[4] = {NULL, NULL, NULL, NULL};
-  for (int i = 0; i < 4; ++i)
-    if ((a[i] = dict_i64s(d, arrays[i], &n[i])) == NULL) break;
-  *s = (mfsdp_bucket_spec){{(int32_t)v[0], n[0], a[0], a[1], a[2], a[3], v[10], v[2]}, (int32_t)v[1],
-                           (int32_t)v[3], (int32_t)v[4], (int32_t)v[5], (int32_t)v[6], (int32_t)v[7], (int32_t)v[8],
-                           (int32_t)v[9]};
-  if (!a[0] || !a[1] || !a[2] || !a[3] || n[1] != n[0] || n[2] != n[0] || n[3] != n[0]) {
-    free_spec(s);
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bucket spec: item tables of different lengths");
-    return -1;
-  }
-  return 0;
-}
 
 PyDoc_STRVAR(engine_doc,
              "Engine(buckets, dp_world, dp_rank, grad_prescale, reduce_op, reduce_queue_bytes, device, transport)\n\n"
@@ -169,24 +102,9 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     PyErr_Format(PyExc_ValueError, "Engine: reduce_op must be 'sum' or 'avg', not '%s'", op);
     return -1;
   }
-  PyObject* index = PyObject_GetAttrString(device, "index");
-  PyObject* type = PyObject_GetAttrString(device, "type");
-  if (index == NULL || type == NULL) {
-    Py_XDECREF(index);
-    Py_XDECREF(type);
-    return -1;
-  }
-  int is_cuda = PyUnicode_Check(type) && PyUnicode_CompareWithASCIIString(type, "cuda") == 0;
-  /* "cuda" without an index would mean whichever device is current at each call: refuse it
-   * rather than guess (fully_shard resolves it once, to the current device). */
-  int device_index = is_cuda && index != Py_None ? (int)PyLong_AsLong(index) : -1;
-  Py_DECREF(index);
-  Py_DECREF(type);
-  if (PyErr_Occurred()) return -1;
-  if (is_cuda && device_index < 0) {
-    PyErr_SetString(PyExc_ValueError, "Engine: a CUDA device needs an index (torch.device('cuda', N))");
-    return -1;
-  }
+  torch_memory memory;
+  if (mfsdp_torch_memory_init(&memory, st, device) < 0) return -1;
+  int is_cuda = memory.device_index >= 0, device_index = memory.device_index;
 
   const mfsdp_kernel_ops* kernels = &mfsdp_cpu_kernels;
   void* kernels_ctx = NULL;
@@ -210,39 +128,26 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   }
   e->kernels_ctx = kernels_ctx;
 
-  PyObject* fast = PySequence_Fast(specs_obj, "Engine: buckets must be a sequence of dicts");
-  if (fast == NULL) return -1;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  mfsdp_bucket_spec* specs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *specs);
-  int rc = -1;
-  Py_ssize_t parsed = 0;
-  if (specs == NULL) {
-    PyErr_NoMemory();
-    goto exit;
-  }
-  for (; parsed < n; ++parsed)
-    if (parse_spec(PySequence_Fast_GET_ITEM(fast, parsed), &specs[parsed]) < 0) goto exit;
+  mfsdp_bucket_spec* specs;
+  int32_t n;
+  if (mfsdp_bucket_specs_from_python(specs_obj, &specs, &n) < 0) return -1;
 
   Py_XSETREF(e->device, Py_NewRef(device));
   Py_XSETREF(e->transport, Py_NewRef(transport));
   Py_XSETREF(e->outer_transport, outer == Py_None ? NULL : Py_NewRef(outer));
-  e->memory = (torch_memory){st, e->device, device_index};
+  e->memory = memory; /* its device: e->device, the same object */
   transport_object* t = (transport_object*)transport;
   transport_object* o = (transport_object*)e->outer_transport;
   mfsdp_backend be = {&mfsdp_torch_memory_ops, &e->memory, t->ops, t->ctx, kernels, kernels_ctx,
                       o ? o->ops : NULL, o ? o->ctx : NULL};
   mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes, force_comm, outer_world, outer_sharded};
-  mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, (int32_t)n, &e->pipeline);
+  mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, n, &e->pipeline);
+  mfsdp_free_bucket_specs(specs, n); /* the pipeline keeps copies */
   if (s != MFSDP_OK) {
     fail(self, s);
-    goto exit;
+    return -1;
   }
-  rc = 0;
-exit:
-  for (Py_ssize_t i = 0; i < parsed; ++i) free_spec(&specs[i]);
-  PyMem_Free(specs);
-  Py_DECREF(fast);
-  return rc;
+  return 0;
 }
 
 static void engine_close_pipeline(engine_object* e) {
