@@ -2,9 +2,7 @@
  *
  * Ownership: the engine owns the pipeline, which owns every bucket buffer (torch tensors held
  * through the memory ops). It keeps a reference to its transport object for as long as the
- * pipeline may call it. Calls run with the GIL held, except while the native NCCL transport
- * waits for NCCL (it lets go of the GIL then): `busy` refuses a call from another thread
- * meanwhile, since the pipeline is not re-entrant. */
+ * pipeline may call it. Every method reaches the pipeline as [Note: engine calls] says. */
 #include "bucket_spec.h"
 #include "pieces.h"
 #include "torch_memory.h"
@@ -20,12 +18,46 @@ typedef struct engine_object {
   PyObject* device;
   PyObject* current_stream; /* torch.cuda.current_stream, CUDA engines only */
   void* kernels_ctx;
-  int busy;
+  int busy;                 /* a pipeline call is running ([Note: engine calls]) */
 } engine_object;
 
 static module_state* engine_state(PyObject* self) { return mfsdp_type_state(Py_TYPE(self)); }
 
 static PyObject* fail(PyObject* self, mfsdp_status s) { return mfsdp_raise(engine_state(self), s); }
+
+/* [Note: engine calls]
+ * The pipeline is not re-entrant, and a call into it can run Python or let go of the GIL
+ * midway: the memory ops and the torch transport call torch (Work.wait lets go of the GIL), the
+ * native NCCL transport lets go of it while it waits for NCCL, and meanwhile another thread, a
+ * signal handler or a profiler hook may call the engine. `busy` marks such a call. So:
+ * - Every function that takes a non-const mfsdp_pipeline* runs through ENGINE_CALL: it checks
+ *   that the engine is open and idle (ready), marks it busy, points the kernels at torch's
+ *   current stream, runs the call and clears busy. It checks after the method has converted its
+ *   arguments, right before the call, because converting them runs Python (__index__,
+ *   __bool__, a tensor's methods) that may close the engine or start another call: checking
+ *   first, as most methods once did, called a closed (NULL) pipeline. The rule goes by
+ *   constness, not by what a mutation happens to call today: set_local, set_hold,
+ *   set_outer_hold and set_prescale once checked busy without setting it.
+ * - The const accessors (tensor, local_piece, weight_state, grad_state, stats) check ready
+ *   after converting their arguments and do not mark busy: they run no Python and keep the GIL
+ *   while they read, so no call can start meanwhile, and they leave the kernels' stream alone
+ *   (it is shared with a call that may be waiting on another thread).
+ * - The getters `broken` and `num_buckets` read one field and answer at any time, also while
+ *   a call runs (a watchdog thread may poll `broken`) and after close().
+ * - close() refuses while a call runs; the call still holds the pipeline. */
+
+/* The engine is open and no call is running; else False with the exception set. */
+static int ready(engine_object* e) {
+  if (e->pipeline == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "Engine is not initialised or was closed");
+    return 0;
+  }
+  if (e->busy) {
+    PyErr_SetString(PyExc_RuntimeError, "Engine re-entered from another thread or a callback; calls must not overlap");
+    return 0;
+  }
+  return 1;
+}
 
 /* CUDA engines launch on torch's current stream: read it at every call (cheap, and it may
  * change between calls under torch.cuda.stream(...)). */
@@ -39,16 +71,26 @@ static int refresh_stream(engine_object* e) {
 #endif
 }
 
-static int ready(engine_object* e) {
-  if (e->pipeline == NULL) {
-    PyErr_SetString(PyExc_RuntimeError, "Engine is not initialised or was closed");
-    return 0;
-  }
-  if (e->busy) {
-    PyErr_SetString(PyExc_RuntimeError, "Engine re-entered from another thread or a callback; calls must not overlap");
-    return 0;
-  }
-  return refresh_stream(e);
+static int engine_enter(engine_object* e) {
+  if (!ready(e)) return 0;
+  e->busy = 1; /* before the stream is read: that calls torch */
+  if (refresh_stream(e)) return 1;
+  e->busy = 0;
+  return 0;
+}
+
+static mfsdp_status engine_leave(engine_object* e, mfsdp_status s) {
+  e->busy = 0;
+  return s;
+}
+
+/* The status of `call`, a pipeline function on e->pipeline, run as [Note: engine calls] says;
+ * MFSDP_ERR_PYTHON with the exception set when the engine cannot take a call (fail() keeps it).
+ * `call` is evaluated only after the engine was entered. */
+#define ENGINE_CALL(e, call) (engine_enter(e) ? engine_leave((e), (call)) : MFSDP_ERR_PYTHON)
+
+static PyObject* none_or_fail(PyObject* self, mfsdp_status s) {
+  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -185,11 +227,10 @@ static void engine_dealloc(PyObject* self) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* methods */
+/* methods ([Note: engine calls]) */
 
 #define MAX_IDS_ON_STACK 64
 
-/* Runs a pipeline call over a sequence of bucket ids. */
 /* Reads a sequence of ints (bucket or item ids) into `stack`, or a heap array when longer than
  * MAX_IDS_ON_STACK; *out points at them. Free with release_ids. 0 on success. */
 static int read_ids(PyObject* ids, int32_t* stack, int32_t** out, int32_t* n) {
@@ -225,12 +266,10 @@ static PyObject* over_ids(PyObject* self, PyObject* ids,
                           mfsdp_status (*fn)(mfsdp_pipeline*, const int32_t*, int32_t)) {
   engine_object* e = (engine_object*)self;
   int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!ready(e) || read_ids(ids, stack, &arr, &n) < 0) return NULL;
-  e->busy = 1;
-  mfsdp_status s = fn(e->pipeline, arr, n);
-  e->busy = 0;
+  if (read_ids(ids, stack, &arr, &n) < 0) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, fn(e->pipeline, arr, n));
   release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
+  return none_or_fail(self, s);
 }
 
 static PyObject* engine_unshard(PyObject* self, PyObject* ids) { return over_ids(self, ids, mfsdp_pipeline_unshard); }
@@ -245,12 +284,7 @@ static PyObject* engine_set_reduce_order(PyObject* self, PyObject* ids) {
 
 static PyObject* run(PyObject* self, mfsdp_status (*fn)(mfsdp_pipeline*)) {
   engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
-  e->busy = 1;
-  mfsdp_status s = fn(e->pipeline);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  return none_or_fail(self, ENGINE_CALL(e, fn(e->pipeline)));
 }
 
 static PyObject* engine_end_backward(PyObject* self, PyObject* unused) {
@@ -272,117 +306,131 @@ static PyObject* engine_drain(PyObject* self, PyObject* unused) {
 
 static PyObject* engine_begin_backward(PyObject* self, PyObject* sync) {
   engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
   int flag = PyObject_IsTrue(sync);
   if (flag < 0) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_begin_backward(e->pipeline, flag);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_begin_backward(e->pipeline, flag)));
 }
 
 static PyObject* engine_install_main_weights(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int include_frozen = 0;
-  if (!PyArg_ParseTuple(args, "|p:install_main_weights", &include_frozen) || !ready(e)) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_install_main_weights(e->pipeline, include_frozen);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  if (!PyArg_ParseTuple(args, "|p:install_main_weights", &include_frozen)) return NULL;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_install_main_weights(e->pipeline, include_frozen)));
 }
 
-static int device_matches(engine_object* e, const tensor_view* v, const char* what) {
-  if (v->device != e->memory.device_index) {
+/* A parameter or gradient tensor given to (bucket, item): its view, on the engine's device. An
+ * engine without a pipeline has no device yet (ENGINE_CALL refuses it next). */
+static int item_tensor(PyObject* self, PyObject* const* args, Py_ssize_t nargs, const char* what, const char* usage,
+                       long* b, long* i, tensor_view* v) {
+  engine_object* e = (engine_object*)self;
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "%s takes 3 arguments", usage);
+    return -1;
+  }
+  *b = PyLong_AsLong(args[0]);
+  *i = PyLong_AsLong(args[1]);
+  if (PyErr_Occurred() || mfsdp_tensor_view(engine_state(self), args[2], what, v) < 0) return -1;
+  if (e->pipeline != NULL && v->device != e->memory.device_index) {
     PyErr_Format(PyExc_ValueError, "%s: tensor is on %s%d but the engine's buffers are on %s%d", what,
                  v->device < 0 ? "cpu" : "cuda:", v->device < 0 ? 0 : v->device,
                  e->memory.device_index < 0 ? "cpu" : "cuda:", e->memory.device_index < 0 ? 0 : e->memory.device_index);
-    return 0;
+    return -1;
   }
-  return 1;
+  return 0;
 }
 
 static PyObject* engine_grad_ready(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   engine_object* e = (engine_object*)self;
-  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "grad_ready(bucket, item, grad) takes 3 arguments");
-  if (!ready(e)) return NULL;
-  long b = PyLong_AsLong(args[0]), i = PyLong_AsLong(args[1]);
-  if (PyErr_Occurred()) return NULL;
+  long b, i;
   tensor_view v;
-  if (mfsdp_tensor_view(engine_state(self), args[2], "grad_ready", &v) < 0 || !device_matches(e, &v, "grad_ready"))
-    return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_grad_ready(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel, args[2]);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  if (item_tensor(self, args, nargs, "grad_ready", "grad_ready(bucket, item, grad)", &b, &i, &v) < 0) return NULL;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_grad_ready(e->pipeline, (int32_t)b, (int32_t)i, v.data,
+                                                                     v.dtype, v.numel, args[2])));
+}
+
+static PyObject* engine_set_item(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  engine_object* e = (engine_object*)self;
+  long b, i;
+  tensor_view v;
+  if (item_tensor(self, args, nargs, "set_item", "set_item(bucket, item, tensor)", &b, &i, &v) < 0) return NULL;
+  return none_or_fail(
+      self, ENGINE_CALL(e, mfsdp_pipeline_set_item(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel)));
+}
+
+static PyObject* engine_set_local(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  engine_object* e = (engine_object*)self;
+  long b, i;
+  tensor_view v;
+  if (item_tensor(self, args, nargs, "set_local", "set_local(bucket, item, tensor)", &b, &i, &v) < 0) return NULL;
+  return none_or_fail(
+      self, ENGINE_CALL(e, mfsdp_pipeline_set_local(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel)));
 }
 
 static PyObject* engine_init_begin(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b, direct = 0;
-  if (!PyArg_ParseTuple(args, "i|p:init_begin", &b, &direct) || !ready(e)) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_init_begin(e->pipeline, (int32_t)b, direct);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  if (!PyArg_ParseTuple(args, "i|p:init_begin", &b, &direct)) return NULL;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_init_begin(e->pipeline, (int32_t)b, direct)));
 }
 
 static PyObject* engine_init_end(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
   long b = PyLong_AsLong(arg);
   if (PyErr_Occurred()) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_init_end(e->pipeline, (int32_t)b);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
-}
-
-static PyObject* engine_set_item(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  engine_object* e = (engine_object*)self;
-  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "set_item(bucket, item, tensor) takes 3 arguments");
-  if (!ready(e)) return NULL;
-  long b = PyLong_AsLong(args[0]), i = PyLong_AsLong(args[1]);
-  if (PyErr_Occurred()) return NULL;
-  tensor_view v;
-  if (mfsdp_tensor_view(engine_state(self), args[2], "set_item", &v) < 0 || !device_matches(e, &v, "set_item"))
-    return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_set_item(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
-}
-
-static PyObject* engine_set_local(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  engine_object* e = (engine_object*)self;
-  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "set_local(bucket, item, tensor) takes 3 arguments");
-  if (!ready(e)) return NULL;
-  long b = PyLong_AsLong(args[0]), i = PyLong_AsLong(args[1]);
-  if (PyErr_Occurred()) return NULL;
-  tensor_view v;
-  if (mfsdp_tensor_view(engine_state(self), args[2], "set_local", &v) < 0 || !device_matches(e, &v, "set_local"))
-    return NULL;
-  mfsdp_status s = mfsdp_pipeline_set_local(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel);
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_init_end(e->pipeline, (int32_t)b)));
 }
 
 static PyObject* engine_set_comm_dtype(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
   int code = -1;
   if (arg != Py_None && (code = mfsdp_dtype_code(engine_state(self), arg, "set_comm_dtype")) < 0) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_set_comm_dtype(e->pipeline, code);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_set_comm_dtype(e->pipeline, code)));
 }
+
+static PyObject* engine_zero_item_grads(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  int b;
+  PyObject* items;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, "iO:zero_item_grads", &b, &items) || read_ids(items, stack, &arr, &n) < 0) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, mfsdp_pipeline_zero_item_grads(e->pipeline, b, arr, n));
+  release_ids(arr, stack);
+  return none_or_fail(self, s);
+}
+
+/* set_hold and set_outer_hold: (buckets, hold). */
+static PyObject* hold_ids(PyObject* self, PyObject* args, const char* format,
+                          mfsdp_status (*fn)(mfsdp_pipeline*, const int32_t*, int32_t, int)) {
+  engine_object* e = (engine_object*)self;
+  PyObject* ids;
+  int hold;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, format, &ids, &hold) || read_ids(ids, stack, &arr, &n) < 0) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, fn(e->pipeline, arr, n, hold));
+  release_ids(arr, stack);
+  return none_or_fail(self, s);
+}
+
+static PyObject* engine_set_hold(PyObject* self, PyObject* args) {
+  return hold_ids(self, args, "Op:set_hold", mfsdp_pipeline_set_hold);
+}
+
+static PyObject* engine_set_outer_hold(PyObject* self, PyObject* args) {
+  return hold_ids(self, args, "Op:set_outer_hold", mfsdp_pipeline_set_outer_hold);
+}
+
+static PyObject* engine_set_prescale(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  PyObject* ids;
+  double prescale;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, "Od:set_prescale", &ids, &prescale) || read_ids(ids, stack, &arr, &n) < 0) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, mfsdp_pipeline_set_prescale(e->pipeline, arr, n, prescale));
+  release_ids(arr, stack);
+  return none_or_fail(self, s);
+}
+
+/* const accessors (tensor ... stats): ready() after the arguments, no busy ([Note: engine calls]) */
 
 static PyObject* engine_tensor(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
@@ -393,56 +441,6 @@ static PyObject* engine_tensor(PyObject* self, PyObject* args) {
   const mfsdp_buffer* buf = mfsdp_pipeline_buffer(e->pipeline, b, kind);
   if (buf == NULL) Py_RETURN_NONE;
   return Py_NewRef((PyObject*)buf->handle);
-}
-
-static PyObject* engine_zero_item_grads(PyObject* self, PyObject* args) {
-  engine_object* e = (engine_object*)self;
-  int b;
-  PyObject* items;
-  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!PyArg_ParseTuple(args, "iO:zero_item_grads", &b, &items) || !ready(e) || read_ids(items, stack, &arr, &n) < 0)
-    return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_zero_item_grads(e->pipeline, b, arr, n);
-  e->busy = 0;
-  release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
-}
-
-static PyObject* engine_set_hold(PyObject* self, PyObject* args) {
-  engine_object* e = (engine_object*)self;
-  PyObject* ids;
-  int hold;
-  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!PyArg_ParseTuple(args, "Op:set_hold", &ids, &hold) || !ready(e) || read_ids(ids, stack, &arr, &n) < 0)
-    return NULL;
-  mfsdp_status s = mfsdp_pipeline_set_hold(e->pipeline, arr, n, hold);
-  release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
-}
-
-static PyObject* engine_set_outer_hold(PyObject* self, PyObject* args) {
-  engine_object* e = (engine_object*)self;
-  PyObject* ids;
-  int hold;
-  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!PyArg_ParseTuple(args, "Op:set_outer_hold", &ids, &hold) || !ready(e) || read_ids(ids, stack, &arr, &n) < 0)
-    return NULL;
-  mfsdp_status s = mfsdp_pipeline_set_outer_hold(e->pipeline, arr, n, hold);
-  release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
-}
-
-static PyObject* engine_set_prescale(PyObject* self, PyObject* args) {
-  engine_object* e = (engine_object*)self;
-  PyObject* ids;
-  double prescale;
-  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!PyArg_ParseTuple(args, "Od:set_prescale", &ids, &prescale) || !ready(e) || read_ids(ids, stack, &arr, &n) < 0)
-    return NULL;
-  mfsdp_status s = mfsdp_pipeline_set_prescale(e->pipeline, arr, n, prescale);
-  release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
 }
 
 static PyObject* engine_local_piece(PyObject* self, PyObject* args) {
@@ -495,10 +493,8 @@ static PyObject* engine_count_nonfinite_grad(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b, i;
   int64_t count = 0;
-  if (!PyArg_ParseTuple(args, "ii:count_nonfinite_grad", &b, &i) || !ready(e)) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_count_nonfinite_grad(e->pipeline, b, i, &count);
-  e->busy = 0;
+  if (!PyArg_ParseTuple(args, "ii:count_nonfinite_grad", &b, &i)) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, mfsdp_pipeline_count_nonfinite_grad(e->pipeline, b, i, &count));
   if (s != MFSDP_OK) return fail(self, s);
   return PyLong_FromLongLong(count);
 }
