@@ -176,7 +176,7 @@ def heap_worker(rank, world):
 def test_resident_memory_stays_bounded_on_cpu():
     # Without the trim after backward, this run's resident memory grows ~5 MiB a step, the
     # second 20 steps' high-water mark ~100 MiB above the first's: glibc heap fragmentation, see
-    # [Note: host heap trim] in csrc/python/module.c. With it, resident memory stays within the
+    # [Note: host heap trim] in csrc/python/host_heap.c. With it, resident memory stays within the
     # bound of its level after a trim.
     for rank, rss in enumerate(get_run(heap_worker, 2)):
         first, second = max(rss[:20]), max(rss[20:])
