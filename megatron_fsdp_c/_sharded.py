@@ -60,7 +60,7 @@ class EngineOwner:
     def _setup_host_heap(self, device) -> None:
         """CPU only: keep freed buffers for reuse, and trim the heap after a backward once resident
         memory grew by more than MFSDP_HOST_TRIM_BYTES (0: neither; see [Note: host heap trim]
-        in csrc/python/module.c)."""
+        in csrc/python/host_heap.c)."""
         self._host_trim_bytes = host_trim_bytes() if device.type == "cpu" else 0
         if self._host_trim_bytes > 0:
             _C.keep_host_heap()
