@@ -11,11 +11,14 @@
  * end of backward. The copy-out of a gather into the full weights is one pack as well.
  *
  * [Note: held gradients]
- * A ZeRO-2/3 bucket put on hold (mfsdp_pipeline_set_hold: FSDP2's
- * set_requires_gradient_sync(False)) is not reduced in a backward: its gradients are added,
- * unscaled, into its full gradient buffer, which stays allocated (one full copy of the bucket's
- * gradients, as DDP holds). The next backward off hold adds its own, scales the sum once and
- * reduce-scatters it: the local sum over microbatches is formed exactly as DDP forms it. */
+ * A ZeRO-2/3 bucket put on hold (mfsdp_pipeline_set_hold, FSDP2's
+ * set_requires_gradient_sync(False): its `defer_reduce`) is not reduced in a backward: its
+ * gradients are added, unscaled, into its full gradient buffer, which stays allocated (one full
+ * copy of the bucket's gradients, as DDP holds) and is marked `holds_unscaled_sums`. The next
+ * backward off hold adds its own gradients unscaled too, scales the sum once and
+ * reduce-scatters it, which clears the mark: the local sum over microbatches is formed exactly
+ * as DDP forms it. While the mark is set, the pre-scale cannot change (set_prescale refuses)
+ * and zero_grads discards the sums with the buffer. */
 #include "pipeline_internal.h"
 
 #include <string.h>
@@ -43,11 +46,11 @@ static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
   int accumulate = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE;
   double alpha = accumulate ? 1.0 : bk->prescale;
-  if (!accumulate && (bk->hold || bk->held)) { /* [Note: held gradients]: unscaled local sums */
-    if (!bk->held) {
+  if (!accumulate && (bk->defer_reduce || bk->holds_unscaled_sums)) { /* [Note: held gradients]: unscaled local sums */
+    if (!bk->holds_unscaled_sums) {
       MFSDP_CHECK(pl_materialize(p, bk, MFSDP_BUF_GRAD));
       MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
-      bk->held = 1;
+      bk->holds_unscaled_sums = 1;
     }
     accumulate = 1;
     alpha = 1.0;
@@ -155,7 +158,7 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
     for (int32_t k = 0; k < p->n; ++k) {
       bucket* bk = &p->b[p->order[k]];
       if ((bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
-          !bk->hold)
+          !bk->defer_reduce)
         MFSDP_CHECK(pl_launch_bucket(p, p->order[k]));
     }
     p->reduce_due = 0;
@@ -184,9 +187,9 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
     if (bk->spec.grad_mode == MFSDP_GRAD_NONE) continue;
     int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD : MFSDP_BUF_GRAD;
     MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[target].data, bk->buf[target].dtype, bk->buf[target].numel));
-    if (bk->held) { /* discard what was held back */
+    if (bk->holds_unscaled_sums) { /* discard what was held back */
       MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_GRAD));
-      bk->held = 0;
+      bk->holds_unscaled_sums = 0;
     }
     bk->outer_reduced = 0;
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
@@ -220,7 +223,7 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
         MFSDP_CHECK(
             k->fill_zero(kc, pl_at(g, (int64_t)o * bk->sub_size + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
       const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
-      for (int32_t r = 0; bk->held && r < bk->owners; ++r)
+      for (int32_t r = 0; bk->holds_unscaled_sums && r < bk->owners; ++r)
         MFSDP_CHECK(
             k->fill_zero(kc, pl_at(held, pl_slot_of(bk, r) + bk->shard_offsets[i]), held->dtype, bk->pieces[i]));
     }

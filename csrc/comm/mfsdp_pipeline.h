@@ -166,7 +166,10 @@ const char* mfsdp_pipeline_broken(const mfsdp_pipeline* p);
 
 /* Initialisation: begin materialises WEIGHT (zeroed), set_item copies a parameter in,
  * end derives the shard and main weights and releases what is temporary. direct = 1 writes
- * only this rank's rows (no full ZeRO-3 bucket; for meta-device initialisation). */
+ * only this rank's rows (no full ZeRO-3 bucket; for meta-device initialisation). set_item and
+ * set_local copy `src` with the kernels, on a GPU asynchronously on the current stream: the
+ * caller leaves it unchanged until that stream has passed the copy (a torch tensor freed
+ * after the call is: its memory goes back to the stream-ordered caching allocator). */
 mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t bucket, int direct);
 mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t bucket, int32_t item, const void* src,
                                      int32_t src_dtype, int64_t numel);

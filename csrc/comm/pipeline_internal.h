@@ -17,6 +17,14 @@
 /* Pack items handed to one `pack` call: a bucket's pieces go out in chunks of this many. */
 #define PACK_CHUNK 256
 
+/* Where a bucket is in loading its weights (mfsdp_pipeline_init_begin .. init_end). */
+typedef enum pl_init_mode {
+  PL_INIT_NONE = 0, /* not loading: set_item and set_local are refused */
+  PL_INIT_FULL,     /* items go into the full weights (WEIGHT); init_end derives the shards from them */
+  PL_INIT_DIRECT    /* each item's own rows go straight to the shard and main weights (meta-device
+                       initialisation): no full ZeRO-3 bucket ever exists */
+} pl_init_mode;
+
 /* A gradient of this backward waiting for its bucket to complete ([Note: one pack per bucket]). */
 typedef struct pending_grad {
   const void* src;
@@ -78,19 +86,22 @@ typedef struct bucket {
   int32_t n_ready;
   int8_t launched; /* its reduction was issued in this backward (it may have completed since) */
   int8_t complete; /* every gradient of this backward is in (or it was sealed): it may launch */
-  int8_t hold;     /* ZeRO-2/3: accumulate locally, do not reduce ([Note: held gradients]) */
-  int8_t outer_hold;    /* hybrid sharding: skip the all-reduce across replicas */
+  /* mfsdp_pipeline_set_hold: its reduction waits for a backward off hold. ZeRO-2/3 accumulate
+   * unscaled local sums meanwhile ([Note: held gradients]); no_shard/ZeRO-1 are left out of
+   * the reductions (their local sums accumulate in GRAD anyway). */
+  int8_t defer_reduce;
+  int8_t defer_outer_reduce; /* set_outer_hold: the reduction across replicas waits (the inner one goes on) */
   int8_t outer_reduced; /* its reduced gradients were all-reduced across replicas since the last zero */
   mfsdp_work* outer_work; /* across replicas: the gradient reduction, or (HFSDP) the weights' gather */
   int8_t outer_gathering; /* outer_work is the weights' gather: only this bucket's next unshard waits */
-  int8_t held;     /* GRAD holds unscaled local sums of earlier backwards */
+  int8_t holds_unscaled_sums; /* ZeRO-2/3: GRAD holds unscaled local sums since a backward on hold */
   double prescale; /* gradients are multiplied by this before the sum (default cfg.grad_prescale) */
   uint8_t* ready;
   pending_grad* pending; /* this backward's gradients not yet packed */
   int32_t n_pending;
   int64_t* holes; /* [start, end) pairs of the rank-major GRAD not covered by any item's rows */
   int32_t n_holes;
-  int8_t initializing;
+  pl_init_mode init; /* between init_begin and init_end: how the weights are loaded */
   mfsdp_comm_stats stats;
 } bucket;
 

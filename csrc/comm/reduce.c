@@ -114,7 +114,7 @@ static mfsdp_status finish_accumulate(mfsdp_pipeline* p, bucket* bk) {
                                           1.0));
   MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_GRAD));
   bk->gstate = MFSDP_G_CLEAN;
-  bk->held = 0;
+  bk->holds_unscaled_sums = 0;
   return MFSDP_OK;
 }
 
@@ -250,7 +250,7 @@ mfsdp_status pl_launch_bucket(mfsdp_pipeline* p, int32_t id) {
     const mfsdp_kernel_ops* k = p->be.kernels;
     MFSDP_CHECK(pl_materialize(p, bk, MFSDP_BUF_GRAD));
     const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
-    if (bk->held) { /* unscaled sums of several backwards: scale once ([Note: held gradients]) */
+    if (bk->holds_unscaled_sums) { /* unscaled sums of several backwards: scale once ([Note: held gradients]) */
       if (bk->prescale != 1.0) MFSDP_CHECK(k->scale(p->be.kernels_ctx, g->data, g->dtype, bk->full_size, bk->prescale));
     } else if (bk->gstate == MFSDP_G_CLEAN) { /* nothing of this backward packed here */
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
@@ -273,8 +273,8 @@ mfsdp_status pl_launch_in_order(mfsdp_pipeline* p) {
   while (p->next < p->n) {
     int32_t id = p->order[p->next];
     bucket* bk = &p->b[id];
-    int reduces = !bk->hold && (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ||
-                                (p->sync && bk->spec.grad_mode != MFSDP_GRAD_NONE));
+    int reduces = !bk->defer_reduce && (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ||
+                                        (p->sync && bk->spec.grad_mode != MFSDP_GRAD_NONE));
     if (reduces) {
       if (!bk->complete) break;
       MFSDP_CHECK(pl_launch_bucket(p, id));

@@ -69,10 +69,10 @@ static mfsdp_status launch_outer(mfsdp_pipeline* p, bucket* bk) {
 }
 
 /* A bucket's inner reduction completed: in a syncing backward (no_shard/ZeRO-1 reduce only to
- * sync) its result goes on across the replicas, unless the bucket is held from that. */
+ * sync) its result goes on across the replicas, unless that reduction is deferred. */
 mfsdp_status pl_reduce_across_replicas(mfsdp_pipeline* p, bucket* bk) {
   int syncing = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync;
-  if (!has_outer(p) || bk->outer_hold || !syncing) return MFSDP_OK;
+  if (!has_outer(p) || bk->defer_outer_reduce || !syncing) return MFSDP_OK;
   return launch_outer(p, bk);
 }
 

@@ -42,15 +42,15 @@ static int casts_on_gather(const bucket* bk) {
   return bk->gathered && pl_own_main(bk) && bk->owner[MFSDP_BUF_WEIGHT_SHARD] != MFSDP_BUF_WEIGHT_SHARD;
 }
 
-/* Two ways in. Full (direct = 0): the full weights are materialised, items are copied into
- * them and init_end derives shard and main weights from them. Direct (direct = 1, for
- * meta-device models materialised one module at a time): each item's own rows go straight to
- * the shard and main weights, so no full bucket ever exists; ZeRO-3 buckets stay EMPTY. */
+/* Two ways in (pl_init_mode). Full (direct = 0): the full weights are materialised, items are
+ * copied into them and init_end derives shard and main weights from them. Direct (direct = 1,
+ * for meta-device models materialised one module at a time): each item's own rows go straight
+ * to the shard and main weights, so no full bucket ever exists; ZeRO-3 buckets stay EMPTY. */
 mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t b, int direct) {
   MFSDP_CHECK(pl_healthy(p));
   MFSDP_CHECK(pl_check_bucket(p, b));
   bucket* bk = &p->b[b];
-  if (bk->initializing) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_begin twice", b);
+  if (bk->init != PL_INIT_NONE) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_begin twice", b);
   if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(pl_finish_gather(p, bk));
   if (!direct || !bk->spec.weights_sharded) {
     MFSDP_CHECK(pl_materialize(p, bk, MFSDP_BUF_WEIGHT));
@@ -61,7 +61,7 @@ mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t b, int direct)
       MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT_SHARD));
     if (pl_own_main(bk)) MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_MAIN_SHARD));
   }
-  bk->initializing = direct ? 2 : 1;
+  bk->init = direct ? PL_INIT_DIRECT : PL_INIT_FULL;
   return MFSDP_OK;
 }
 
@@ -69,17 +69,17 @@ mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t b, int32_t item,
                                      int64_t numel) {
   MFSDP_CHECK(pl_check_bucket(p, b));
   bucket* bk = &p->b[b];
-  if (!bk->initializing)
+  if (bk->init == PL_INIT_NONE)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: set_item outside init_begin/init_end", b);
   if (item < 0 || item >= bk->spec.layout.n_items || numel != bk->numels[item])
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: %lld elements given, %lld expected", b, item,
                       (long long)numel,
                       item >= 0 && item < bk->spec.layout.n_items ? (long long)bk->numels[item] : -1LL);
   const mfsdp_kernel_ops* k = p->be.kernels;
-  if (bk->initializing == 1 || !bk->spec.weights_sharded)
+  if (bk->init == PL_INIT_FULL || !bk->spec.weights_sharded)
     MFSDP_CHECK(k->copy(p->be.kernels_ctx, pl_at(&bk->buf[MFSDP_BUF_WEIGHT], bk->param_offsets[item]),
                         bk->spec.param_dtype, src, src_dtype, numel, 1.0));
-  if (bk->initializing == 1) return MFSDP_OK;
+  if (bk->init == PL_INIT_FULL) return MFSDP_OK;
   /* direct: this rank's rows of the item, into the persistent shard buffers (an own WEIGHT_SHARD
    * takes its whole collective shard: under HFSDP the rows of its replicas' twins too) */
   int64_t first, n, to = bk->shard_offsets[item];
@@ -102,7 +102,7 @@ mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t b, int32_t item
                                       int64_t numel) {
   MFSDP_CHECK(pl_check_bucket(p, b));
   bucket* bk = &p->b[b];
-  if (bk->initializing != 2)
+  if (bk->init != PL_INIT_DIRECT)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: set_local outside init_begin(direct)/init_end", b);
   if (item < 0 || item >= bk->spec.layout.n_items)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no item %d", b, item);
@@ -130,8 +130,8 @@ mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t b, int32_t item
 mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
   MFSDP_CHECK(pl_check_bucket(p, b));
   bucket* bk = &p->b[b];
-  if (!bk->initializing) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_end without init_begin", b);
-  if (bk->initializing == 1) { /* derive the shards from the full weights; padding zero */
+  if (bk->init == PL_INIT_NONE) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_end without init_begin", b);
+  if (bk->init == PL_INIT_FULL) { /* derive the shards from the full weights; padding zero */
     const mfsdp_buffer* w = &bk->buf[MFSDP_BUF_WEIGHT];
     if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) {
       MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT_SHARD));
@@ -142,7 +142,7 @@ mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
       MFSDP_CHECK(pack_own_rows(p, bk, bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, w, 0));
     }
   }
-  bk->initializing = 0;
+  bk->init = PL_INIT_NONE;
   if (bk->spec.weights_sharded) {
     MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_WEIGHT));
     bk->wstate = MFSDP_W_EMPTY;

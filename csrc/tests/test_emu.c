@@ -5,11 +5,17 @@
  *  - kernels: every dtype pair, aligned and misaligned, sizes around the vector width and past
  *    several grid strides, bit-identical to the CPU kernels; the one-launch pack; NaN counts;
  *    refusals with file:line.
+ *  - the emulator's timing knobs and per-record events (emu/cuda_runtime.h).
  *  - the pipeline cases of pipeline_cases.c through NCCL transport + CUDA kernels, world 1-4,
  *    with stream-ordered frees (a buffer freed too early is an AddressSanitizer error), once as
- *    they come and once with every stream operation delayed at random (other interleavings).
+ *    they come, once with every stream operation delayed at random (other interleavings) and
+ *    once with every rank's stream deferred until its host synchronizes (a host that touches
+ *    memory its stream has yet to use fails on every run).
  *  - a unit of three buckets (fp32, bf16, fp64) gathered as one NCCL group and read by the
  *    consumer stream straight after the wait.
+ *  - HFSDP (2 replicas x 2 shards) over two steps of three microbatches, as it comes and with
+ *    streams deferred or slowed (hf_modes): the collectives inside and across the replicas must
+ *    be ordered by events, not by timing.
  *  - the watchdog: a collective a peer never joins aborts the communicators within the timeout
  *    and the next call raises MFSDP_ERR_TIMEOUT; the peer then sees MFSDP_ERR_NCCL.
  *
@@ -194,6 +200,66 @@ static void test_kernels(void) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* the emulator's own promises: the timing knobs the stress runs rely on, and events that
+ * concern one record each (as in CUDA) */
+
+static void set_flag(void* arg) { *(_Atomic int*)arg = 1; }
+
+static double seconds_since(const struct timespec* a);
+
+static void test_emulator(void) {
+  cudaStream_t deferred, other, fast;
+  cudaStreamCreateWithPriority(&deferred, cudaStreamNonBlocking, 0);
+  cudaStreamCreateWithPriority(&other, cudaStreamNonBlocking, 0);
+  cudaStreamCreateWithPriority(&fast, cudaStreamNonBlocking, 0);
+  emu_stream_defer(deferred, 1);
+  /* a deferred stream runs nothing until the host waits for it, and holds back its waiters */
+  _Atomic int ran = 0, waiter_ran = 0;
+  cudaEvent_t e;
+  cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  emu_stream_host_fn(deferred, set_flag, (void*)&ran);
+  cudaEventRecord(e, deferred);
+  cudaStreamWaitEvent(other, e, 0);
+  emu_stream_host_fn(other, set_flag, (void*)&waiter_ran);
+  nap(0.02);
+  CHECK(!ran && !waiter_ran && cudaEventQuery(e) == cudaErrorNotReady,
+        "a deferred stream ran before the host waited for it (ran %d, its waiter %d)", (int)ran, (int)waiter_ran);
+  /* the waiter waits for the record it saw: a later record of the same event on a stream that
+   * runs at once completes the event, not that record */
+  cudaEventRecord(e, fast);
+  cudaStreamSynchronize(fast);
+  nap(0.01);
+  CHECK(cudaEventQuery(e) == cudaSuccess, "an event whose latest record passed is complete");
+  CHECK(!waiter_ran, "a wait for an event's first record was released by its second");
+  cudaStreamSynchronize(deferred);
+  cudaStreamSynchronize(other);
+  CHECK(ran && waiter_ran, "synchronizing a deferred stream runs it and releases its waiters (ran %d, waiter %d)",
+        (int)ran, (int)waiter_ran);
+  /* work queued after a synchronize stays deferred; switching deferral off lets it go */
+  ran = 0;
+  emu_stream_host_fn(deferred, set_flag, (void*)&ran);
+  nap(0.01);
+  CHECK(!ran, "work queued after a synchronize ran without one");
+  emu_stream_defer(deferred, 0);
+  cudaStreamSynchronize(deferred);
+  CHECK(ran, "deferral off: the queued work ran");
+  /* a slowed stream starts each operation at least its delay later */
+  emu_set_stream_delay_us(2000);
+  cudaStream_t slow;
+  cudaStreamCreateWithPriority(&slow, cudaStreamNonBlocking, 0);
+  emu_set_stream_delay_us(0);
+  struct timespec a;
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  for (int k = 0; k < 5; ++k) emu_stream_host_fn(slow, set_flag, (void*)&ran);
+  cudaStreamSynchronize(slow);
+  double took = seconds_since(&a);
+  CHECK(took >= 0.01, "5 operations on a stream slowed by 2 ms each took %.4f s", took);
+  cudaEventDestroy(e);
+  cudaStream_t made[] = {deferred, other, fast, slow};
+  for (size_t k = 0; k < sizeof made / sizeof made[0]; ++k) cudaStreamDestroy(made[k]);
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* the NCCL rig: emulated device memory, the native transport, the CUDA kernels */
 
 typedef struct emu_world {
@@ -201,6 +267,9 @@ typedef struct emu_world {
   ncclUniqueId ids[2];
   double timeout_s;
   const mfsdp_nccl_hooks* hooks; /* NULL: none */
+  int defer;                     /* each rank's current stream is deferred (emu_stream_defer) */
+  int stream_delay_us;           /* each operation on a rank's current stream starts this much later */
+  int lane_delay_us;             /* ... on the transports' lanes */
   pthread_barrier_t start;       /* the ranks make their transports together: the set-up's timeout
                                     counts from there, not from when each thread got a core */
 } emu_world;
@@ -238,10 +307,13 @@ static void dev_destroy(void* ctx, mfsdp_buffer* buf) {
 
 static mfsdp_memory_ops dev_memory_ops; /* heap ops with the two above; filled in main */
 
+static int g_defer_streams = 0; /* worlds made while set defer their ranks' current streams */
+
 static void* emu_world_create(int n) {
   emu_world* w = calloc(1, sizeof *w);
   w->n = n;
   w->timeout_s = 30.0;
+  w->defer = g_defer_streams;
   pthread_barrier_init(&w->start, NULL, (unsigned)n);
   ncclGetUniqueId(&w->ids[0]);
   ncclGetUniqueId(&w->ids[1]);
@@ -260,13 +332,19 @@ static int emu_rank_setup_on(emu_world* w, int rank, int device, mfsdp_backend* 
   /* One device per rank, with torch's current stream on it; the thread's current device stays
    * 0, as on a rank that never called torch.cuda.set_device: the engine must not depend on it. */
   cudaSetDevice(device);
+  emu_set_stream_delay_us(w->stream_delay_us);
   cudaStreamCreateWithPriority(&r->stream, cudaStreamNonBlocking, 0);
+  emu_set_stream_delay_us(0);
+  if (w->defer) emu_stream_defer(r->stream, 1);
   cudaSetDevice(0);
   if (mfsdp_cuda_kernel_context(device, &r->kernels_ctx) != MFSDP_OK) return -1;
   mfsdp_cuda_set_stream(r->kernels_ctx, r->stream);
   *state = r;
   pthread_barrier_wait(&w->start);
-  if (mfsdp_nccl_create(w->ids, rank, w->n, device, w->timeout_s, w->hooks, &r->nccl) != MFSDP_OK) return -1;
+  emu_set_stream_delay_us(w->lane_delay_us); /* the lanes the transport makes now */
+  mfsdp_status made = mfsdp_nccl_create(w->ids, rank, w->n, device, w->timeout_s, w->hooks, &r->nccl);
+  emu_set_stream_delay_us(0);
+  if (made != MFSDP_OK) return -1;
   int current = -1;
   cudaGetDevice(&current);
   CHECK(current == 0, "creating the transport left device %d current (the caller's was 0)", current);
@@ -367,25 +445,44 @@ out:
 
 /* ------------------------------------------------------------------------------------------ */
 /* HFSDP on native NCCL: 2 replicas x 2 shards, each rank with its own communicators inside the
- * replica and across replicas ([Note: optimizer sharded across replicas] in replicas.c) */
+ * replica and across replicas ([Note: optimizer sharded across replicas] in replicas.c). Run
+ * in several timings (hf_modes), each legal in CUDA: as it comes; with every rank's current
+ * stream deferred until its host synchronizes, so that a host touching memory its stream has
+ * yet to use fails on every run, whatever the machine's load; and deferred with one kind of
+ * stream slowed by 1 ms an operation, so that a collective ordered after another (inside vs.
+ * across the replicas) or after the producer's work by timing rather than by an event reads
+ * stale values on (nearly) every run instead of now and then. */
 
 enum { HF_OUTER = 2, HF_INNER = 2, HF_ROWS = 7, HF_COLS = 3, HF_STEPS = 2, HF_MICRO = 3 };
 
+typedef struct hf_mode {
+  const char* name;
+  int param_dtype;     /* of the compute weights; main weights, gradients, communication: float32 */
+  int defer;           /* every rank's current stream deferred (emu_stream_defer) */
+  int stream_delay_us; /* each operation on a rank's current stream starts this much later */
+  int inner_delay_us;  /* ... on the lanes inside the replica */
+  int outer_delay_us;  /* ... on the lanes across the replicas */
+  int jitter_us;       /* every stream operation starts up to this much later (emu_set_jitter_us) */
+} hf_mode;
+
 typedef struct hfsdp_thread {
+  const hf_mode* mode;
   emu_world* inner; /* this rank's replica */
   emu_world* outer; /* its twins in the other replicas */
   int o, i;
 } hfsdp_thread;
 
 static double hf_grad(int rank, int mb, int64_t j) { return 0.5 * (rank + 1) - 0.25 * mb + 1e-2 * j; }
+static double hf_init(int64_t j) { return 1.0 - 0.05 * j; }
 
 static void* hfsdp_worker(void* arg) {
   hfsdp_thread* t = arg;
-  int W = HF_OUTER * HF_INNER, rank = t->o * HF_INNER + t->i, n = HF_ROWS * HF_COLS;
-  mfsdp_param_info info = {n, HF_COLS, MFSDP_F32, 0, 1, 0};
+  const hf_mode* m = t->mode;
+  int W = HF_OUTER * HF_INNER, rank = t->o * HF_INNER + t->i, n = HF_ROWS * HF_COLS, pdt = m->param_dtype;
+  mfsdp_param_info info = {n, HF_COLS, pdt, 0, 1, 0};
   mfsdp_plan plan;
   CHECK_OK(mfsdp_plan_build(&info, 1, W, 0, 16, &plan));
-  mfsdp_bucket_spec spec = {plan.buckets[0].layout, rank, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
+  mfsdp_bucket_spec spec = {plan.buckets[0].layout, rank, pdt, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
                             MFSDP_GRAD_SCATTER_ACCUMULATE};
   mfsdp_backend be;
   void* dev = NULL;
@@ -396,7 +493,9 @@ static void* hfsdp_worker(void* arg) {
     goto out;
   }
   pthread_barrier_wait(&t->outer->start);
+  emu_set_stream_delay_us(t->outer->lane_delay_us);
   CHECK_OK(mfsdp_nccl_create(t->outer->ids, t->o, HF_OUTER, rank, t->outer->timeout_s, NULL, &across));
+  emu_set_stream_delay_us(0);
   if (across == NULL) goto done;
   be.outer = &mfsdp_nccl_ops;
   be.outer_ctx = across;
@@ -404,10 +503,11 @@ static void* hfsdp_worker(void* arg) {
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
   if (p == NULL) goto done;
   float* v = malloc((size_t)n * sizeof *v);
-  for (int j = 0; j < n; ++j) v[j] = (float)(1.0 - 0.05 * j);
+  for (int j = 0; j < n; ++j) v[j] = (float)hf_init(j);
   CHECK_OK(mfsdp_pipeline_init_begin(p, 0, 0));
   CHECK_OK(mfsdp_pipeline_set_item(p, 0, 0, v, MFSDP_F32, n));
   CHECK_OK(mfsdp_pipeline_init_end(p, 0));
+  emu_rank_sync(dev); /* set_item's copy reads v on the stream, and v takes the gradients below */
   int32_t b0 = 0;
   for (int step = 0; step < HF_STEPS; ++step) {
     CHECK_OK(mfsdp_pipeline_zero_grads(p));
@@ -438,21 +538,25 @@ static void* hfsdp_worker(void* arg) {
       wrong += fabs(g[goff + j] - want) > 1e-5 * (fabs(want) + 1);
       w[off + j] -= 0.5f * g[goff + j]; /* the optimizer, on this rank's piece only */
     }
-    CHECK(wrong == 0, "HFSDP on NCCL, rank %d step %d: %d main gradients wrong", rank, step, wrong);
+    CHECK(wrong == 0, "HFSDP on NCCL (%s), rank %d step %d: %d main gradients wrong", m->name, rank, step, wrong);
     CHECK_OK(mfsdp_pipeline_install_main_weights(p, 0));
   }
   CHECK_OK(mfsdp_pipeline_unshard(p, &b0, 1));
   CHECK_OK(mfsdp_pipeline_wait_unshard(p, &b0, 1));
   emu_rank_sync(dev);
-  const float* full = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT)->data;
+  const void* full = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT)->data;
+  double tol = pdt == MFSDP_F32 ? 1e-4 : 2e-2; /* bf16: the main weights rounded on install */
   int wrong = 0;
   for (int j = 0; j < n; ++j) {
-    double step_grad = 0;
+    double step_grad = 0, init[1];
     for (int mb = 0; mb < HF_MICRO; ++mb)
       for (int r = 0; r < W; ++r) step_grad += hf_grad(r, mb, j) / W;
-    wrong += fabs(full[j] - (1.0 - 0.05 * j - 0.5 * HF_STEPS * step_grad)) > 1e-4;
+    store_from_double(init, pdt, 0, hf_init(j)); /* the main weights start from the compute weights */
+    double want = load_as_double(init, pdt, 0) - 0.5 * HF_STEPS * step_grad;
+    wrong += fabs(load_as_double(full, pdt, j) - want) > tol * (fabs(want) + 1);
   }
-  CHECK(wrong == 0, "HFSDP on NCCL, rank %d: %d full weights wrong after the replicas' gathers", rank, wrong);
+  CHECK(wrong == 0, "HFSDP on NCCL (%s), rank %d: %d full weights wrong after the replicas' gathers", m->name, rank,
+        wrong);
   mfsdp_comm_stats st;
   mfsdp_pipeline_stats(p, -1, &st);
   CHECK(st.outer_reduce_scatters == HF_STEPS && st.outer_all_gathers == HF_STEPS && st.outer_all_reduces == 0,
@@ -472,21 +576,47 @@ out:
   return NULL;
 }
 
-static void test_hfsdp(void) {
+static void run_hfsdp(const hf_mode* m) {
   emu_world* inner[HF_OUTER];
   emu_world* outer[HF_INNER];
-  for (int o = 0; o < HF_OUTER; ++o) inner[o] = emu_world_create(HF_INNER);
-  for (int i = 0; i < HF_INNER; ++i) outer[i] = emu_world_create(HF_OUTER);
+  for (int o = 0; o < HF_OUTER; ++o) {
+    inner[o] = emu_world_create(HF_INNER);
+    inner[o]->defer = m->defer;
+    inner[o]->stream_delay_us = m->stream_delay_us;
+    inner[o]->lane_delay_us = m->inner_delay_us;
+  }
+  for (int i = 0; i < HF_INNER; ++i) {
+    outer[i] = emu_world_create(HF_OUTER);
+    outer[i]->lane_delay_us = m->outer_delay_us;
+  }
+  emu_set_jitter_us(m->jitter_us);
   pthread_t threads[HF_OUTER * HF_INNER];
   hfsdp_thread args[HF_OUTER * HF_INNER];
   for (int o = 0; o < HF_OUTER; ++o)
     for (int i = 0; i < HF_INNER; ++i) {
-      args[o * HF_INNER + i] = (hfsdp_thread){inner[o], outer[i], o, i};
+      args[o * HF_INNER + i] = (hfsdp_thread){m, inner[o], outer[i], o, i};
       pthread_create(&threads[o * HF_INNER + i], NULL, hfsdp_worker, &args[o * HF_INNER + i]);
     }
   for (int r = 0; r < HF_OUTER * HF_INNER; ++r) pthread_join(threads[r], NULL);
+  emu_set_jitter_us(0);
   for (int o = 0; o < HF_OUTER; ++o) emu_world_destroy(inner[o]);
   for (int i = 0; i < HF_INNER; ++i) emu_world_destroy(outer[i]);
+}
+
+static void test_hfsdp(void) {
+  const int F = MFSDP_F32, B = MFSDP_BF16;
+  const hf_mode modes[] = {
+      /* name, param dtype, defer, current streams' delay, inner lanes' delay, outer lanes' delay, jitter */
+      {"as it comes", F, 0, 0, 0, 0, 0},
+      {"streams deferred", F, 1, 0, 0, 0, 0},
+      {"streams deferred, lanes across replicas slow", F, 1, 0, 0, 1000, 0},
+      {"streams deferred, lanes inside replicas slow", F, 1, 0, 1000, 0, 0},
+      {"jitter", F, 0, 0, 0, 0, 300},
+      {"bf16 compute fp32 main, streams deferred, lanes across replicas slow", B, 1, 0, 0, 1000, 0},
+      {"bf16 compute fp32 main, streams deferred, lanes inside replicas slow", B, 1, 0, 1000, 0, 0},
+      {"bf16 compute fp32 main, streams deferred and slow", B, 1, 1000, 0, 0, 0},
+  };
+  for (size_t k = 0; k < sizeof modes / sizeof modes[0]; ++k) run_hfsdp(&modes[k]);
 }
 
 static void test_grouped_unit(void) {
@@ -934,8 +1064,8 @@ static void test_watchdog(void) {
 
 /* ------------------------------------------------------------------------------------------ */
 
-/* `test_emu [scenario]` runs one scenario (kernels, pipeline, grouped, watchdog, connect,
- * destroy, group-abort, pipeline-destroy, close, interrupt); no argument runs them all. */
+/* `test_emu [scenario]` runs one scenario (emulator, kernels, pipeline, grouped, hfsdp, watchdog,
+ * connect, destroy, group-abort, pipeline-destroy, close, interrupt); no argument runs them all. */
 static int wanted(int argc, char** argv, const char* name) { return argc < 2 || strcmp(argv[1], name) == 0; }
 
 int main(int argc, char** argv) {
@@ -944,6 +1074,7 @@ int main(int argc, char** argv) {
   dev_memory_ops.release = dev_release;
   dev_memory_ops.destroy = dev_destroy;
   int streams_before = emu_streams_alive();
+  if (wanted(argc, argv, "emulator")) test_emulator();
   if (wanted(argc, argv, "kernels")) test_kernels();
   long before = emu_nccl_collectives();
   if (wanted(argc, argv, "pipeline")) {
@@ -952,6 +1083,9 @@ int main(int argc, char** argv) {
     emu_set_jitter_us(300);               /* again with streams starting work at random moments */
     run_pipeline_cases(&nccl_rig, 4, 0);
     emu_set_jitter_us(0);
+    g_defer_streams = 1; /* and with every rank's stream as far behind its host as CUDA allows */
+    run_pipeline_cases(&nccl_rig, 4, 0);
+    g_defer_streams = 0;
     CHECK(emu_nccl_premul_reductions() > 0, "no_shard / ZeRO-1 float32 reductions pre-multiply inside NCCL");
   }
   if (wanted(argc, argv, "grouped")) test_grouped_unit();
