@@ -26,7 +26,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
 
-CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c"]
+CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c", "csrc/core/quant_cpu.c"]
 COMM = ["csrc/comm/pipeline.c"]
 GLUE = ["csrc/python/module.c", "csrc/python/torch_backend.c", "csrc/python/engine.c", "csrc/python/cuda_glue.c"]
 CUDA_C = ["csrc/cuda/nccl_transport.c"]  # C, compiled by the C compiler
