@@ -20,7 +20,7 @@ EMU_DEPS := csrc/tests/emu/cuda_runtime.h csrc/tests/emu/nccl.h csrc/tests/emu/e
 	          csrc/tests/emu/host_kernels.py csrc/cuda/kernels.cu csrc/cuda/nccl_transport.c csrc/tests/test_emu.c
 FUZZ_SECONDS ?= 20
 
-.PHONY: setup example test ctest cuda-check pytest bench clean
+.PHONY: setup example test ctest cuda-check pytest bench bench-quant clean
 
 $(VENV)/.ready: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -79,5 +79,14 @@ test: ctest cuda-check pytest
 bench: setup
 	$(VENV)/bin/python benchmarks/run.py
 
+# CPU throughput of the quantization kernels (a C micro-benchmark; ARGS="n block" to change).
+benchmarks/bin/quant_cpu: benchmarks/quant_cpu.c $(CORE_SRC) $(wildcard csrc/*/*.h)
+	@mkdir -p benchmarks/bin
+	$(CC) -std=c11 -O3 -ffp-contract=off -fno-strict-aliasing -D_POSIX_C_SOURCE=200809L -o $@ benchmarks/quant_cpu.c \
+	  csrc/core/status.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c
+
+bench-quant: benchmarks/bin/quant_cpu
+	benchmarks/bin/quant_cpu $(ARGS)
+
 clean:
-	rm -rf build csrc/tests/bin megatron_fsdp_c/*.so *.egg-info
+	rm -rf build csrc/tests/bin benchmarks/bin megatron_fsdp_c/*.so *.egg-info

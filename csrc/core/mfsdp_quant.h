@@ -178,26 +178,37 @@ MFSDP_HD float mfsdp_quant_scale(int mode, uint32_t absmax_bits) {
  * fraction bits, so the add itself rounds (in the default rounding mode, nearest even). */
 MFSDP_HD float mfsdp_quant_rint(float v) { return MFSDP_QADD(MFSDP_QADD(v, 12582912.0f), -12582912.0f); }
 
+/* cond ? a : b as masks: gcc vectorises the CPU loops around it (not those around a chain of
+ * ternaries). */
+MFSDP_HD uint32_t mfsdp_quant_select(int cond, uint32_t a, uint32_t b) {
+  uint32_t mask = 0u - (uint32_t)(cond != 0);
+  return (a & mask) | (b & ~mask);
+}
+
 /* e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no Inf; 0x7f/0xff NaN) of a
- * non-NaN v: nearest, ties to even, saturating to +-448. */
+ * non-NaN v: nearest, ties to even, saturating to +-448. Both roundings are computed and one
+ * selected, without branches. */
 MFSDP_HD uint8_t mfsdp_f32_to_e4m3(float v) {
   uint32_t u = mfsdp_f32_bits(v);
   uint32_t sign = (u >> 24) & 0x80u;
   uint32_t a = u & 0x7fffffffu;
-  if (a >= 0x43e00000u) return (uint8_t)(sign | 0x7eu); /* >= 448 */
-  if (a < 0x3c800000u) {                                 /* below 2^-6: subnormal steps of 2^-9 */
-    float q = mfsdp_quant_rint(MFSDP_QMUL(mfsdp_bits_f32(a), 512.0f)); /* 0..8; 8 is 2^-6, code 0x08 */
-    return (uint8_t)(sign | (uint32_t)q);
-  }
-  a += 0x7ffffu + ((a >> 20) & 1u); /* keep 3 mantissa bits, nearest even; < 448 never passes 448 */
-  return (uint8_t)(sign | (((a >> 23) - 120u) << 3) | ((a >> 20) & 7u));
+  /* below 2^-6: subnormal steps of 2^-9, the code is round(|v| * 2^9), 0..8 (8 is 2^-6, code 0x08) */
+  uint32_t sub =
+      (uint32_t)(int32_t)mfsdp_quant_rint(MFSDP_QMUL(mfsdp_bits_f32(a < 0x3c800000u ? a : 0x3c800000u), 512.0f));
+  /* normal: keep 3 mantissa bits, nearest even (< 448 never rounds past 448); unused below 2^-6 */
+  uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+  uint32_t normal = ((((r >> 23) - 120u) << 3) | ((r >> 20) & 7u)) & 0x7fu;
+  uint32_t code = mfsdp_quant_select(a < 0x3c800000u, sub, normal);
+  return (uint8_t)(sign | mfsdp_quant_select(a >= 0x43e00000u, 0x7eu, code));
 }
 
+/* The exact value of an e4m3fn code (its NaN, 0x7f/0xff, is a quiet NaN). */
 MFSDP_HD float mfsdp_e4m3_to_f32(uint32_t c) {
-  uint32_t sign = (c & 0x80u) << 24, e = (c >> 3) & 15u, m = c & 7u;
-  if (e == 15u && m == 7u) return mfsdp_bits_f32(sign | 0x7fc00000u);
-  if (e == 0u) return mfsdp_bits_f32(sign | mfsdp_f32_bits(MFSDP_QMUL((float)m, 0.001953125f))); /* m * 2^-9 */
-  return mfsdp_bits_f32(sign | ((e + 120u) << 23) | (m << 20));
+  uint32_t mag = c & 0x7fu;
+  uint32_t normal = (mag << 20) + (120u << 23);                               /* exponent e - 7 + 127 */
+  uint32_t sub = mfsdp_f32_bits(MFSDP_QMUL((float)(int32_t)(mag & 7u), 0.001953125f)); /* m * 2^-9 */
+  uint32_t bits = mfsdp_quant_select(mag == 0x7fu, 0x7fc00000u, mfsdp_quant_select(mag < 8u, sub, normal));
+  return mfsdp_bits_f32(((c & 0x80u) << 24) | bits);
 }
 
 /* The code of x in a finite, non-zero block of scale s: a byte (int8, e4m3) or a nibble in the

@@ -92,13 +92,14 @@ static void write_codes(int mode, uint8_t* payload, int64_t first, const float* 
     case MFSDP_QUANT_FP8_E4M3:
       for (int64_t i = 0; i < m; ++i) payload[first + i] = (uint8_t)mfsdp_quant_encode(MFSDP_QUANT_FP8_E4M3, x[i], s);
       break;
-    default: /* int4: pairs, the odd last element of a piece with a zero high nibble */
-      for (int64_t i = 0; i < m; i += 2) {
-        uint32_t lo = mfsdp_quant_encode(MFSDP_QUANT_INT4, x[i], s);
-        uint32_t hi = i + 1 < m ? mfsdp_quant_encode(MFSDP_QUANT_INT4, x[i + 1], s) : 0u;
-        payload[(first + i) / 2] = (uint8_t)(lo | hi << 4);
-      }
+    default: { /* int4: pairs, the odd last element of a piece with a zero high nibble */
+      uint8_t* out = payload + first / 2;
+      for (int64_t k = 0; k < m / 2; ++k)
+        out[k] = (uint8_t)(mfsdp_quant_encode(MFSDP_QUANT_INT4, x[2 * k], s) |
+                           mfsdp_quant_encode(MFSDP_QUANT_INT4, x[2 * k + 1], s) << 4);
+      if (m % 2) out[m / 2] = (uint8_t)mfsdp_quant_encode(MFSDP_QUANT_INT4, x[m - 1], s);
       break;
+    }
   }
 }
 
@@ -173,9 +174,20 @@ static void decode(int mode, const uint8_t* payload, const float* scales, int64_
       case MFSDP_QUANT_FP8_E4M3:
         for (int64_t k = 0; k < run; ++k) out[i + k] = mfsdp_quant_decode(MFSDP_QUANT_FP8_E4M3, payload, e + k, s);
         break;
-      default:
-        for (int64_t k = 0; k < run; ++k) out[i + k] = mfsdp_quant_decode(MFSDP_QUANT_INT4, payload, e + k, s);
+      default: { /* int4: an odd first element alone, then whole bytes, then an odd last one */
+        float* o = out + i;
+        int64_t k = 0;
+        if (e % 2) o[k++] = mfsdp_quant_decode(MFSDP_QUANT_INT4, payload, e, s);
+        const uint8_t* bytes = payload + (e + k) / 2;
+        int64_t pairs = (run - k) / 2;
+        for (int64_t p = 0; p < pairs; ++p) {
+          o[k + 2 * p] = MFSDP_QMUL(mfsdp_quant_code_value(MFSDP_QUANT_INT4, bytes[p] & 0x0fu), s);
+          o[k + 2 * p + 1] = MFSDP_QMUL(mfsdp_quant_code_value(MFSDP_QUANT_INT4, (uint32_t)bytes[p] >> 4), s);
+        }
+        k += 2 * pairs;
+        if (k < run) o[k] = mfsdp_quant_decode(MFSDP_QUANT_INT4, payload, e + k, s);
         break;
+      }
     }
     i += run;
   }
