@@ -80,13 +80,13 @@ bench: setup
 	$(VENV)/bin/python benchmarks/run.py
 
 # CPU throughput of the quantization kernels (a C micro-benchmark; ARGS="n block" to change).
-benchmarks/bin/quant_cpu: benchmarks/quant_cpu.c $(CORE_SRC) $(wildcard csrc/*/*.h)
-	@mkdir -p benchmarks/bin
+build/bench/quant_cpu: benchmarks/quant_cpu.c $(CORE_SRC) $(wildcard csrc/*/*.h)
+	@mkdir -p build/bench
 	$(CC) -std=c11 -O3 -ffp-contract=off -fno-strict-aliasing -D_POSIX_C_SOURCE=200809L -o $@ benchmarks/quant_cpu.c \
 	  csrc/core/status.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c
 
-bench-quant: benchmarks/bin/quant_cpu
-	benchmarks/bin/quant_cpu $(ARGS)
+bench-quant: build/bench/quant_cpu
+	build/bench/quant_cpu $(ARGS)
 
 clean:
-	rm -rf build csrc/tests/bin benchmarks/bin megatron_fsdp_c/*.so *.egg-info
+	rm -rf build csrc/tests/bin megatron_fsdp_c/*.so *.egg-info

@@ -31,10 +31,11 @@
  * rounded to nearest even, with qmax = 127 (int8), 448 (fp8_e4m3, its largest finite value), 7
  * (int4); s is raised to FLT_MIN (2^-126) when it would be smaller, so that a block of
  * subnormals never divides by a scale that lost its precision, or by zero. Each element x of
- * the block is coded from v = x / s (one float32 division): int8 and int4 round v to the
- * nearest integer, ties to even, and saturate to [-qmax, qmax] (symmetric: -128 and -8 are
- * never written); fp8_e4m3 rounds v to the nearest e4m3fn value, ties to even, saturating to
- * +-448 (e4m3fn has no Inf; its NaN code 0x7f/0xff is never written).
+ * the block is coded as: int8 and int4, the integer nearest to the exact quotient x / s, ties
+ * to even (a float32 division, corrected by the exact float64 residual x - code * s when its
+ * rounding crossed a half), saturated to [-qmax, qmax] (symmetric: -128 and -8 are never
+ * written); fp8_e4m3, the e4m3fn value nearest to the float32 quotient v = x / s, ties to
+ * even, saturating to +-448 (e4m3fn has no Inf; its NaN code 0x7f/0xff is never written).
  * Dequantize. Element i of block j is the float32 product code(i) * s_j, rounded once. That
  * float32 value then behaves exactly as a float32 source of the copy / accumulate kernels:
  * alpha * value written, or dst + alpha * value added, computed in float32 (float64 when the
@@ -51,13 +52,15 @@
  *     and report_nan_in_param_grad counts both.)
  * Error per element of a finite block, against the exact source value x (in units of the
  * block's stored scale s, i.e. its quantization step for int8/int4):
- *   - int8, int4: |x - deq| <= s * (1/2 + 2^-16). Half a step from rounding to an integer; the
- *     2^-16 covers the float32 division v = x / s (relative 2^-24 of |v| <= qmax + 1, which can
- *     move v across a tie) and the float32 product code * s (2^-24 of |code| <= qmax).
- *   - fp8_e4m3: |x - deq| <= 2^-4 * |x| * (1 + 2^-16) when |v| >= 2^-6 (the normal range of
- *     e4m3: 3 mantissa bits, half an ulp is 2^-4 relative), and <= s * 2^-10 * (1 + 2^-16)
- *     below it (subnormal e4m3 steps of 2^-9 * s). Saturation adds nothing beyond that: only
- *     rounding of s can push |v| past 448, by at most 448 * 2^-23.
+ *   - int8, int4: |x - code * s| <= s / 2 exactly: half a step. Saturation adds nothing (the
+ *     absmax is at most qmax * s * (1 + 2^-24), rounding of s). The dequantized value, the
+ *     float32 code * s, adds its own rounding, 2^-24 of |code * s| <= qmax * s: so
+ *     |x - deq| <= s * (1/2 + 2^-17) for int8, s * (1/2 + 2^-21) for int4.
+ *   - fp8_e4m3: |x - deq| <= 2^-4 * |x| when |v| >= 2^-6 (the normal range of e4m3: 3
+ *     mantissa bits, half an ulp is at most 2^-4 relative, in fact 1/17 at most), and
+ *     <= s * 2^-10 * (1 + 2^-16) below it (subnormal e4m3 steps of 2^-9 * s; the 2^-16 covers
+ *     the float32 quotient and product). Saturation adds nothing: only rounding of s can push
+ *     |v| past 448, by at most 448 * 2^-23.
  *   - then the destination's own rounding: half an ulp of a bfloat16 / float16 result (a
  *     float16 destination overflows to Inf past 65504 as any cast does); float64 adds nothing;
  *     a float64 source adds its rounding to float32 (2^-24 relative).
@@ -150,10 +153,14 @@ mfsdp_status mfsdp_cpu_dequantize_pack(void* dst_base, int dst_dtype, const mfsd
 #define MFSDP_QDIV(a, b) __fdiv_rn((a), (b))
 #define MFSDP_QMUL(a, b) __fmul_rn((a), (b))
 #define MFSDP_QADD(a, b) __fadd_rn((a), (b))
+#define MFSDP_QDMUL(a, b) __dmul_rn((a), (b))
+#define MFSDP_QDADD(a, b) __dadd_rn((a), (b))
 #else
 #define MFSDP_QDIV(a, b) ((a) / (b))
 #define MFSDP_QMUL(a, b) ((a) * (b))
 #define MFSDP_QADD(a, b) ((a) + (b))
+#define MFSDP_QDMUL(a, b) ((a) * (b))
+#define MFSDP_QDADD(a, b) ((a) + (b))
 #endif
 
 /* The largest code magnitude: a block's absmax maps to it. */
@@ -216,8 +223,17 @@ MFSDP_HD float mfsdp_e4m3_to_f32(uint32_t c) {
 MFSDP_HD uint32_t mfsdp_quant_encode(int mode, float x, float s) {
   float v = MFSDP_QDIV(x, s);
   if (mode == MFSDP_QUANT_FP8_E4M3) return mfsdp_f32_to_e4m3(v);
-  float qmax = mfsdp_quant_qmax(mode);
   float q = mfsdp_quant_rint(v);
+  /* v is the quotient rounded to float32, which can move it across a half; the residual
+   * x - q * s is exact in float64 (q * s has at most 32 significant bits, and x is within a few
+   * binades of it unless q = 0), so one step corrects q to the integer nearest to the exact
+   * quotient. An exact tie k + 1/2 is a float32, so v is exact there and the rounding above
+   * already chose the even neighbour: only a strict crossing needs the step. (Written as float
+   * selects, which gcc vectorises.) */
+  double r = MFSDP_QDADD((double)x, -MFSDP_QDMUL((double)q, (double)s));
+  double half = MFSDP_QDMUL(0.5, (double)s);
+  q = MFSDP_QADD(q, MFSDP_QADD(r > half ? 1.0f : 0.0f, r < -half ? -1.0f : 0.0f));
+  float qmax = mfsdp_quant_qmax(mode);
   q = q > qmax ? qmax : q < -qmax ? -qmax : q;
   return (uint32_t)(int32_t)q & (mode == MFSDP_QUANT_INT8 ? 0xffu : 0x0fu);
 }

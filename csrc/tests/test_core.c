@@ -207,9 +207,11 @@ static void test_e4m3(void) {
 
 /* Measured round-trip errors (finite blocks; float32 / float64 destinations). */
 typedef struct quant_stats {
-  double int_steps[MFSDP_NUM_QUANT_MODES]; /* max |x - deq| / s: int8, int4 */
+  double code_steps[MFSDP_NUM_QUANT_MODES]; /* max |x - code * s| / s, exact: int8, int4 (no saturation) */
+  double int_steps[MFSDP_NUM_QUANT_MODES];  /* max |x - deq| / s: int8, int4 */
   double fp8_relative;                     /* max |x - deq| / |x| where |x / s| >= 2^-6 */
   double fp8_sub_steps;                    /* max |x - deq| / s below it */
+  int64_t corrected;                       /* int codes that are not the float32 quotient's nearest */
   int64_t elements;
 } quant_stats;
 
@@ -219,9 +221,10 @@ static int is_int_mode(int mode) { return mode != MFSDP_QUANT_FP8_E4M3; }
 static float source_f32(const void* src, int st, int64_t i) { return (float)load_as_double(src, st, i); }
 
 /* One piece against the format's definition: scales (bit for bit), codes (bit for bit against
- * the float32 division and a rounding to nearest even, and within half a step plus 2^-17 of
- * the float64 quotient), zero padding. Returns the number of violations. */
-static int64_t check_wire(int mode, int64_t block, const void* src, int st, int64_t n, const uint8_t* wire) {
+ * the exact quotient for int8 / int4: the nearest integer, ties to even; against the float32
+ * quotient's nearest e4m3 value for fp8), zero padding. Returns the number of violations. */
+static int64_t check_wire(int mode, int64_t block, const void* src, int st, int64_t n, const uint8_t* wire,
+                          quant_stats* stats) {
   int64_t bad = 0, P = mfsdp_quant_payload_bytes(mode, n), C = mfsdp_quant_scales_offset(mode, n);
   int64_t nb = mfsdp_quant_blocks(n, block), W = mfsdp_quant_wire_bytes(mode, n, block);
   for (int64_t b = P; b < C; ++b) bad += wire[b] != 0;
@@ -253,10 +256,16 @@ static int64_t check_wire(int mode, int64_t block, const void* src, int st, int6
         bad += code != (uint32_t)e4m3_reference(v);
         continue;
       }
-      double q = fmin(fmax(nearbyint((double)v), -qmax), qmax); /* nearest, ties to even */
-      bad += code != ((uint32_t)(int32_t)q & (mode == MFSDP_QUANT_INT8 ? 0xffu : 0x0fu));
-      double exact = (double)x / (double)want; /* independent of the float32 division */
-      bad += fabs(exact) <= qmax && fabs(exact - q) > 0.5 + ldexp(1, -17);
+      /* the integer nearest to the exact quotient, ties to even: x - q * s is exact in float64 */
+      double q = mode == MFSDP_QUANT_INT8 ? (double)(int8_t)code : (double)((int)code - (code >= 8 ? 16 : 0));
+      double r = (double)x - q * (double)want, half = 0.5 * (double)want;
+      if (fabs((double)x) > qmax * (double)want) { /* past the saturation point */
+        bad += q != (x > 0 ? qmax : -qmax);
+        continue;
+      }
+      bad += fabs(r) > half || (fabs(r) == half && fmod(q, 2.0) != 0.0);
+      stats->corrected += q != nearbyint((double)v); /* the float32 quotient's rounding crossed a half */
+      stats->code_steps[mode] = fmax(stats->code_steps[mode], fabs(r) / (double)want);
     }
   }
   return bad;
@@ -323,7 +332,7 @@ static int64_t check_dequantize(int mode, int64_t block, const void* src, int st
           continue;
         }
         double err = fabs(y - x), s = scale, bound;
-        if (is_int_mode(mode)) bound = s * (0.5 + ldexp(1, -16));
+        if (is_int_mode(mode)) bound = s * (0.5 + ldexp(1, mode == MFSDP_QUANT_INT8 ? -17 : -21));
         else bound = fmax(ldexp(fabs(xf), -4), ldexp(s, -10)) * (1 + ldexp(1, -16));
         bound += fabs(x - xf) + ldexp(1, -149);
         if (dt == MFSDP_BF16) bound += ldexp(fabs(y), -8) + ldexp(1, -134);
@@ -353,7 +362,7 @@ static int64_t check_dequantize(int mode, int64_t block, const void* src, int st
 static void test_quant_round_trip(void) {
   const int64_t shapes[][2] = {{1, 128},  {7, 128},  {128, 128}, {129, 128}, {300, 128}, {1000, 100},
                                {1001, 32}, {257, 2}, {64, 64},   {5000, 4100}, {3001, 1}};
-  quant_stats stats = {{0}, 0, 0, 0};
+  quant_stats stats = {{0}, {0}, 0, 0, 0, 0};
   for (int mode = 0; mode < MFSDP_NUM_QUANT_MODES; ++mode)
     for (size_t z = 0; z < sizeof shapes / sizeof shapes[0]; ++z) {
       int64_t n = shapes[z][0], block = shapes[z][1];
@@ -366,7 +375,7 @@ static void test_quant_round_trip(void) {
         uint8_t* wire = malloc((size_t)W);
         memset(wire, 0xa5, (size_t)W); /* the padding must be written */
         CHECK_OK(mfsdp_cpu_quantize(wire, mode, block, src, st, n, 1));
-        int64_t bad = check_wire(mode, block, src, st, n, wire);
+        int64_t bad = check_wire(mode, block, src, st, n, wire, &stats);
         CHECK(bad == 0, "quantize %s from %s, n %lld, block %lld: %lld violations of the format",
               mfsdp_quant_mode_name(mode), mfsdp_dtype_name(st), (long long)n, (long long)block, (long long)bad);
         for (int dt = 0; dt < MFSDP_NUM_FLOAT_DTYPES; ++dt) {
@@ -378,10 +387,13 @@ static void test_quant_round_trip(void) {
         free(wire);
       }
     }
-  printf("test_core: quantization round trip over %lld elements, max error: int8 %.6f steps, int4 %.6f steps, "
-         "fp8_e4m3 %.6f relative (2^-4 = 0.0625) and %.6f steps below 2^-6 * scale (bound 2^-10 = %.6f)\n",
+  printf("test_core: quantization round trip over %lld elements, max error: int8 %.7f steps, int4 %.7f steps "
+         "(codes alone: %.7f, %.7f; %lld codes corrected past the float32 quotient), fp8_e4m3 %.6f relative "
+         "(2^-4 = 0.0625) and %.6f steps below 2^-6 * scale (2^-10 = %.6f)\n",
          (long long)stats.elements, stats.int_steps[MFSDP_QUANT_INT8], stats.int_steps[MFSDP_QUANT_INT4],
+         stats.code_steps[MFSDP_QUANT_INT8], stats.code_steps[MFSDP_QUANT_INT4], (long long)stats.corrected,
          stats.fp8_relative, stats.fp8_sub_steps, ldexp(1, -10));
+  CHECK(stats.corrected > 0, "no input exercised the correction of a float32 quotient that crossed a half");
   CHECK(stats.int_steps[MFSDP_QUANT_INT8] > 0.45 && stats.int_steps[MFSDP_QUANT_INT4] > 0.45 &&
         stats.fp8_relative > 0.05, "the round trips came near their bounds (the inputs exercise them)");
 }
