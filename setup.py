@@ -26,7 +26,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
 
-CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c"]
+CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c", "csrc/core/quant_cpu.c"]
 # the collective pipeline, one file per concern (map at the top of csrc/comm/pipeline.c; the
 # Makefile's COMM_SRC lists the same files)
 COMM = [f"csrc/comm/{name}.c" for name in ("pipeline", "buffers", "weights", "reduce", "backward", "replicas")]
