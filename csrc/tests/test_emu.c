@@ -261,6 +261,9 @@ static void test_emulator(void) {
   cudaEventDestroy(e);
   cudaStream_t made[] = {deferred, other, fast, slow};
   for (size_t k = 0; k < sizeof made / sizeof made[0]; ++k) cudaStreamDestroy(made[k]);
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* quantized pieces ([Note: quantized wire format] in core/mfsdp_quant.h): the CUDA table
  * against the CPU one, bit for bit */
 
