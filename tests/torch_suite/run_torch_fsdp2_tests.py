@@ -12,8 +12,9 @@ tests/torch_suite/_site/sitecustomize.py, which emulates an N-device machine on 
 torch's ([Note: torch-suite set-up] there says exactly what is patched).
 
 Per file, the harness lists the test ids (unittest's loader, after the file's own parametrisation)
-in one subprocess, then runs each id in its own subprocess (`python FILE Class.test`) with a
-timeout, so a hang costs one timeout and the table still comes out. A test is pass, fail, skip,
+in one subprocess, then runs each id in its own subprocess with a timeout, so a hang costs one
+timeout and the table still comes out. --batch first runs a file's tests in one subprocess per
+impl and keeps its passes and skips; every other test is then run alone as above. A test is pass, fail, skip,
 or timeout; fail carries the first exception line of its output (the innermost one of a rank's
 traceback, not the "Process N exited" wrapper). With both impls it prints, per file, the tests
 run, torch passes and ours passes, then every test's status and the failure lines, and a list of
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,7 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # (instantiate_*_tests run at import). The file is imported, not run as __main__, so its
 # run_tests() does not take over; the ranks are forked from this process (see sitecustomize).
 DRIVER = r"""
-import importlib.util, json, sys, traceback, unittest
+import importlib.util, json, sys, time, traceback, unittest
 path, args = sys.argv[1], sys.argv[2:]
 spec = importlib.util.spec_from_file_location("torch_suite_tests", path)
 module = importlib.util.module_from_spec(spec)
@@ -63,7 +65,9 @@ if args == ["--list"]:
     sys.exit(0)
 for test_id in args:
     result = unittest.TestResult()
+    start = time.monotonic()
     loader.loadTestsFromName(test_id, module).run(result)
+    seconds = round(time.monotonic() - start, 1)
     if result.errors or result.failures or result.unexpectedSuccesses:
         texts = [t for _, t in result.errors + result.failures] or ["unexpected success"]
         out = {"status": "fail", "text": "\n".join(texts)}
@@ -71,11 +75,12 @@ for test_id in args:
         out = {"status": "skip", "text": result.skipped[0][1]}
     else:
         out = {"status": "pass", "text": "expected failure" if result.expectedFailures else ""}
-    print("TORCH_SUITE_RESULT " + json.dumps({"id": test_id, **out}), flush=True)
+    print("TORCH_SUITE_RESULT " + json.dumps({"id": test_id, "seconds": seconds, **out}), flush=True)
 """
 
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt|Exit|Timeout)\b:?")
-_WRAPPER = re.compile(r"Process \d+ (exited|timed out)|Caught exception:|subprocess.CalledProcessError")
+# MultiProcessTestCase's and MultiThreadedTestCase's wrappers around a rank's own exception.
+_WRAPPER = re.compile(r"(Process|Thread) \d+ (exited|timed out)|Caught exception:|subprocess.CalledProcessError")
 
 
 def first_failure_line(output: str) -> str:
@@ -124,8 +129,11 @@ def run_ids(path: Path, ids: list[str], impl: str, devices: int, timeout: float,
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)  # interrupted: leave no rank process behind
+            raise
     seconds = round(time.monotonic() - start, 1)
     if log_dir is not None:
         log = log_dir / impl / (f"{path.stem}.{ids[0]}.log" if len(ids) == 1 else f"{path.stem}.batch.log")
@@ -136,7 +144,7 @@ def run_ids(path: Path, ids: list[str], impl: str, devices: int, timeout: float,
         if line.startswith("TORCH_SUITE_RESULT "):
             r = json.loads(line[len("TORCH_SUITE_RESULT "):])
             reason = first_failure_line(r["text"]) if r["status"] == "fail" else r["text"][:200]
-            results[r["id"]] = {"status": r["status"], "reason": reason, "seconds": seconds if len(ids) == 1 else None}
+            results[r["id"]] = {"status": r["status"], "reason": reason, "seconds": r["seconds"]}
     if len(ids) == 1 and ids[0] not in results:
         if time.monotonic() - start >= timeout:
             results[ids[0]] = {"status": "timeout", "reason": f"no result in {timeout:.0f} s", "seconds": seconds}
@@ -144,6 +152,10 @@ def run_ids(path: Path, ids: list[str], impl: str, devices: int, timeout: float,
             results[ids[0]] = {"status": "fail", "reason": "exited without a result: " + first_failure_line(output),
                                "seconds": seconds}
     return results
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:
@@ -161,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="write every result as JSON here")
     ap.add_argument("--log-dir", type=Path, help="keep each test's output here, as IMPL/FILE.Class.test.log")
     args = ap.parse_args(argv)
+    # A SIGTERM unwinds like Ctrl-C, so the running test's process group is ended too.
+    signal.signal(signal.SIGTERM, _interrupt)
     impls = args.impl or ["torch", "ours"]
     files = sorted(args.tests_dir.glob("test_fully_shard_*.py"))
     if args.files:
@@ -185,8 +199,11 @@ def main(argv=None) -> int:
         for impl in impls:
             done = {}
             if args.batch and ids:
-                # One process for the file; what a hang or crash left without a result runs alone.
+                # One process for the file. Threaded tests share that process (and module state
+                # such as cached meshes), so only its passes stand: every other outcome, and a test
+                # a hang or crash left without a result, is decided by running the test alone.
                 done = run_ids(path, ids, impl, args.devices, args.timeout * len(ids), args.log_dir)
+                done = {t: r for t, r in done.items() if r["status"] in ("pass", "skip")}
             for test_id in ids:
                 r = done.get(test_id) or run_ids(path, [test_id], impl, args.devices, args.timeout,
                                                  args.log_dir)[test_id]

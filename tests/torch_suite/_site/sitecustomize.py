@@ -7,8 +7,9 @@ unless the harness set MFSDP_TORCH_SUITE_IMPL.
 Identical for --impl torch and --impl ours (so a difference between the two columns is ours):
 - CPU as an N-device machine (N = MFSDP_TORCH_SUITE_DEVICES): torch.cpu.device_count() and
   common_fsdp.DEVICE_COUNT return N, so the world sizes the tests derive from the device count
-  are those of an N-GPU machine; skip_if_lt_x_gpu(x) runs a test when x <= N and skips it
-  otherwise (torch 2.13 skips every test without allow_cpu=True on CPU).
+  are those of an N-GPU machine; skip_if_lt_x_gpu(x) runs a test when x <= N or the file says
+  allow_cpu=True, and skips it otherwise (torch 2.13 skips every test without allow_cpu=True
+  on CPU).
 - FSDPTest forks its rank processes (MFSDP_TORCH_SUITE_START=spawn keeps torch's spawn): a
   spawned rank re-imports torch and the test file, ~20 s a rank on a loaded two-core machine.
 - FSDPTest._run is FSDPTestMixin._run (the same body with the CPU guard), and
@@ -46,9 +47,9 @@ def _emulate_devices(count: int) -> None:
     orig_skip = common_distributed.skip_if_lt_x_gpu
 
     def skip_if_lt_x_gpu(x, *, allow_cpu=False):
-        # allow_cpu=True runs the test on a CPU-only machine; skip it like a real N-GPU
-        # machine would when it needs more devices than we emulate.
-        return orig_skip(x, allow_cpu=x <= count)
+        # The file's allow_cpu=True stands (upstream runs it on CPU); otherwise run it as
+        # an N-GPU machine would: when it needs no more devices than we emulate.
+        return orig_skip(x, allow_cpu=allow_cpu or x <= count)
 
     common_distributed.skip_if_lt_x_gpu = skip_if_lt_x_gpu
     common_fsdp.skip_if_lt_x_gpu = skip_if_lt_x_gpu
