@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -119,21 +120,38 @@ def collect(path: Path, devices: int, timeout: float) -> tuple[list[str], str]:
 
 def run_ids(path: Path, ids: list[str], impl: str, devices: int, timeout: float,
             log_dir: Path | None) -> dict:
-    """Runs `ids` in one subprocess; returns the results it printed before ending or timing out."""
+    """Runs `ids` in one subprocess; returns the results it printed before ending, or before a
+    test ran `timeout` seconds without a result (the subprocess is then killed)."""
     start = time.monotonic()
+    lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="torch_suite_") as cwd:
         # A new session: a timeout ends the test's rank processes too, not only the test process.
         proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(path), *ids], env=child_env(impl, devices),
                                 cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
+        progress = [time.monotonic()]  # when the last result (or the start) was seen
+
+        def read():
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("TORCH_SUITE_RESULT "):
+                    progress[0] = time.monotonic()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
+            # Each test gets `timeout` from the previous result: one hang in a batch costs one timeout.
+            while reader.is_alive():
+                reader.join(1.0)
+                if time.monotonic() - progress[0] > timeout:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    break
+            reader.join()
+            proc.wait()
         except BaseException:
             os.killpg(proc.pid, signal.SIGKILL)  # interrupted: leave no rank process behind
             raise
+    output = "".join(lines)
     seconds = round(time.monotonic() - start, 1)
     if log_dir is not None:
         log = log_dir / impl / (f"{path.stem}.{ids[0]}.log" if len(ids) == 1 else f"{path.stem}.batch.log")
@@ -168,7 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per test (default 300)")
     ap.add_argument("--devices", type=int, default=2, help="emulated accelerators: world sizes follow from it (default 2)")
     ap.add_argument("--batch", action="store_true",
-                    help="run a file's tests in one process per impl (timeout: per test x tests); a test "
+                    help="run a file's tests in one process per impl (each test gets --timeout from the previous result); a test "
                          "left without a result by a hang or crash is rerun alone")
     ap.add_argument("--out", type=Path, help="write every result as JSON here")
     ap.add_argument("--log-dir", type=Path, help="keep each test's output here, as IMPL/FILE.Class.test.log")
@@ -202,7 +220,7 @@ def main(argv=None) -> int:
                 # One process for the file. Threaded tests share that process (and module state
                 # such as cached meshes), so only its passes stand: every other outcome, and a test
                 # a hang or crash left without a result, is decided by running the test alone.
-                done = run_ids(path, ids, impl, args.devices, args.timeout * len(ids), args.log_dir)
+                done = run_ids(path, ids, impl, args.devices, args.timeout, args.log_dir)
                 done = {t: r for t, r in done.items() if r["status"] in ("pass", "skip")}
             for test_id in ids:
                 r = done.get(test_id) or run_ids(path, [test_id], impl, args.devices, args.timeout,
