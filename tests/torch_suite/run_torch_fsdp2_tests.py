@@ -110,8 +110,11 @@ def child_env(impl: str, devices: int) -> dict:
 
 
 def collect(path: Path, devices: int, timeout: float) -> tuple[list[str], str]:
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(path), "--list"], env=child_env("torch", devices),
-                          capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
+    try:
+        proc = subprocess.run([sys.executable, "-c", DRIVER, str(path), "--list"], env=child_env("torch", devices),
+                              capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
+    except subprocess.TimeoutExpired:
+        return [], f"listing the tests took over {timeout:.0f} s"
     for line in proc.stdout.splitlines():
         if line.startswith("TORCH_SUITE_IDS "):
             return json.loads(line[len("TORCH_SUITE_IDS "):]), ""
