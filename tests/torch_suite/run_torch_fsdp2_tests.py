@@ -15,8 +15,9 @@ Per file, the harness lists the test ids (unittest's loader, after the file's ow
 in one subprocess, then runs each id in its own subprocess with a timeout, so a hang costs one
 timeout and the table still comes out. --batch first runs a file's tests in one subprocess per
 impl (each test gets the timeout from the previous result) and keeps its passes and skips; every
-other test is then run alone as above. A test is pass, fail, skip, or timeout; fail carries the first exception line of its output (the innermost one of a rank's
-traceback, not the "Process N exited" wrapper). With both impls it prints, per file, the tests
+other test is then run alone as above. A test is pass, fail, skip, or timeout; fail carries the
+first exception line of its output (the innermost one of a rank's traceback, not the "Process N
+exited" wrapper). With both impls it prints, per file, the tests
 run, torch passes and ours passes, then every test's status and the failure lines, and a list of
 the tests torch passes and ours does not. Whole logs go to --log-dir.
 
