@@ -75,6 +75,13 @@ class HookOwner(Protocol):
                              The answer is passed to engine.begin_backward.
     `_after_backward(synced)` called from the backward's final callback, after engine.end_backward
                              and the releases, with the answer `_should_sync()` gave.
+    `_unit_unsharded(unit)`, `_unit_resharded(unit)` (optional, looked up once): a unit's full
+                             weights are ready for its compute (pre-forward, pre-backward, after the
+                             wait), and a unit is resharded (after forward or backward, by its
+                             flags, whether or not its buckets are released: a unit whose weights
+                             persist is resharded too). The per-module API registers the compute or
+                             the sharded parameters there ([Note: per-group registration] in
+                             experimental/_root.py); MegatronFSDP swaps every parameter per pass.
     """
 
     param_buffer: "ParamBuffer"
@@ -164,6 +171,9 @@ class HookManager:
         self.sync_this_backward = False
         self.used = owner._used  # see [Note: unused parameters] in _sharded.py
         self.handles = []
+        self.on_unsharded = getattr(owner, "_unit_unsharded", None)
+        self.on_resharded = getattr(owner, "_unit_resharded", None)
+        self.grouped: List[_Unit] = []  # units of several modules (members > 1): completed at the root post-forward
         self._set_reduce_order(buf, ends)
         self.register_module_hooks = register_module_hooks
         self._register()
@@ -216,8 +226,15 @@ class HookManager:
             skipped = seq[q]
             if issued_before(q):
                 self.engine.unshard(skipped.buckets)
-            if skipped.releasable and (skipped.reshard_after_forward if forward else skipped.reshard_after_backward):
-                self.engine.reshard(skipped.releasable)
+            if skipped.reshard_after_forward if forward else skipped.reshard_after_backward:
+                self._reshard(skipped)
+
+    def _reshard(self, unit: _Unit) -> None:
+        """Releases a unit (its ZeRO-3 buckets) and tells the owner."""
+        if unit.releasable:
+            self.engine.reshard(unit.releasable)
+        if self.on_resharded is not None:
+            self.on_resharded(unit)
 
     def _forward_reach(self, unit: _Unit) -> None:
         """Gathers for `unit` in the shared forward order (see [Note: gather order])."""
@@ -253,6 +270,11 @@ class HookManager:
 
     def root_post_forward(self, output):
         if not in_backward():
+            for unit in self.grouped:  # a group only some of whose modules ran: its forward ends here
+                if 0 < unit.members_left < unit.members:
+                    unit.members_left = 0
+                    if unit.reshard_after_forward:
+                        self._reshard(unit)
             n = len(self.fwd_seq)
             self._settle(self.fwd_seq, range(self.fwd_done, n), lambda q: q >= self.fwd_next, True)
             self.fwd_next = self.fwd_done = n
@@ -278,6 +300,8 @@ class HookManager:
             self.engine.unshard(unit.buckets)
         if unit.buckets:
             self.engine.wait_unshard(unit.buckets)
+        if self.on_unsharded is not None:
+            self.on_unsharded(unit)
         if unit.releasable and torch.is_grad_enabled():
             flat, spec = tree_flatten((args, kwargs))
             positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -299,10 +323,10 @@ class HookManager:
             self.fwd_next += 1
 
     def post_forward(self, unit: _Unit, module, args, output):
-        if not in_backward() and unit.releasable and unit.reshard_after_forward:
+        if not in_backward() and unit.reshard_after_forward:
             unit.members_left -= 1
             if unit.members_left <= 0:  # the last of the unit's modules to run in this forward
-                self.engine.reshard(unit.releasable)
+                self._reshard(unit)
         if torch.is_grad_enabled():
             tensors = grad_tensors(output)
             if tensors:
@@ -338,6 +362,8 @@ class HookManager:
         else:
             self.engine.unshard(unit.buckets)
         self.engine.wait_unshard(unit.buckets)
+        if self.on_unsharded is not None:
+            self.on_unsharded(unit)
 
     def _prefetch_backward(self, unit: _Unit) -> None:
         """Gathers ahead in the shared backward order: the unit before, or down through the
@@ -349,8 +375,8 @@ class HookManager:
             self.engine.unshard(self.bwd_seq[self.bwd_next].buckets)
 
     def post_backward(self, unit: _Unit) -> None:
-        if unit.releasable and unit.reshard_after_backward:
-            self.engine.reshard(unit.releasable)
+        if unit.reshard_after_backward:
+            self._reshard(unit)
 
     def grad_hook(self, index: int, bucket: int, item: int, param: torch.Tensor) -> None:
         self.start_backward()
@@ -370,6 +396,10 @@ class HookManager:
             release += [b for b in self.all_sharded if self.bucket_unit[b] < 0]
             if release:
                 self.engine.reshard(release)
+            if self.on_resharded is not None:
+                for u in self.units:
+                    if u.reshard_after_backward:
+                        self.on_resharded(u)
         finally:
             self.in_backward = False
         self.owner._after_backward(self.sync_this_backward)

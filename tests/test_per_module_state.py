@@ -92,7 +92,9 @@ def state_dict_roundtrip(rank, world, ck, ckdir, dim, reshard):
     x = local_batch(0, rank, (2, dim))
     for when, seed in (("before the first forward", 1), ("after a forward", 2)):
         values = random_values(model, seed)
-        ptrs = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
+        # through the state dict: after a forward that keeps the weights (reshard False) the modules
+        # hold the unsharded parameters, as under FSDP2, and state_dict() registers the sharded ones
+        ptrs = {k: v.to_local().data_ptr() for k, v in model.state_dict().items()}
         model.load_state_dict(distributed_like(sd, values))
         plain.load_state_dict(values)
         for n, p in model.named_parameters():
@@ -441,14 +443,6 @@ def bad_input(rank, world, ck, ckdir):
 # ------------------------------------------------------------------------------------------
 
 KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
-    'state_dict_roundtrip[dim2]':
-        'between a forward and its backward the compute (unsharded) parameters stay registered, so a state dict taken there holds plain tensors (FSDP2 registers sharded ones per module)',
-    'state_dict_roundtrip[dim3]':
-        'between a forward and its backward the compute (unsharded) parameters stay registered, so a state dict taken there holds plain tensors (FSDP2 registers sharded ones per module)',
-    'state_dict_roundtrip[dim5]':
-        'between a forward and its backward the compute (unsharded) parameters stay registered, so a state dict taken there holds plain tensors (FSDP2 registers sharded ones per module)',
-    'state_dict_roundtrip[dim3-keep]':
-        'between a forward and its backward the compute (unsharded) parameters stay registered, so a state dict taken there holds plain tensors (FSDP2 registers sharded ones per module)',
     'cached_state_dict[dim3]':
         "a state dict taken before the first forward keeps the pre-engine local shards: the engine's buffers replace them at the first forward, so it stops aliasing the parameters",
     'cached_state_dict[dim8]':

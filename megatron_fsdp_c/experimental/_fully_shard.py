@@ -26,6 +26,7 @@ code finds on a sharded module (its state key, register_fsdp_forward_method) in 
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, List, Optional, Union
 
 import torch.nn as nn
@@ -36,7 +37,7 @@ from ..no_shard import mark_by_name
 from ._group import dp_mesh_of, form_group
 from ._module import FSDPModule, fsdp_class
 from ._policy import check_policies
-from ._root import post_forward, pre_forward
+from ._root import post_forward, pre_forward, to_sharded_hook
 from ._torch_state import register_torch_state
 
 __all__ = ["fully_shard"]
@@ -98,4 +99,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         m.__class__ = fsdp_class(type(m))
         m.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(post_forward, prepend=False)
+    hook = functools.partial(to_sharded_hook, group)
+    for m in {id(mod): mod for mod, _, _ in group.places}.values():
+        m.register_state_dict_pre_hook(hook)
+        m._register_load_state_dict_pre_hook(hook)
     return module

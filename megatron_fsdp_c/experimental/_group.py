@@ -5,6 +5,7 @@ data-parallel dims are named)."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import List, Optional
 
 import torch
@@ -17,7 +18,7 @@ from .._common import contiguous_stride
 from .._distributed import DistContext, make_dist_context
 from ..no_shard import is_no_shard
 
-__all__ = ["ShardGroup", "dp_mesh_of", "form_group", "group_of"]
+__all__ = ["Origin", "ShardGroup", "check_origins", "dp_mesh_of", "form_group", "group_of", "refresh_places", "root_of"]
 
 _CONTEXTS = {}      # (mesh's ranks, device) -> DistContext: one gather communicator per mesh, not per call
 _DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
@@ -47,6 +48,77 @@ class ShardGroup:
     unshard_in_backward: bool = True       # accepted settings with no effect here ([Note: torch's FSDPModule])
     force_sum_reduction: bool = False
     torch_state: Optional[object] = None   # what torch's code finds under its state key (_torch_state.py)
+    parent: Optional["ShardGroup"] = None  # the group of the closest sharded module above (set by its fully_shard)
+
+
+class Origin:
+    """The plain parameter a group's DTensor parameter was made from, shared by every DTensor made
+    of it; `state` is a weak reference to the root state whose engine holds it."""
+    __slots__ = ("state",)
+
+    def __init__(self):
+        self.state = None
+
+
+def check_origins(named: list, state) -> None:
+    """[(name, DTensor parameter)] of one root's groups at its lazy init: a parameter tied across
+    two groups (two DTensors of one Origin, or one already held by another root's engine) is
+    refused with FSDP2's error, which it raises at the same point; then claims the rest for
+    `state`."""
+    seen = {}
+    for name, dp in named:
+        origin = getattr(dp, "_mfsdp_origin", None)
+        if origin is None:
+            continue
+        first = seen.setdefault(origin, dp)
+        other = origin.state() if origin.state is not None else None
+        if first is not dp or (other is not None and other is not state):
+            raise ValueError(
+                f"Parameter '{name}' is shared with a parameter already managed by another FSDP group. For "
+                "shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the same FSDP group "
+                "(or shard a module containing every place it is registered, their common parent, and not the "
+                "places themselves), or untie them")
+    ref = weakref.ref(state)
+    for origin in seen:
+        origin.state = ref
+
+
+def refresh_places(g: ShardGroup) -> None:
+    """FSDP2's reset_sharded_param, at the lazy init: a parameter replaced on its module since
+    fully_shard (load_state_dict(assign=True), an assignment, to_empty() or .to() on a part of
+    the model) is the group's from now on. A DTensor must be placed as the one it replaces (same
+    shape, mesh and placements); a plain tensor of the full shape is sharded as fully_shard does."""
+    adopted = {}  # id(new parameter) -> its DTensor Parameter (a tied parameter stays tied)
+    for i, (mod, attr, dp) in enumerate(g.places):
+        cur = mod._parameters.get(attr)
+        if cur is dp:
+            continue
+        if id(cur) not in adopted:
+            adopted[id(cur)] = _adopt(cur, dp, g, mod, attr)
+        new = adopted[id(cur)]
+        if new is not cur:
+            mod._parameters[attr] = new
+        g.places[i] = (mod, attr, new)
+
+
+def _adopt(cur, old: nn.Parameter, g: ShardGroup, mod: nn.Module, attr: str) -> nn.Parameter:
+    where = f"'{attr}' of {type(mod).__name__}"
+    if not isinstance(cur, torch.Tensor):
+        raise ValueError(f"parameter {where} was removed after fully_shard: a sharded module's parameters must stay "
+                         "registered (assign a new nn.Parameter of the same shape instead)")
+    if tuple(cur.shape) != tuple(old.shape):
+        raise ValueError(f"parameter {where} was replaced after fully_shard by one of shape {tuple(cur.shape)}; "
+                         f"the group sharded shape {tuple(old.shape)}: a replacement must have the same shape")
+    if isinstance(cur, DTensor):
+        if cur.device_mesh != g.ctx.mesh or tuple(cur.placements) != tuple(old.placements):
+            raise ValueError(
+                f"parameter {where} was replaced after fully_shard by a DTensor on mesh {cur.device_mesh} with "
+                f"placements {tuple(cur.placements)}; the group shards it as {tuple(old.placements)} on "
+                f"{g.ctx.mesh}: distribute it like the parameter it replaces (distribute_tensor(full, "
+                "p.device_mesh, p.placements))")
+        return cur if isinstance(cur, nn.Parameter) else nn.Parameter(cur, requires_grad=cur.requires_grad)
+    replicated = isinstance(old.placements[-1], Replicate)
+    return _to_dtensor(cur, g.ctx, replicated, g.ctx.device)
 
 
 def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:
@@ -133,8 +205,9 @@ def _mesh_and_context(mesh, device_type: str) -> DistContext:
     return ctx
 
 
-def _group_params(modules, ignored) -> List[tuple]:
-    """(module, attr, param) of every parameter of `modules` not in a submodule's group."""
+def _group_params(modules, ignored, children: list) -> List[tuple]:
+    """(module, attr, param) of every parameter of `modules` not in a submodule's group; the
+    groups of the sharded submodules met on the way are added to `children`."""
     places, seen_places = [], set()
     stack = list(modules)
     visited = set()
@@ -143,7 +216,10 @@ def _group_params(modules, ignored) -> List[tuple]:
         if id(mod) in visited:
             continue
         visited.add(id(mod))
-        if getattr(mod, "_mfsdp_group", None) is not None and mod not in modules:
+        sub = getattr(mod, "_mfsdp_group", None)
+        if sub is not None and mod not in modules:
+            if sub not in children:
+                children.append(sub)
             continue  # a sharded submodule: its parameters are its group's
         for attr, p in mod._parameters.items():
             if p is None or (id(mod), attr) in seen_places or p in ignored:
@@ -181,7 +257,9 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
     each module points at the group (`_mfsdp_group`). The arguments are checked already; `mesh` is
     the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims)."""
     plain = {}  # a DTensor parameter tied within the group stays tied as a plain one
-    places = [(mod, attr, plain.setdefault(id(p), _plain(p, spmd_mesh))) for mod, attr, p in _group_params(modules, ignored)]
+    children = []
+    places = [(mod, attr, plain.setdefault(id(p), _plain(p, spmd_mesh)))
+              for mod, attr, p in _group_params(modules, ignored, children)]
     devices = {p.device.type for _, _, p in places if not p.is_meta}
     if len(devices) > 1:
         raise ValueError(f"the parameters of this {type(modules[0]).__name__} are on several device types "
@@ -194,19 +272,14 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ctx = _mesh_and_context(mesh, device_type)
 
-    # A parameter a group has sharded carries `_mfsdp_sharded_by`: one registered in two groups (tied
-    # weights split across fully_shard calls) is caught instead of silently untied.
+    # Each DTensor made here carries the Origin of the parameter it came from: a parameter registered
+    # in two groups (tied weights split across fully_shard calls) becomes two DTensors with one
+    # Origin, refused at the lazy init as FSDP2 refuses it (check_origins).
     converted = {}  # id(original) -> DTensor Parameter (a parameter tied within the group stays tied)
     for mod, attr, p in places:
         if isinstance(p, DTensor):
             raise ValueError(f"parameter '{attr}' of {type(mod).__name__} is already a DTensor: fully_shard takes "
                              "plain parameters (tensor parallelism with the per-module API is not supported yet)")
-        other = getattr(p, "_mfsdp_sharded_by", None)  # not a weak dict: tensors compare by value
-        if other is not None and id(p) not in converted:
-            raise ValueError(
-                f"parameter '{attr}' of {type(mod).__name__} is shared with {other}, which fully_shard already "
-                "sharded in another group: a parameter can belong to one group only. Shard a module containing "
-                "every place it is registered (their common parent), or untie it")
         if shard_placement_fn is not None:
             placement = shard_placement_fn(p)
             if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0
@@ -215,14 +288,28 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
                                  "megatron_fsdp_c shards dim 0 only; return None or Shard(0)")
         if id(p) not in converted:
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
-            converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device)
-            p._mfsdp_sharded_by = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
+            dt = converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device)
+            origin = getattr(p, "_mfsdp_origin", None)  # an attribute, not a dict: tensors compare by value
+            if origin is None:
+                origin = p._mfsdp_origin = Origin()
+            dt._mfsdp_origin = origin
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
                        mp_policy, reshard_after_forward)
     for m in modules:
         m._mfsdp_group = group
+    for child in children:
+        if child.parent is None:
+            child.parent = group
     return group
+
+
+def root_of(g: ShardGroup) -> nn.Module:
+    """The module whose first forward (or unshard()) initialises `g`'s engine: the outermost
+    sharded module above g (FSDP2's root: the model), found through the groups' parents."""
+    while g.parent is not None:
+        g = g.parent
+    return g.modules[0]
 
 
 def group_of(module) -> ShardGroup:

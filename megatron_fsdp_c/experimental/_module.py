@@ -51,13 +51,18 @@ def fsdp_class(cls: type) -> type:
 class UnshardHandle(TorchUnshardHandle):
     """What unshard(async_op=True) returns: wait() makes the full parameters usable."""
 
-    def __init__(self, state: RootState, buckets: List[int]):
-        self._state, self._buckets = state, buckets
+    def __init__(self, state: RootState, group: ShardGroup):
+        self._state, self._group = state, group
 
     def wait(self) -> None:
-        if self._buckets:
-            self._state.param_buffer.engine.wait_unshard(self._buckets)
-            self._buckets = []
+        """Waits for the gather and registers the group's unsharded parameters on its modules,
+        until reshard() ([Note: per-group registration] in _root.py)."""
+        if self._group is not None:
+            buckets = list(self._group.unit.buckets)
+            if buckets:
+                self._state.param_buffer.engine.wait_unshard(buckets)
+            self._state.register(self._group.unit.index, True)
+            self._group = None
 
 
 class FSDPModule(TorchFSDPModule):
@@ -88,22 +93,24 @@ class FSDPModule(TorchFSDPModule):
 
     # -- gathers ------------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """Gathers this module's full parameters now (collective); they stay until reshard()."""
+        """Gathers this module's full parameters now (collective); they stay, registered on the
+        module, until reshard(). Before the first forward, this initialises the model through
+        its root (the outermost sharded module), as that forward would."""
         g = group_of(self)
         state = state_of(self)
-        buckets = list(g.unit.buckets)
-        state.param_buffer.engine.unshard(buckets)
-        handle = UnshardHandle(state, buckets)
+        if g.unit.buckets:
+            state.param_buffer.engine.unshard(list(g.unit.buckets))
+        handle = UnshardHandle(state, g)
         if async_op:
             return handle
         handle.wait()
         return None
 
     def reshard(self) -> None:
-        """Releases this module's full parameters (ZeRO-3 groups)."""
+        """Releases this module's full parameters (ZeRO-3 groups) and registers its sharded ones."""
         g = group_of(self)
-        if g.state is not None and g.unit.releasable:
-            g.state.param_buffer.engine.reshard(list(g.unit.releasable))
+        if g.state is not None:
+            g.state.reshard_group(g)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """Accepted, no effect: our pre-forward and pre-backward gathers are issued ahead

@@ -16,10 +16,10 @@ from .._sharded import EngineOwner
 from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
-from ._group import ShardGroup, group_of
+from ._group import ShardGroup, group_of, root_of
 from ._policy import cast_floats, engine_policy, is_torch_policy
 
-__all__ = ["RootState", "post_forward", "pre_forward", "state_of"]
+__all__ = ["RootState", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
 
 
 class RootState(EngineOwner):
@@ -80,7 +80,11 @@ class RootState(EngineOwner):
         self.param_buffer.build_dist_params(self, existing=True)
         self._used = bytearray(len(records))
         self._has_grad = bytearray(len(records))
-        self._holds_dist_params = True
+        # [Note: per-group registration]: what each group's modules hold, by unit index
+        self._unit_params = [[] for _ in groups]
+        for r in records:
+            self._unit_params[r.unit].append((r.param, r.dist_param, r.places))
+        self._unsharded = [False] * len(groups)  # fully_shard registered the sharded parameters
         self._seen = [r.dist_param._version for r in records]
         self.report_nan_in_param_grad = False
         self.pass_root = None
@@ -90,10 +94,48 @@ class RootState(EngineOwner):
                                  register_module_hooks=False)
         for u, g in enumerate(groups):
             g.state, g.unit = self, self.hooks.units[u]
-            g.unit.members = len(g.modules)
+            g.unit.members = g.unit.members_left = len(g.modules)
+            if len(g.modules) > 1:
+                self.hooks.grouped.append(g.unit)
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
-        self._swap_params(dist=True)
+
+    # -- [Note: per-group registration] ------------------------------------------------------
+    def register(self, u: int, unsharded: bool) -> None:
+        """[Note: per-group registration]
+        As FSDP2 does, each group's modules hold its compute (unsharded) parameters only while
+        the group is gathered for its compute, and its sharded DTensor parameters otherwise:
+        the compute ones from the group's pre-forward (and pre-backward, and an explicit
+        unshard()) on, the sharded ones again when the group reshards -- after its forward if
+        reshard_after_forward, after its backward if reshard_after_backward, at reshard(), and
+        when a state dict is taken or loaded (FSDP2's state-dict pre-hooks; the gathered
+        weights stay, the group's next pre-backward registers the compute ones again). So a
+        forward without its backward leaves the resharding groups' DTensors on the modules (a
+        released compute parameter is never left registered), and a group that keeps its
+        weights (reshard_after_forward=False) holds plain tensors until it reshards, as under
+        FSDP2. The same applies to groups whose weights persist (ZeRO-1/2, one rank): they
+        reshard by the same flags, without releasing anything. Gradients do not depend on it:
+        autograd keeps the compute parameters it used, and the gradient hooks are on them."""
+        if self._unsharded[u] == unsharded:
+            return
+        self._unsharded[u] = unsharded
+        for compute, sharded, places in self._unit_params[u]:
+            p = compute if unsharded else sharded
+            for mod, attr in places:
+                mod._parameters[attr] = p
+
+    def _unit_unsharded(self, unit) -> None:  # HookOwner (hooks.py)
+        self.register(unit.index, True)
+
+    def _unit_resharded(self, unit) -> None:  # HookOwner (hooks.py)
+        self.register(unit.index, False)
+
+    def reshard_group(self, g: ShardGroup) -> None:
+        """FSDPModule.reshard(): releases the group's gathered weights (ZeRO-3) and registers
+        its sharded parameters."""
+        if g.unit.releasable:
+            self.param_buffer.engine.reshard(list(g.unit.releasable))
+        self.register(g.unit.index, False)
 
     # -- per-group settings, applied to the engine ------------------------------------------------
     def buckets_of(self, g: ShardGroup) -> List[int]:
@@ -123,12 +165,11 @@ class RootState(EngineOwner):
                 g.post_optim_event.wait()
                 g.post_optim_event = None
         self._refresh_changed_weights()
-        self._swap_params(dist=False)
         self.hooks.root_pre_forward()
 
     def root_post_forward(self, output):
         self.pass_root = None
-        return self._finish_root_forward(output)
+        return self.hooks.root_post_forward(output)  # each group registered by its own flags
 
     def _refresh_changed_weights(self) -> None:
         """An optimizer (or a load) changed some local shards in place since the last forward:
@@ -158,7 +199,6 @@ class RootState(EngineOwner):
             self.param_buffer.engine.zero_item_grads(b, items)
 
     def _after_backward(self, synced: bool) -> None:
-        self._swap_params(dist=True)
         synced_units = {u for u, g in enumerate(self.groups) if g.requires_gradient_sync}
         self.held = {u for u in self.held if u not in synced_units}
         self.held |= {u for u, g in enumerate(self.groups) if u not in synced_units and g.unit.grad_buckets}
@@ -221,6 +261,9 @@ class RootState(EngineOwner):
         release = [b for u in self.hooks.units if u.reshard_after_backward for b in u.releasable]
         if release:
             engine.reshard(release)
+        for u in self.hooks.units:
+            if u.reshard_after_backward:
+                self.register(u.index, False)
         self._after_backward(True)
 
     def reset_iter_state(self) -> None:
@@ -248,7 +291,8 @@ class RootState(EngineOwner):
         for u in hooks.units:
             u.members_left = u.members
         self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
-        self._swap_params(dist=True)
+        for u in range(len(self.groups)):
+            self.register(u, False)
 
 
 def _post_order(root: nn.Module) -> List[nn.Module]:
@@ -268,9 +312,20 @@ def _post_order(root: nn.Module) -> List[nn.Module]:
 
 
 def state_of(module) -> RootState:
-    """The root state of `module`'s group; the first call on a root is its lazy init."""
+    """The root state of `module`'s group. The first call for any group of a model is the lazy
+    init, through the model's root (root_of in _group.py): a first forward or unshard() of a
+    child initialises every group under the root, as the root's first forward would."""
     g = group_of(module)
-    return g.state if g.state is not None else RootState(module)
+    return g.state if g.state is not None else RootState(root_of(g))
+
+
+def to_sharded_hook(group: ShardGroup, *args, **kwargs) -> None:
+    """The state-dict (save and load) pre-hook fully_shard puts on each module holding a
+    parameter of `group`: its sharded parameters are registered, so a state dict taken or
+    loaded between a forward and its backward sees the DTensors ([Note: per-group
+    registration]; FSDP2's to_sharded_hook)."""
+    if group.state is not None:
+        group.state.register(group.unit.index, False)
 
 
 @torch.compiler.disable(recursive=True)
