@@ -70,7 +70,8 @@ def test_compiled_model_trains_like_ddp(strategy):
     for rank, cells in enumerate(get_run(grid, 2)):
         status, r = cells[strategy]
         assert status == "ok", f"rank {rank}:\n{r}"
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
+                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=1e-9, atol=1e-12)
         assert r["param_diff"] < 1e-9, r["param_diff"]
         assert r["breaks"] <= MAX_BREAKS[strategy], f"{r['breaks']} graph breaks (at most {MAX_BREAKS[strategy]})"
         assert r["later_breaks"] == 0, "later steps recompiled with new graph breaks"
