@@ -15,7 +15,6 @@ At world 4 the same checks run under hybrid sharding on a 2x2 mesh: HSDP ([Repli
 Shard(0)]) and HFSDP (Shard(0) over all four ranks).
 """
 import copy
-import traceback
 
 import pytest
 import torch
@@ -28,11 +27,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-from conftest import get_run
+import rank_grid
+from checks import to_full
+from train_both import TrainBoth
 
 STRATEGIES = [0, 1, 2, 3]
 MODELS = ["gpt", "llama"]
 AWKWARD = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=2)
+CELLS = rank_grid.Cells(__name__)
 
 
 class AwkwardGPT(GPT):
@@ -98,26 +100,23 @@ def dtensor_checks(rank, world, kind, strategy):
     fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[unit], zero_dp_strategy=strategy, **hybrid)
     cfg = GPTConfig(vocab=vocab, seq=8)
     out = {"norms": [], "ref_norms": []}
-    for step in range(2):
-        x, y = batch(cfg, 2, seed=100 * step + rank)
-        loss_of(kind, fsdp, x, y).backward()
-        loss_of(kind, ddp, x, y).backward()
+
+    def clip_and_look(step):
         norm = torch.nn.utils.clip_grad_norm_(list(fsdp.parameters()), 1.0)
         out["norms"].append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
         out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
         if step == 1:  # gradients after the sync (and the clip), as DTensors
-            out["grads"] = {n: p.grad.full_tensor() for n, p in fsdp.named_parameters() if p.grad is not None}
+            # copies: full_tensor() of a replicated gradient is its local tensor, which zero_grad clears
+            out["grads"] = {n: to_full(p.grad) for n, p in fsdp.named_parameters() if p.grad is not None}
             out["ref_grads"] = {"module." + n: p.grad.clone() for n, p in ref.named_parameters()}
             # element-wise arithmetic between a parameter and its gradient, and norms
             out["sgd_like"] = {n: (p.detach() - 0.1 * p.grad).full_tensor() for n, p in fsdp.named_parameters()}
             out["ref_sgd_like"] = {"module." + n: p.detach() - 0.1 * p.grad for n, p in ref.named_parameters()}
             out["norm2"] = {n: torch.linalg.vector_norm(p.grad).full_tensor() for n, p in fsdp.named_parameters()}
             out["ref_norm2"] = {"module." + n: torch.linalg.vector_norm(p.grad) for n, p in ref.named_parameters()}
-        opt.step()
-        ref_opt.step()
-        if step == 0:
-            opt.zero_grad()
-            ref_opt.zero_grad()
+    TrainBoth(rank, world, fsdp, ref, optimizers=(opt, ref_opt), ddp=ddp).run(
+        2, lambda step, mb: batch(cfg, 2, seed=100 * step + rank), loss=lambda m, xy: loss_of(kind, m, *xy),
+        before_optimizer=clip_and_look)
 
     params = dict(fsdp.named_parameters())
     out["placements"] = {n: str(p.placements) for n, p in params.items()}
@@ -166,15 +165,13 @@ def dtensor_checks(rank, world, kind, strategy):
     return out
 
 
-def grid(rank, world):
-    res = {}
-    for kind in MODELS:
-        for strategy in STRATEGIES + (list(HYBRID) if world == 4 else []):
-            try:
-                res[(kind, strategy)] = ("ok", dtensor_checks(rank, world, kind, strategy))
-            except Exception:  # noqa: BLE001 - reported by the test of this cell
-                res[(kind, strategy)] = ("error", traceback.format_exc())
-    return res
+for _kind in MODELS:
+    for _strategy in STRATEGIES:
+        CELLS.add((_kind, _strategy), dtensor_checks, _kind, _strategy, worlds=(1, 2, 4),
+                  tests=["test_dtensors_are_true_dtensors"], match=dict(kind=_kind, strategy=_strategy))
+    for _hybrid in HYBRID:
+        CELLS.add((_kind, _hybrid), dtensor_checks, _kind, _hybrid, worlds=(4,),
+                  tests=["test_hybrid_dtensors_are_true_dtensors"], match=dict(kind=_kind, hybrid=_hybrid))
 
 
 def close(a, b, what, rtol=1e-5, atol=1e-6):
@@ -197,9 +194,7 @@ def test_hybrid_dtensors_are_true_dtensors(kind, hybrid):
 
 
 def check_cell(world, kind, strategy):
-    for rank, cells in enumerate(get_run(grid, world)):
-        status, r = cells[(kind, strategy)]
-        assert status == "ok", f"rank {rank}:\n{r}"
+    for r in CELLS.result((kind, strategy), world):
         assert r["all_dtensors"], "every parameter and Adam state is a DTensor"
         if strategy != 0 and world > 1:
             assert any("Shard(dim=0)" in p for p in r["placements"].values()), r["placements"]

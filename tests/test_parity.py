@@ -18,24 +18,18 @@ is float64, where the order noise is ~1e-16, and must match DDP to rtol 1e-9 (a 
 off by ~1e-3).
 """
 import itertools
-import traceback
 
 import pytest
 import torch
 
-from common import assert_match, train_pair
-from conftest import get_run
+import rank_grid
+from train_both import assert_match, train_pair
 
 STRATEGIES = [0, 1, 2, 3]
 OPTIMIZERS = ["adamw", "sgd"]
 MICROBATCHES = [1, 3]
 COMBOS = tuple(itertools.product(STRATEGIES, OPTIMIZERS, MICROBATCHES))
-
-
-def _result(rank, world, *combo, **kw):
-    out = train_pair(rank, world, *combo, **kw)
-    out.pop("model")
-    return out
+CELLS = rank_grid.Cells(__name__)
 
 
 def same_order(world, strategy, micro):
@@ -43,24 +37,21 @@ def same_order(world, strategy, micro):
     return world == 1 or (world == 2 and not (strategy >= 2 and micro > 1))
 
 
-def parity_grid(rank, world):
-    out = {}
-    for combo in COMBOS:
-        dtype = torch.float32 if same_order(world, combo[0], combo[2]) else torch.float64
-        try:
-            out[combo] = ("ok", _result(rank, world, *combo, dtype=dtype))
-        except Exception:  # noqa: BLE001 - reported by the test of this combo
-            out[combo] = ("error", traceback.format_exc())
+def parity(rank, world, strategy, optim, micro):
+    dtype = torch.float32 if same_order(world, strategy, micro) else torch.float64
+    out = train_pair(rank, world, strategy, optim, micro, dtype=dtype)
+    out.pop("model")
     return out
+
+
+for _combo in COMBOS:
+    CELLS.add(_combo, parity, *_combo, worlds=(1, 2, 4), match=dict(zip(("strategy", "optim", "micro"), _combo)))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("strategy,optim,micro", COMBOS)
 def test_parity_with_ddp(world, strategy, optim, micro):
-    per_rank = get_run(parity_grid, world)
-    for rank, grid in enumerate(per_rank):
-        status, result = grid[(strategy, optim, micro)]
-        assert status == "ok", f"rank {rank}:\n{result}"
+    for result in CELLS.result((strategy, optim, micro), world):
         if same_order(world, strategy, micro):
             assert result["params"]["tok.weight"].dtype == torch.float32
             assert_match(result, exact=True)

@@ -20,19 +20,16 @@ and its fp32 run must be bit-identical run to run. float64 runs of the same orde
 1e-12. Against DDP, gradient accumulation with sync off is bit-identical in fp32 at world 2 (DDP's
 summation order).
 """
-import copy
-import traceback
-
 import pytest
 import torch
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import rank_grid
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-from conftest import get_run
 
 CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=3)
 STEPS = 3
+CELLS = rank_grid.Cells(__name__)
 CASES = ["fp32", "float64", "bf16", "accumulate", "keep_unsharded", "checkpointing", "meta_init",
          "optim_grads", "optim", "no_shard"]
 
@@ -144,33 +141,31 @@ def no_shard_order_differs(world):
     return world > 2
 
 
-def grid(rank, world):
-    out = {}
+MEGATRON = ("optim_grads", "optim", "no_shard")
+SAME_SCRIPT, MEGATRON_TEST, DDP_TEST = ("test_same_script_as_fsdp2", "test_megatron_strategies_in_the_fsdp2_script",
+                                        "test_accumulation_with_sync_off_is_ddp_bit_for_bit")
+for _kind in ("gpt", "llama"):
+    for _case in CASES:
+        if _case in MEGATRON:
+            CELLS.add((_kind, _case, "ours"), train, "ours", _kind, _case, worlds=(1, 2, 4), tests=[MEGATRON_TEST],
+                      match=dict(kind=_kind, case=_case))
+            continue
+        # FSDP2's fp32 and float64 runs are also what the Megatron strategies are compared with
+        reference = _case in ("fp32", "float64")
+        CELLS.add((_kind, _case, "torch"), train, "torch", _kind, _case, worlds=(1, 2, 4),
+                  tests=[SAME_SCRIPT] + ([MEGATRON_TEST] if reference else []),
+                  match=dict(kind=_kind) if reference else dict(kind=_kind, case=_case))
+        CELLS.add((_kind, _case, "ours"), train, "ours", _kind, _case, worlds=(1, 2, 4),
+                  tests=[SAME_SCRIPT] + ([DDP_TEST] if _case == "accumulate" else []), match=dict(kind=_kind, case=_case))
+    for _variant, _dtype in (("float64", torch.float64), ("again", torch.float32)):  # see no_shard_order_differs
+        CELLS.add((_kind, "no_shard", "ours", _variant), train, "ours", _kind, "no_shard", _dtype, worlds=(4,),
+                  tests=[MEGATRON_TEST], match=dict(kind=_kind, case="no_shard"))
+    CELLS.add((_kind, "ddp"), ddp_accumulate, _kind, tests=[DDP_TEST], match=dict(kind=_kind))
 
-    def run(key, *args, **kwargs):
-        try:
-            out[key] = ("ok", train(rank, world, *args, **kwargs))
-        except Exception:  # noqa: BLE001 - reported by the cell's test
-            out[key] = ("error", traceback.format_exc())
 
-    for kind in ("gpt", "llama"):
-        for case in CASES:
-            for impl in (("torch", "ours") if case not in ("optim_grads", "optim", "no_shard") else ("ours",)):
-                run((kind, case, impl), impl, kind, case)
-        if no_shard_order_differs(world):
-            run((kind, "no_shard", "ours", "float64"), "ours", kind, "no_shard", dtype=torch.float64)
-            run((kind, "no_shard", "ours", "again"), "ours", kind, "no_shard")
-        try:
-            out[(kind, "ddp")] = ("ok", ddp_accumulate(rank, world, kind))
-        except Exception:  # noqa: BLE001
-            out[(kind, "ddp")] = ("error", traceback.format_exc())
-    return out
-
-
-def _cell(cells, key):
-    status, value = cells[key]
-    assert status == "ok", f"{key}:\n{value}"
-    return value
+def _cells(world, *keys):
+    """Every rank's values of the cells `keys` (one tuple a rank)."""
+    return zip(*(CELLS.result(key, world) for key in keys))
 
 
 def _close(a, b, rtol, atol, what):
@@ -196,8 +191,7 @@ def _float64_close(ours, theirs, rtol, atol, what):
 @pytest.mark.parametrize("case", [c for c in CASES if c not in ("optim_grads", "optim", "no_shard")])
 def test_same_script_as_fsdp2(world, kind, case):
     """See [Note: same reduction order as FSDP2]: bit for bit (float64: rtol 1e-12)."""
-    for cells in get_run(grid, world):
-        theirs, ours = _cell(cells, (kind, case, "torch")), _cell(cells, (kind, case, "ours"))
+    for theirs, ours in _cells(world, (kind, case, "torch"), (kind, case, "ours")):
         if case == "float64":
             _float64_close(ours, theirs, 1e-12, 1e-15, "params")
         else:
@@ -211,19 +205,18 @@ def test_megatron_strategies_in_the_fsdp2_script(world, kind, case):
     """zero_dp_strategy 0-2 per call: the same numbers as FSDP2's (ZeRO-3) run of the script, bit
     for bit where the reduction order is the same, else in float64 to rtol 1e-9 (see [Note: same
     reduction order as FSDP2])."""
-    for cells in get_run(grid, world):
-        theirs, ours = _cell(cells, (kind, "fp32", "torch")), _cell(cells, (kind, case, "ours"))
-        if case == "no_shard" and no_shard_order_differs(world):
-            _float64_close(_cell(cells, (kind, case, "ours", "float64")), _cell(cells, (kind, "float64", "torch")),
-                           1e-9, 1e-12, "float64 params")
-            _same(_cell(cells, (kind, case, "ours", "again")), ours, "fp32 run to run")
-        else:
+    if case == "no_shard" and no_shard_order_differs(world):
+        for ours, again, ours64, theirs64 in _cells(world, (kind, case, "ours"), (kind, case, "ours", "again"),
+                                                   (kind, case, "ours", "float64"), (kind, "float64", "torch")):
+            _float64_close(ours64, theirs64, 1e-9, 1e-12, "float64 params")
+            _same(again, ours, "fp32 run to run")
+    else:
+        for theirs, ours in _cells(world, (kind, "fp32", "torch"), (kind, case, "ours")):
             _same(ours, theirs, "params")
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_accumulation_with_sync_off_is_ddp_bit_for_bit(kind):
-    for cells in get_run(grid, 2):
-        ddp, ours = _cell(cells, (kind, "ddp")), _cell(cells, (kind, "accumulate", "ours"))
+    for ddp, ours in _cells(2, (kind, "ddp"), (kind, "accumulate", "ours")):
         assert ours["losses"] == ddp["losses"]
         _close({k: v for k, v in ours["params"].items()}, ddp["params"], 0, 0, "params")
