@@ -3,12 +3,10 @@ no hooks, no temporary buckets) while the language model is sharded, and the mod
 exactly like DDP: bit for bit in fp32 where the library reduces the same sums as DDP (2 ranks,
 no_shard and ZeRO-1), else in float64 to rtol 1e-9 (see [Note: reduction order] in
 test_parity.py)."""
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
@@ -39,23 +37,36 @@ def same_order(world, strategy):
     return world <= 2 and strategy < 2
 
 
-def vlm_run(rank, world, strategy, optim):
-    dtype = torch.float32 if same_order(world, strategy) else torch.float64
-    model = build(dtype=dtype)
-    ref = copy.deepcopy(model)
-    ddp = DDP(ref)
-    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if optim == "adamw" else (
-        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
-    ref_opt = make([p for p in ref.parameters() if p.requires_grad])
-    opt = make([p for p in model.parameters() if p.requires_grad])
-    fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block, TowerBlock], zero_dp_strategy=strategy)
+def optimizer(name, params):
+    params = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-2) if name == "adamw" else torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
+
+def vlm_data(rank, dtype):
     def data(step, mb):
         seed = 1000 * step + 10 * mb + rank
         return image_batch(2, seed=seed).to(dtype), *batch(CFG, 2, seed=seed)
-    pair = TrainBoth(rank, world, fsdp, ref, optimizers=(opt, ref_opt), ddp=ddp)
-    pair.run(STEPS, data, micro=2, loss=lambda m, b: m(*b), quiet=lambda step, mb: fsdp.no_sync() if mb == 0 else None)
-    losses, ref_losses = pair.losses, pair.ref_losses
+    return data
+
+
+def ddp_run(rank, world, optim, dtype):
+    """DDP's side (the same for every strategy: each spawn trains it once per setting)."""
+    ref = build(dtype=dtype)
+    pair = TrainBoth(rank, world, None, ref, optimizers=(None, optimizer(optim, ref.parameters())))
+    pair.run(STEPS, vlm_data(rank, dtype), micro=2, loss=lambda m, b: m(*b), quiet=lambda step, mb: mb == 0)
+    return pair.ref_losses, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def vlm_run(rank, world, strategy, optim):
+    dtype = torch.float32 if same_order(world, strategy) else torch.float64
+    ref_losses, ref_params = rank_grid.once((__name__, optim, dtype), ddp_run, rank, world, optim, dtype)
+    model = build(dtype=dtype)
+    fsdp, opt = mf.fully_shard(model, optimizer(optim, model.parameters()), fsdp_unit_modules=[Block, TowerBlock],
+                               zero_dp_strategy=strategy)
+    pair = TrainBoth(rank, world, fsdp, None, optimizers=(opt, None))
+    pair.run(STEPS, vlm_data(rank, dtype), micro=2, loss=lambda m, b: m(*b),
+             quiet=lambda step, mb: fsdp.no_sync() if mb == 0 else None)
+    losses = pair.losses
     buf = fsdp.param_buffer
     marked = [r for r in buf.records if r.replicated]
     marked_buckets = sorted({r.bucket for r in marked})
@@ -72,7 +83,6 @@ def vlm_run(rank, world, strategy, optim):
     for b in buckets:
         b["grad"] = None if b["grad"] is None else b["grad"].untyped_storage().nbytes()
     full = fsdp.full_parameters()
-    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
     return dict(losses=losses, ref_losses=ref_losses, params=full, ref_params=ref_params, dtype=dtype, stats=stats, tower_hooks=tower_hooks,
                 param_hooks=param_hooks, buckets=buckets, roots=fsdp.replicated_roots,
                 marked=sorted(r.name for r in marked))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -51,7 +52,8 @@ def backward_of(loss: Callable) -> Callable:
 class TrainBoth:
     """`model` (sharded) and `ref` (an unsharded copy) trained side by side, each with its own
     optimizer made by `optimizer` (or `optimizers`: the two, made already); `run` trains some
-    steps and may be called again to go on.
+    steps and may be called again to go on. Either side may be None: the other trains alone, as
+    it would beside it (a reference several cells share is trained once, see train_pair).
 
     reference -- how `ref` gets the gradients data parallelism gives:
       "ddp":    ref runs under DistributedDataParallel (quiet microbatches under its no_sync);
@@ -66,14 +68,17 @@ class TrainBoth:
     losses are kept (self.losses, self.ref_losses).
     """
 
-    def __init__(self, rank: int, world: int, model: nn.Module, ref: nn.Module, *, reference="ddp",
-                 optimizer: Callable = adam, optimizers: Optional[tuple] = None, ck=None, tol=(RTOL, ATOL),
-                 ddp_kwargs: Optional[dict] = None, ddp: Optional[DDP] = None):
+    def __init__(self, rank: int, world: int, model: Optional[nn.Module], ref: Optional[nn.Module], *,
+                 reference="ddp", optimizer: Callable = adam, optimizers: Optional[tuple] = None, ck=None,
+                 tol=(RTOL, ATOL), ddp_kwargs: Optional[dict] = None, ddp: Optional[DDP] = None):
         assert reference in ("ddp", "mean", "global") or callable(reference), reference
+        assert ck is None or (model is not None and ref is not None), "checks compare both sides"
         self.rank, self.world, self.model, self.ref, self.reference, self.ck = rank, world, model, ref, reference, ck
         self.tol = tol
-        self.ref_run = (ddp or DDP(ref, **(ddp_kwargs or {}))) if reference == "ddp" else ref
-        self.opt, self.ref_opt = optimizers or (optimizer(model), optimizer(ref))
+        self.ref_run = ref
+        if ref is not None and reference == "ddp":
+            self.ref_run = ddp or DDP(ref, **(ddp_kwargs or {}))
+        self.opt, self.ref_opt = optimizers or (model and optimizer(model), ref and optimizer(ref))
         self.losses, self.ref_losses = [], []
 
     def run(self, steps: int, data: Callable, *, first: int = 0, micro: int = 1, loss: Callable = sum_loss,
@@ -87,33 +92,38 @@ class TrainBoth:
 
         data(step, mb): this rank's batch; loss(m, batch): the loss tensor, or forward_backward(m,
         batch): forward and backward (its own way), returning what is compared (a loss tensor, or
-        None for nothing). quiet(step, mb) -> a context for `model` when that microbatch must not
-        sync (the reference is put under no_sync there); None: every microbatch syncs.
+        None for nothing). quiet(step, mb) -> whether that microbatch must not sync: a context for
+        `model` there (the reference is put under no_sync), or True when there is no model.
         set_to_none(step): zero_grad's argument after the step (before it with zero_at_start, as
         torch's FSDP2 tests do). before_step(step) and after_step(step) run around a step,
         before_micro(step, mb) before each microbatch (the per-module API's sync flags),
         before_optimizer(step) after the gradients are checked (gradient clipping)."""
-        ck, model = self.ck, self.model
+        ck, model, ref = self.ck, self.model, self.ref
         fb = forward_backward or backward_of(loss)
         ref_fb = ref_forward_backward or fb
         ref_data = ref_data or data
+        optimizers = [o for o in (self.opt, self.ref_opt) if o is not None]
         for step in range(first, first + steps):
             if before_step:
                 before_step(step)
             if zero_at_start:
-                self.opt.zero_grad(set_to_none=set_to_none(step))
-                self.ref_opt.zero_grad(set_to_none=set_to_none(step))
+                for o in optimizers:
+                    o.zero_grad(set_to_none=set_to_none(step))
             for mb in range(micro):
                 if before_micro:
                     before_micro(step, mb)
                 context = quiet(step, mb) if quiet else None
-                with context if context is not None else contextlib.nullcontext():
-                    out = fb(model, data(step, mb))
-                ref_quiet = context is not None and self.reference == "ddp"
-                with self.ref_run.no_sync() if ref_quiet else contextlib.nullcontext():
-                    ref_out = ref_fb(self.ref_run, ref_data(step, mb))
+                out = ref_out = None
+                if model is not None:
+                    with context if context not in (None, True) else contextlib.nullcontext():
+                        out = fb(model, data(step, mb))
+                if ref is not None:
+                    ref_quiet = context not in (None, False) and self.reference == "ddp"
+                    with self.ref_run.no_sync() if ref_quiet else contextlib.nullcontext():
+                        ref_out = ref_fb(self.ref_run, ref_data(step, mb))
                 if isinstance(out, torch.Tensor):
                     self.losses.append(out.item())
+                if isinstance(ref_out, torch.Tensor):
                     self.ref_losses.append(ref_out.item())
                 if ck is not None and check_loss and out is not None:
                     label = f"step {step}{f' microbatch {mb}' if micro > 1 else ''}: loss"
@@ -123,26 +133,28 @@ class TrainBoth:
                         ck.close(f"{label} summed over ranks", total, ref_out, *self.tol)
                     else:
                         ck.close(label, out, ref_out, *self.tol)
-            if self.reference == "mean":
-                average_grads(self.ref, self.world)
+            if ref is None:
+                pass
+            elif self.reference == "mean":
+                average_grads(ref, self.world)
             elif self.reference == "global":
                 with torch.no_grad():
-                    for p in self.ref.parameters():
+                    for p in ref.parameters():
                         if p.grad is not None:
                             p.grad.div_(self.world)
             elif callable(self.reference):
-                self.reference(self.ref)
+                self.reference(ref)
             if ck is not None and check_grads:
-                ck.grads(f"step {step}", model, self.ref, *self.tol)
+                ck.grads(f"step {step}", model, ref, *self.tol)
             if before_optimizer:
                 before_optimizer(step)
-            self.opt.step()
-            self.ref_opt.step()
+            for o in optimizers:
+                o.step()
             if not zero_at_start:
-                self.opt.zero_grad(set_to_none=set_to_none(step))
-                self.ref_opt.zero_grad(set_to_none=set_to_none(step))
+                for o in optimizers:
+                    o.zero_grad(set_to_none=set_to_none(step))
             if ck is not None and params_every_step:
-                ck.params(f"step {step}", model, self.ref, *self.tol)
+                ck.params(f"step {step}", model, ref, *self.tol)
             if after_step:
                 after_step(step)
         return self
@@ -200,33 +212,49 @@ def device_mesh_arg(kind, world):
 
 def train_pair(rank, world, strategy, optim="adamw", micro=1, *, cfg=CFG, steps=STEPS, dtype=torch.float32,
                use_no_sync=True, freeze=(), alternate_set_to_none=False, mesh=None, **shard_kwargs):
-    """Trains the test GPT with megatron_fsdp_c.fully_shard and with DDP on the same per-rank data.
+    """Trains the test GPT with megatron_fsdp_c.fully_shard and compares with DDP on the same
+    per-rank data. DDP's run does not depend on the strategy or the sharding options, so each spawn
+    trains it once per setting (rank_grid.once) for every cell that compares with it.
 
     use_no_sync: microbatches before the last run inside no_sync() on both sides (else every
     backward syncs on both). freeze: parameter-name prefixes frozen in both models."""
     import megatron_fsdp_c as mf
+    import rank_grid
+    setting = (dataclasses.astuple(cfg), dtype, optim, micro, steps, use_no_sync, tuple(freeze), alternate_set_to_none)
+    ref = rank_grid.once(("train_pair DDP",) + setting, _pair_side, rank, world, None, setting)
+    return dict(_pair_side(rank, world, lambda model, opt: mf.fully_shard(
+        model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, device_mesh=device_mesh_arg(mesh, world),
+        **shard_kwargs), setting), ref_losses=ref["losses"], ref_params=ref["params"])
+
+
+def _pair_side(rank, world, shard, setting):
+    """One side of train_pair: DDP (shard None) or the model shard(model, optimizer) returns."""
+    cfg, dtype, optim, micro, steps, use_no_sync, freeze, alternate_set_to_none = setting
     torch.manual_seed(0)
-    model = GPT(cfg).to(dtype)
+    model = GPT(GPTConfig(*cfg)).to(dtype)
     for name, p in model.named_parameters():
         if any(name.startswith(f) for f in freeze):
             p.requires_grad_(False)
-    ref = copy.deepcopy(model)
-    ddp = DDP(ref)
-    ref_opt = make_optimizer(optim, [p for p in ref.parameters() if p.requires_grad])
     opt = make_optimizer(optim, [p for p in model.parameters() if p.requires_grad])
-    fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
-                               device_mesh=device_mesh_arg(mesh, world), **shard_kwargs)
-    pair = TrainBoth(rank, world, fsdp, ref, optimizers=(opt, ref_opt), ddp=ddp)
+    ours = shard is not None
+    fsdp, opt = shard(model, opt) if ours else (None, opt)
+    pair = TrainBoth(rank, world, fsdp, None if ours else model, optimizers=(opt, None) if ours else (None, opt))
+
+    def quiet(step, mb):
+        if not use_no_sync or mb == micro - 1:
+            return None
+        return fsdp.no_sync() if ours else True
     per_step, before = [], {}
-    pair.run(steps, lambda step, mb: batch(cfg, 2, seed=10_000 * step + 100 * mb + rank), micro=micro,
-             loss=lambda m, xy: m(*xy),
-             quiet=(lambda step, mb: fsdp.no_sync() if mb < micro - 1 else None) if use_no_sync else None,
+    pair.run(steps, lambda step, mb: batch(GPTConfig(*cfg), 2, seed=10_000 * step + 100 * mb + rank), micro=micro,
+             loss=lambda m, xy: m(*xy), quiet=quiet,
              set_to_none=(lambda step: step % 2 == 0) if alternate_set_to_none else (lambda step: True),
-             before_step=lambda step: before.update(fsdp.comm_stats()),
-             after_step=lambda step: per_step.append({k: v - before[k] for k, v in fsdp.comm_stats().items()}))
-    return dict(losses=pair.losses, ref_losses=pair.ref_losses, params=fsdp.full_parameters(),
-                ref_params={n: p.detach().clone() for n, p in ref.named_parameters()}, per_step=per_step,
-                memory=fsdp.memory_report(opt), model=fsdp)
+             before_step=lambda step: ours and before.update(fsdp.comm_stats()),
+             after_step=lambda step: ours and per_step.append({k: v - before[k]
+                                                               for k, v in fsdp.comm_stats().items()}))
+    if not ours:
+        return dict(losses=pair.ref_losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
+    return dict(losses=pair.losses, params=fsdp.full_parameters(), per_step=per_step, memory=fsdp.memory_report(opt),
+                model=fsdp)
 
 
 def assert_match(result, exact=False, rtol=1e-5, atol=1e-6):
