@@ -5,7 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CC ?= gcc
 
-CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/comm/pipeline.c
+# The collective pipeline, one file per concern (map at the top of csrc/comm/pipeline.c); setup.py's COMM
+# lists the same files.
+COMM_SRC := $(addprefix csrc/comm/,pipeline.c buffers.c weights.c reduce.c backward.c replicas.c)
+CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c $(COMM_SRC)
 TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror \
 	             -Wno-unused-parameter -Wno-missing-field-initializers -pthread -D_POSIX_C_SOURCE=200809L \
 	             -fsanitize=address,undefined -fno-sanitize-recover=undefined
@@ -20,7 +23,7 @@ EMU_DEPS := csrc/tests/emu/cuda_runtime.h csrc/tests/emu/nccl.h csrc/tests/emu/e
 	          csrc/tests/emu/host_kernels.py csrc/cuda/kernels.cu csrc/cuda/nccl_transport.c csrc/tests/test_emu.c
 FUZZ_SECONDS ?= 20
 
-.PHONY: setup example test ctest cuda-check pytest bench clean
+.PHONY: setup example test ctest cuda-check pytest bench bench-quant clean
 
 $(VENV)/.ready: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +81,15 @@ test: ctest cuda-check pytest
 
 bench: setup
 	$(VENV)/bin/python benchmarks/run.py
+
+# CPU throughput of the quantization kernels (a C micro-benchmark; ARGS="n block" to change).
+build/bench/quant_cpu: benchmarks/quant_cpu.c $(CORE_SRC) $(wildcard csrc/*/*.h)
+	@mkdir -p build/bench
+	$(CC) -std=c11 -O3 -ffp-contract=off -fno-strict-aliasing -D_POSIX_C_SOURCE=200809L -o $@ benchmarks/quant_cpu.c \
+	  csrc/core/status.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c
+
+bench-quant: build/bench/quant_cpu
+	build/bench/quant_cpu $(ARGS)
 
 clean:
 	rm -rf build csrc/tests/bin megatron_fsdp_c/*.so *.egg-info

@@ -1,5 +1,5 @@
 """CPU resident memory and step time over many steps of one configuration (2 ranks, the
-benchmark GPT), to see the heap growth of [Note: host heap trim] (csrc/python/module.c):
+benchmark GPT), to see the heap growth of [Note: host heap trim] (csrc/python/host_heap.c):
 
     torchrun --nproc_per_node 2 benchmarks/host_memory.py --strategy 1 --steps 150
     MFSDP_HOST_TRIM_BYTES=0 torchrun --nproc_per_node 2 benchmarks/host_memory.py --strategy 1 --steps 150

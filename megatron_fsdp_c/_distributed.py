@@ -32,7 +32,7 @@ class DistContext:
     outer_transport: object = None
     dp_group: object = None  # every data-parallel rank (shards x replicas); None: `group`
     # HFSDP: sharded parameters split over every data-parallel rank, rank (o, i) holding piece
-    # o * world + i ([Note: optimizer sharded across replicas] in csrc/comm/pipeline.c).
+    # o * world + i ([Note: optimizer sharded across replicas] in csrc/comm/replicas.c).
     outer_sharded: bool = False
 
     @property
@@ -187,7 +187,7 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
                       hybrid_fsdp_group=None, outer_sharded: bool = False) -> DistContext:
     """The groups and transports of one sharded model. With dp_outer_dim, hybrid sharding: the
     shards span dp_shard_dim, their replicas dp_outer_dim ([Note: hybrid sharding] in
-    csrc/comm/pipeline.c); outer_sharded (HFSDP) splits sharded parameters over the replicas too."""
+    csrc/comm/replicas.c); outer_sharded (HFSDP) splits sharded parameters over the replicas too."""
     hybrid = dp_outer_dim is not None
     if hybrid:
         _require_initialized()

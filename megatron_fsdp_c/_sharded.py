@@ -1,26 +1,37 @@
-"""ShardedCore: what a sharded model's state does with its engine, shared by the Megatron-FSDP
-style wrapper (megatron_fsdp.py) and the per-module API (experimental/): swapping compute and
-distributed parameters, the unused-parameter flags, attaching gradients, introspection.
+"""EngineOwner: what a sharded model's state does with the engine it owns, shared by the
+Megatron-FSDP style wrapper (megatron_fsdp.py) and the per-module API's root state
+(experimental/_root.py): the CPU heap, swapping compute and distributed parameters, the
+unused-parameter flags, attaching gradients, introspection. Both are also the HookOwner
+(hooks.py) of their HookManager.
 
-A subclass provides `param_buffer` (ParamBuffer), `dist_ctx` (DistContext), `_used` and
-`_has_grad` (a byte per record, see [Note: unused parameters] in megatron_fsdp.py) and
-`_holds_dist_params`.
+[Note: unused parameters]
+The gradient hooks mark each parameter used locally (a byte per parameter, `_used`, cleared when
+its optimizer zeroes it). At each sync one small all-reduce (MAX over those bytes,
+`_used_anywhere`) tells every rank which parameters some rank used; a parameter becomes "has a
+gradient" then (`_has_grad`), and loses it only when zero_grad(set_to_none=True) clears it,
+exactly torch's own `.grad` life cycle. Parameters used on some ranks only still get the others'
+zeros in the reduction (see [Note: collective order] in csrc/comm/reduce.c).
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from . import _C
-from .hooks import _grad_tensors
-from .param_buffer import StorageTally
+from ._common import grad_tensors
 
-__all__ = ["ShardedCore"]
+if TYPE_CHECKING:
+    from ._distributed import DistContext
+    from .hooks import HookManager
+    from .param_buffer import ParamBuffer
+
+__all__ = ["EngineOwner", "host_trim_bytes"]
 
 
 def host_trim_bytes() -> int:
+    """The bound of the CPU heap trim, from MFSDP_HOST_TRIM_BYTES (0: never trim)."""
     raw = os.environ.get("MFSDP_HOST_TRIM_BYTES", str(64 << 20))
     try:
         value = int(raw)
@@ -32,12 +43,24 @@ def host_trim_bytes() -> int:
     return value
 
 
-class ShardedCore:
+class EngineOwner:
+    """A base class: the subclass builds the engine and sets these attributes (a byte per record
+    in `_used` and `_has_grad`, see [Note: unused parameters]); `_holds_dist_params` says which
+    parameters the modules hold now."""
+
+    param_buffer: "ParamBuffer"
+    dist_ctx: "DistContext"
+    hooks: "HookManager"
+    _used: bytearray
+    _has_grad: bytearray
+    _holds_dist_params: bool
+    _host_trim_bytes: int
+
     # -- the host heap (CPU) ----------------------------------------------------------------
     def _setup_host_heap(self, device) -> None:
         """CPU only: keep freed buffers for reuse, and trim the heap after a backward once resident
         memory grew by more than MFSDP_HOST_TRIM_BYTES (0: neither; see [Note: host heap trim]
-        in csrc/python/module.c)."""
+        in csrc/python/host_heap.c)."""
         self._host_trim_bytes = host_trim_bytes() if device.type == "cpu" else 0
         if self._host_trim_bytes > 0:
             _C.keep_host_heap()
@@ -61,7 +84,7 @@ class ShardedCore:
         """The root's post-forward work: the hooks' settling, then the sharded parameters back
         on the modules when no backward will come to swap them (no grad, or no graph)."""
         output = self.hooks.root_post_forward(output)
-        if not torch.is_grad_enabled() or not _grad_tensors(output):
+        if not torch.is_grad_enabled() or not grad_tensors(output):
             self._swap_params(dist=True)
         return output
 
@@ -77,7 +100,7 @@ class ShardedCore:
 
     def _attach_grads(self, records) -> None:
         """`.grad` of each distributed parameter of `records`: its gradient DTensor once some
-        rank used it, None until then (see [Note: unused parameters] in megatron_fsdp.py)."""
+        rank used it, None until then (see [Note: unused parameters])."""
         used = self._used_anywhere()
         has = self._has_grad
         for r in records:
@@ -102,35 +125,7 @@ class ShardedCore:
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
         """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state,
         and temporary buffers currently materialised (full weights / gradient buckets)."""
-        buf = self.param_buffer
-        nbytes = StorageTally()
-        persistent, temporary = {"param": 0, "grad": 0}, 0
-        for b, spec in enumerate(buf.specs):
-            t = lambda kind: buf.engine.tensor(b, kind)  # noqa: E731
-            weight_full = t(_C.BUF_WEIGHT)
-            if spec["weights_sharded"]:
-                temporary += nbytes(weight_full)
-            else:
-                persistent["param"] += nbytes(weight_full)
-            temporary += nbytes(t(_C.BUF_GATHER))
-            persistent["param"] += nbytes(t(_C.BUF_WEIGHT_SHARD)) + nbytes(t(_C.BUF_MAIN_SHARD))
-            grad_full = t(_C.BUF_GRAD)
-            if spec["grad_mode"] == _C.GRAD_SCATTER_ACCUMULATE:
-                temporary += nbytes(grad_full)
-            else:
-                persistent["grad"] += nbytes(grad_full)
-            persistent["grad"] += nbytes(t(_C.BUF_GRAD_SHARD)) + nbytes(t(_C.BUF_OPT_GRAD))
-            temporary += nbytes(t(_C.BUF_COMM)) + nbytes(t(_C.BUF_EXCHANGE))
-        optim = 0
-        if optimizer is not None:
-            for state in optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        optim += nbytes(v)
-        report = {"param_bytes": persistent["param"], "grad_bytes": persistent["grad"],
-                  "optimizer_state_bytes": optim, "temporary_bytes": temporary}
-        report["total_bytes"] = sum(report.values())
-        return report
+        return self.param_buffer.memory_report(optimizer)
 
     def comm_stats(self, bucket: int = -1) -> dict:
         """Collectives issued so far (counts and bytes), for one bucket or all."""

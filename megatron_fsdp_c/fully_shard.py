@@ -15,6 +15,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from ._common import parse_strategy
 from ._distributed import make_dist_context, resolve_device
 from .optimizer import fully_shard_optimizer, remap_optimizer
 from .megatron_fsdp import MegatronFSDP
@@ -28,20 +29,6 @@ class ShardingStrategy(enum.IntEnum):
     OPTIM = 1
     OPTIM_GRADS = 2
     OPTIM_GRADS_PARAMS = 3
-
-
-_STRATEGY_NAMES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
-
-
-def parse_strategy(value) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= int(value) <= 3:
-        return int(value)  # (True/False are ints in Python; never a strategy)
-    if isinstance(value, str) and value.lower() in _STRATEGY_NAMES:
-        return _STRATEGY_NAMES[value.lower()]
-    raise ValueError(
-        f"unknown zero_dp_strategy {value!r}: use 0/'no_shard', 1/'optim', 2/'optim_grads' or "
-        "3/'optim_grads_params'"
-    )
 
 
 def _parse_outer_strategy(value, strategy: int, dp_outer_dim, hybrid_fsdp_group) -> int:

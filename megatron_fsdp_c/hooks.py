@@ -39,38 +39,53 @@ disabled forward hooks of the wrapper itself, so its forward is the module's alo
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Protocol
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ._common import grad_tensors, in_backward, logger
+
 if TYPE_CHECKING:
-    from .megatron_fsdp import MegatronFSDP
+    from .param_buffer import ParamBuffer
 
-__all__ = ["HookManager"]
-
-logger = logging.getLogger("megatron_fsdp_c")
+__all__ = ["HookManager", "HookOwner"]
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+class HookOwner(Protocol):
+    """What HookManager needs from the object that owns the engine: MegatronFSDP (the Megatron-FSDP
+    API) and the per-module API's root state (experimental/_root.py) are the two owners. The
+    manager never calls anything else on it.
 
+    `param_buffer`           the model's buckets: read once, when the manager is built (the engine,
+                             the bucket ids of each unit, which buckets are sharded, trainable,
+                             gatherable, the records whose gradients the manager hooks).
+    `overlap_param_gather`   read at every unit's pre-forward and pre-backward: True prefetches the
+                             next unit in the shared order ([Note: gather order]).
+    `_used`                  a byte per record (by ParamRecord.index), taken once when the manager
+                             is built: the gradient hook sets a record's byte to 1 when its gradient
+                             arrives; the owner clears bytes in place and never replaces the
+                             bytearray ([Note: unused parameters] in _sharded.py).
+    `_before_backward()`     called once at the start of each backward, before the owner is asked
+                             whether it syncs and before engine.begin_backward.
+    `_should_sync()`         right after: does this backward sync (reduce and attach gradients)?
+                             The answer is passed to engine.begin_backward.
+    `_after_backward(synced)` called from the backward's final callback, after engine.end_backward
+                             and the releases, with the answer `_should_sync()` gave.
+    """
 
-def _grad_tensors(tree) -> List[torch.Tensor]:
-    """The tensors of `tree` that require grad, looking into dataclasses too (pytree does not)."""
-    out = []
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            if leaf.requires_grad:
-                out.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            out += _grad_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
-    return out
+    param_buffer: "ParamBuffer"
+    overlap_param_gather: bool
+    _used: bytearray
+
+    def _before_backward(self) -> None: ...
+
+    def _should_sync(self) -> bool: ...
+
+    def _after_backward(self, synced: bool) -> None: ...
 
 
 class _PostBackward(torch.autograd.Function):
@@ -114,7 +129,7 @@ class HookManager:
     `register_module_hooks=False`: the caller calls pre_forward/post_forward itself (the
     per-module API, whose own hooks also initialise it)."""
 
-    def __init__(self, owner: "MegatronFSDP", unit_modules: List[nn.Module], *, post_order=None,
+    def __init__(self, owner: HookOwner, unit_modules: List[nn.Module], *, post_order=None,
                  register_module_hooks: bool = True):
         self.owner = owner
         self.engine = owner.param_buffer.engine
@@ -147,7 +162,7 @@ class HookManager:
         self.warned_order = False
         self.in_backward = False
         self.sync_this_backward = False
-        self.used = owner._used  # see [Note: unused parameters] in megatron_fsdp.py
+        self.used = owner._used  # see [Note: unused parameters] in _sharded.py
         self.handles = []
         self._set_reduce_order(buf, ends)
         self.register_module_hooks = register_module_hooks
@@ -156,7 +171,7 @@ class HookManager:
     def _set_reduce_order(self, buf, ends) -> None:
         """Reductions in the order backward completes buckets: the unit whose forward ended last
         first, then the buckets outside every unit (see [Note: collective order] in
-        csrc/comm/pipeline.c)."""
+        csrc/comm/reduce.c)."""
         units = buf.bucket_units
         order = sorted(range(len(buf.plan)), key=lambda b: (units[b] < 0, -ends.get(units[b], -1), -b))
         self.engine.set_reduce_order(order)
@@ -230,25 +245,25 @@ class HookManager:
 
     # -- forward --------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
-        if not _in_backward():
+        if not in_backward():
             self.fwd_next = self.fwd_done = 0
         if self.root_buckets:
             self.engine.unshard(self.root_buckets)
             self.engine.wait_unshard(self.root_buckets)
 
     def root_post_forward(self, output):
-        if not _in_backward():
+        if not in_backward():
             n = len(self.fwd_seq)
             self._settle(self.fwd_seq, range(self.fwd_done, n), lambda q: q >= self.fwd_next, True)
             self.fwd_next = self.fwd_done = n
         if torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
+            tensors = grad_tensors(output)
             if tensors:
                 register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
         return output
 
     def pre_forward(self, unit: _Unit, module, args, kwargs):
-        if not _in_backward():
+        if not in_backward():
             if unit.index not in self.ran:
                 self.ran.add(unit.index)
                 unit.members_left = unit.members
@@ -284,12 +299,12 @@ class HookManager:
             self.fwd_next += 1
 
     def post_forward(self, unit: _Unit, module, args, output):
-        if not _in_backward() and unit.releasable and unit.reshard_after_forward:
+        if not in_backward() and unit.releasable and unit.reshard_after_forward:
             unit.members_left -= 1
             if unit.members_left <= 0:  # the last of the unit's modules to run in this forward
                 self.engine.reshard(unit.releasable)
         if torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
+            tensors = grad_tensors(output)
             if tensors:
                 register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit), mode="any")
         return output

@@ -13,43 +13,32 @@ Microbatch semantics (documented differences from Megatron-FSDP are marked *):
 - Gradients appear on the distributed parameters (`.grad` DTensors) after a syncing backward or
   `finish_grad_sync()`. A parameter that no rank used since its gradient was last set to None
   keeps `.grad is None`, as under DDP, so optimizers skip it (no weight decay): see
-  [Note: unused parameters].
-
-[Note: unused parameters]
-The gradient hooks mark each parameter used locally (a byte per parameter, cleared when its
-optimizer zeroes it). At each sync one small all-reduce (MAX over those bytes) tells every rank
-which parameters some rank used; a parameter becomes "has a gradient" then, and loses it only
-when zero_grad(set_to_none=True) clears it, exactly torch's own `.grad` life cycle. Parameters
-used on some ranks only still get the others' zeros in the reduction (see [Note: collective
-order] in csrc/comm/pipeline.c).
+  [Note: unused parameters] in _sharded.py.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
-import os
 import weakref
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from . import _C
+from ._common import STRATEGY_NAMES, logger
 from .checkpoint import register_model_hooks
 from ._distributed import DistContext, check_same_model
 from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
-from ._sharded import ShardedCore
+from ._sharded import EngineOwner
 from .param_buffer import ParamBuffer, collect_params
 
 __all__ = ["MegatronFSDP"]
 
-logger = logging.getLogger("megatron_fsdp_c")
 
-
-class MegatronFSDP(ShardedCore, nn.Module):
+class MegatronFSDP(EngineOwner, nn.Module):
     def __init__(self, module: nn.Module, *, dist_ctx: DistContext, zero_dp_strategy: int,
                  fsdp_unit_modules: List[nn.Module], mixed_precision_policy: MixedPrecisionPolicy,
                  sync_model_each_microbatch: bool = False, overlap_grad_reduce: bool = True,
@@ -161,7 +150,7 @@ class MegatronFSDP(ShardedCore, nn.Module):
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Finishes every gradient reduction (reducing no_shard/ZeRO-1 gradients exactly once)
         and attaches the `.grad` DTensors to the distributed parameters that have a gradient
-        (see [Note: unused parameters])."""
+        (see [Note: unused parameters] in _sharded.py)."""
         if self.hooks.in_backward:
             raise RuntimeError("finish_grad_sync() called inside a backward pass; call it after backward()")
         self.param_buffer.engine.sync_grads()
@@ -296,15 +285,13 @@ class MegatronFSDP(ShardedCore, nn.Module):
 
     def _log_summary(self, units) -> None:
         buf = self.param_buffer
-        names = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
         for b, (bp, spec) in enumerate(zip(buf.plan, buf.specs)):
             label = "outside units" if bp["unit"] < 0 else type(units[bp["unit"]]).__name__ + f"#{bp['unit']}"
             logger.info("bucket %d (%s): %d params, %d elements x %d shards, %s%s", b, label, bp["n_items"],
-                        bp["shard_size"], bp["shards"], names[self.zero_dp_strategy],
+                        bp["shard_size"], bp["shards"], STRATEGY_NAMES[self.zero_dp_strategy],
                         ", replicated" if bp["replicated"] else "")
 
     def extra_repr(self) -> str:
-        names = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
         hybrid = f" x {self.dist_ctx.outer_world} replicas" if self.dist_ctx.outer_world > 1 else ""
-        return (f"strategy={names[self.zero_dp_strategy]}, world={self.dist_ctx.world}{hybrid}, "
+        return (f"strategy={STRATEGY_NAMES[self.zero_dp_strategy]}, world={self.dist_ctx.world}{hybrid}, "
                 f"buckets={len(self.param_buffer.plan)}")

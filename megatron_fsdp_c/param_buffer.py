@@ -2,7 +2,7 @@
 
 1. The compute parameter: the module's own nn.Parameter object, whose .data is a view into the
    bucket's full-weight buffer (WEIGHT). Under ZeRO-3 that buffer's storage exists only while
-   the unit runs; the view stays valid (see [Note: storage resize] in csrc/comm/pipeline.c).
+   the unit runs; the view stays valid (see [Note: storage resize] in csrc/comm/buffers.c).
 2. The distributed parameter: an nn.Parameter holding a DTensor whose local tensor is a view
    of this rank's rows of the main weights: torch's own Shard(0) (rank r holds the torch.chunk
    rows [r*ceil(R/W), ...), see [Note: chunked layout] in csrc/core/mfsdp_layout.h), or
@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
+from ._common import contiguous_stride
 from ._distributed import DistContext
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import is_no_shard
@@ -119,14 +120,6 @@ def _row_size(shape: torch.Size) -> int:
     if len(shape) < 2 or shape[0] == 0:
         return 1
     return max(1, math.prod(shape[1:]))
-
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 class ParamBuffer:
@@ -321,6 +314,39 @@ class ParamBuffer:
         tally = StorageTally()
         return sum(tally(self.engine.tensor(b, kind)) for b in range(len(self.plan)) for kind in kinds)
 
+    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+        """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state
+        (of `optimizer`), and temporary buffers currently materialised (full weights / gradient
+        buckets)."""
+        nbytes = StorageTally()
+        persistent, temporary = {"param": 0, "grad": 0}, 0
+        for b, spec in enumerate(self.specs):
+            t = lambda kind: self.engine.tensor(b, kind)  # noqa: E731
+            weight_full = t(_C.BUF_WEIGHT)
+            if spec["weights_sharded"]:
+                temporary += nbytes(weight_full)
+            else:
+                persistent["param"] += nbytes(weight_full)
+            temporary += nbytes(t(_C.BUF_GATHER))
+            persistent["param"] += nbytes(t(_C.BUF_WEIGHT_SHARD)) + nbytes(t(_C.BUF_MAIN_SHARD))
+            grad_full = t(_C.BUF_GRAD)
+            if spec["grad_mode"] == _C.GRAD_SCATTER_ACCUMULATE:
+                temporary += nbytes(grad_full)
+            else:
+                persistent["grad"] += nbytes(grad_full)
+            persistent["grad"] += nbytes(t(_C.BUF_GRAD_SHARD)) + nbytes(t(_C.BUF_OPT_GRAD))
+            temporary += nbytes(t(_C.BUF_COMM)) + nbytes(t(_C.BUF_EXCHANGE))
+        optim = 0
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        optim += nbytes(v)
+        report = {"param_bytes": persistent["param"], "grad_bytes": persistent["grad"],
+                  "optimizer_state_bytes": optim, "temporary_bytes": temporary}
+        report["total_bytes"] = sum(report.values())
+        return report
+
     def placement(self, r: ParamRecord):
         return Shard(0) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
 
@@ -328,7 +354,7 @@ class ParamBuffer:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD, OPT_GRAD) as a DTensor."""
         return DTensor.from_local(self.local_view(r, kind), self.ctx.mesh, self.ctx.placements(self.placement(r)),
                                   run_check=False,
-                                  shape=r.shape, stride=_contiguous_stride(r.shape))
+                                  shape=r.shape, stride=contiguous_stride(r.shape))
 
     def build_dist_params(self, owner, existing: bool = False) -> None:
         """The distributed parameters (and gradient DTensors) over the engine's buffers. With

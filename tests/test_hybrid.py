@@ -1,5 +1,5 @@
 """Hybrid sharding. HSDP: shards inside a replica, replicas across dp_outer, gradients all-reduced
-across the replicas once per optimisation step ([Note: hybrid sharding] in csrc/comm/pipeline.c).
+across the replicas once per optimisation step ([Note: hybrid sharding] in csrc/comm/replicas.c).
 HFSDP (outer_dp_sharding_strategy="optim"): main weights, gradients and optimizer state sharded
 over every rank, a reduce-scatter and an all-gather across the replicas once per step ([Note:
 optimizer sharded across replicas]).

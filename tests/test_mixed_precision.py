@@ -12,7 +12,7 @@ that differs in its last bit changes its bf16 copy only if it sits on a bf16 rou
 and then by one bf16 ulp (2^-8 relative) of that one weight.
 
 With grad_comm_dtype=bf16 the reference sends each rank's gradient rounded to bf16 and sums
-the pieces in fp32, as the engine's exchange reduction does (csrc/comm/pipeline.c, [Note:
+the pieces in fp32, as the engine's exchange reduction does (csrc/comm/reduce.c, [Note:
 exchange reduction]); no_shard then also gathers the reduced gradient in bf16, so it is rounded
 once more (2^-9 relative per element) than in the reference.
 

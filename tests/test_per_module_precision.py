@@ -9,7 +9,7 @@ torch's MixedPrecisionPolicy semantics, as documented by FSDP2 (and our one diff
 - reduce_dtype (default: param_dtype): the dtype gradients travel in. Where it is narrower than
   the parameter, FSDP2's reduce-scatter sums in it; ours rounds each rank's (pre-scaled)
   contribution to it once and sums in the parameter's dtype, in rank order ([Note: exchange
-  reduction] in csrc/comm/pipeline.c). The reference does exactly that, so the numbers match bit
+  reduction] in csrc/comm/reduce.c). The reference does exactly that, so the numbers match bit
   for bit. Where reduce_dtype is the parameter's dtype the library reduce-scatters with gloo, whose
   fp32 sums of 4 ranks run in another order than the reference's (see [Note: reduction order] in
   tests/test_parity.py): at world 4 that policy (bf16 compute, fp32 reduction) runs with float64

@@ -4,7 +4,8 @@
  * issues all-gathers for weights and reduce-scatters / all-reduces for gradients through the
  * transport ops, and runs the element-wise kernels between them. The Python hooks only say
  * *when* (unshard this unit, this gradient is ready, backward ended); the pipeline decides
- * *what* (which collectives, into which buffers, with which scaling).
+ * *what* (which collectives, into which buffers, with which scaling). The implementation is cut
+ * by concern into the files listed at the top of pipeline.c.
  *
  * Buffers of one bucket (see [Note: chunked layout] in core/mfsdp_layout.h; S = shard_size,
  * W = shards, r = shard rank; "rank-major" is W*S elements, "parameter-major" weight_size):
@@ -29,10 +30,10 @@
  *   COMM, COMM_SLICE  temporary comm_dtype copy for persistent GRAD when comm != grad dtype.
  *   EXCHANGE      temporary comm_dtype receive buffer when comm_dtype is narrower than
  *                 grad_dtype: all ranks' pieces of this rank's slice, summed here in grad_dtype
- *                 (see [Note: exchange reduction] in pipeline.c).
- *   WEIGHT_SUB, GRAD_SUB  HFSDP only ([Note: optimizer sharded across replicas] in pipeline.c):
- *                 views of this rank's 1/O of WEIGHT_SHARD and GRAD_SHARD, the shards of the
- *                 all-gather and reduce-scatter across the O replicas. */
+ *                 (see [Note: exchange reduction] in reduce.c).
+ *   WEIGHT_SUB, GRAD_SUB  HFSDP only ([Note: optimizer sharded across replicas] in replicas.c):
+ *                 views of this rank's sub-shard (1/replicas) of WEIGHT_SHARD and GRAD_SHARD,
+ *                 the shards of the all-gather and reduce-scatter across the replicas. */
 #ifndef MFSDP_PIPELINE_H
 #define MFSDP_PIPELINE_H
 
@@ -118,14 +119,29 @@ typedef struct mfsdp_backend {
   void* outer_ctx;
 } mfsdp_backend;
 
-/* Collective accounting, per bucket and summed over the pipeline. */
+/* Collective accounting, per bucket and summed over the pipeline. Each kind of collective has a
+ * count `<kind>s` and a byte total `<kind>_bytes`. This list is their only spelling: it makes
+ * the struct below, the sum in mfsdp_pipeline_stats and the Python stats dict (engine.c).
+ *   all_gather            bytes of the full output
+ *   reduce_scatter        bytes of the full input
+ *   all_reduce            bytes of the buffer
+ *   outer_all_reduce      hybrid sharding: across the replicas
+ *   outer_reduce_scatter  HFSDP: bytes of the full input
+ *   outer_all_gather      HFSDP: bytes of the full output
+ * A reduction done as an exchange ([Note: exchange reduction] in reduce.c) counts as the
+ * all-reduce or reduce-scatter it replaces. */
+#define MFSDP_COMM_COUNTERS(X) \
+  X(all_gather)                \
+  X(reduce_scatter)            \
+  X(all_reduce)                \
+  X(outer_all_reduce)          \
+  X(outer_reduce_scatter)      \
+  X(outer_all_gather)
+
 typedef struct mfsdp_comm_stats {
-  int64_t all_gathers, all_gather_bytes;       /* bytes of the full output */
-  int64_t reduce_scatters, reduce_scatter_bytes; /* bytes of the full input */
-  int64_t all_reduces, all_reduce_bytes;
-  int64_t outer_all_reduces, outer_all_reduce_bytes; /* hybrid sharding: across the replicas */
-  int64_t outer_reduce_scatters, outer_reduce_scatter_bytes; /* HFSDP: bytes of the full input */
-  int64_t outer_all_gathers, outer_all_gather_bytes;         /* HFSDP: bytes of the full output */
+#define MFSDP_COMM_FIELDS_(kind) int64_t kind##s, kind##_bytes;
+  MFSDP_COMM_COUNTERS(MFSDP_COMM_FIELDS_)
+#undef MFSDP_COMM_FIELDS_
 } mfsdp_comm_stats;
 
 typedef struct mfsdp_pipeline mfsdp_pipeline;
@@ -150,7 +166,10 @@ const char* mfsdp_pipeline_broken(const mfsdp_pipeline* p);
 
 /* Initialisation: begin materialises WEIGHT (zeroed), set_item copies a parameter in,
  * end derives the shard and main weights and releases what is temporary. direct = 1 writes
- * only this rank's rows (no full ZeRO-3 bucket; for meta-device initialisation). */
+ * only this rank's rows (no full ZeRO-3 bucket; for meta-device initialisation). set_item and
+ * set_local copy `src` with the kernels, on a GPU asynchronously on the current stream: the
+ * caller leaves it unchanged until that stream has passed the copy (a torch tensor freed
+ * after the call is: its memory goes back to the stream-ordered caching allocator). */
 mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t bucket, int direct);
 mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t bucket, int32_t item, const void* src,
                                      int32_t src_dtype, int64_t numel);
@@ -182,7 +201,7 @@ mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t bucket, int32_
 mfsdp_status mfsdp_pipeline_seal(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
 mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p);
 /* The order in which every rank launches gradient reductions: a permutation of the buckets
- * (default: descending id). See [Note: collective order] in pipeline.c. */
+ * (default: descending id). See [Note: collective order] in reduce.c. */
 mfsdp_status mfsdp_pipeline_set_reduce_order(mfsdp_pipeline* p, const int32_t* order, int32_t n);
 /* Reduce whatever no_shard / ZeRO-1 gradients are not yet reduced (exactly once per step),
  * finish every in-flight reduction, and fill OPT_GRAD. */
@@ -192,7 +211,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p);
  * `items` are distinct. */
 mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t bucket, const int32_t* items, int32_t n);
 /* Puts buckets on (or off) hold: ZeRO-2/3 buckets on hold accumulate unreduced local gradients
- * (see [Note: held gradients] in pipeline.c); others are left out of this backward's reductions. */
+ * (see [Note: held gradients] in backward.c); others are left out of this backward's reductions. */
 mfsdp_status mfsdp_pipeline_set_hold(mfsdp_pipeline* p, const int32_t* buckets, int32_t n, int hold);
 /* Hybrid sharding: buckets whose reduced gradients skip the all-reduce across replicas (FSDP2's
  * set_requires_all_reduce(False)); their inner reduction goes on. */

@@ -1,10 +1,10 @@
 /* mfsdp_transport.h: what the pipeline needs from the outside world: memory and collectives.
  *
- * Two implementations: the torch.distributed transport (csrc/python/torch_backend.c: any
+ * Two implementations: the torch.distributed transport (csrc/python/torch_transport.c: any
  * torch backend, gloo on CPU) and the native NCCL transport (csrc/cuda/nccl_transport.c, our
  * own communicators and streams). Memory is always torch's: buffers are torch tensors whose
  * storage is resized between 0 and full size, so views held by parameters and autograd stay
- * valid while the memory itself comes and goes (see [Note: storage resize] in pipeline.c). */
+ * valid while the memory itself comes and goes (see [Note: storage resize] in buffers.c). */
 #ifndef MFSDP_TRANSPORT_H
 #define MFSDP_TRANSPORT_H
 

@@ -184,5 +184,24 @@ static mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item*
   return mfsdp_cpu_pack(dst, dt, items, n, alpha, accumulate);
 }
 
-const mfsdp_kernel_ops mfsdp_cpu_kernels = {op_copy,      op_accumulate,      op_scale,
-                                            op_fill_zero, op_count_nonfinite, op_pack};
+static mfsdp_status op_quantize(void* ctx, void* wire, int mode, int64_t block, const void* src, int st, int64_t n,
+                                int32_t pieces) {
+  (void)ctx;
+  return mfsdp_cpu_quantize(wire, mode, block, src, st, n, pieces);
+}
+
+static mfsdp_status op_dequantize(void* ctx, void* dst, int dt, const void* wire, int mode, int64_t block, int64_t n,
+                                  double alpha, int accumulate) {
+  (void)ctx;
+  return mfsdp_cpu_dequantize(dst, dt, wire, mode, block, n, alpha, accumulate);
+}
+
+static mfsdp_status op_dequantize_pack(void* ctx, void* dst, int dt, const mfsdp_quant_item* items, int32_t n_items,
+                                       int mode, int64_t block, int64_t piece_n, double alpha, int accumulate) {
+  (void)ctx;
+  return mfsdp_cpu_dequantize_pack(dst, dt, items, n_items, mode, block, piece_n, alpha, accumulate);
+}
+
+/* The quantized entries live in quant_cpu.c. */
+const mfsdp_kernel_ops mfsdp_cpu_kernels = {op_copy,     op_accumulate, op_scale,      op_fill_zero,      op_count_nonfinite,
+                                            op_pack,     op_quantize,   op_dequantize, op_dequantize_pack};

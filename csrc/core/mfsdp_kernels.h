@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "mfsdp_dtype.h"
+#include "mfsdp_quant.h"
 #include "mfsdp_status.h"
 
 #ifdef __cplusplus
@@ -39,6 +40,21 @@ typedef struct mfsdp_kernel_ops {
   /* Many tensors into one buffer in one call (one launch on a GPU): copy with alpha, or add. */
   mfsdp_status (*pack)(void* ctx, void* dst_base, int dst_dtype, const mfsdp_pack_item* items, int32_t n_items,
                        double alpha, int accumulate);
+  /* Quantized communication, in the format of [Note: quantized wire format] (mfsdp_quant.h):
+   * `pieces` pieces of n elements each, source piece p at element p * n, quantized into wire
+   * piece p at byte p * mfsdp_quant_wire_bytes(mode, n, block) (an all-to-all's W pieces in one
+   * call; one launch on a GPU). */
+  mfsdp_status (*quantize)(void* ctx, void* wire, int mode, int64_t block, const void* src, int src_dtype, int64_t n,
+                           int32_t pieces);
+  /* One piece of n elements dequantized into dst: copy (alpha * value) or accumulate
+   * (dst + alpha * value), exactly as `copy`/`accumulate` from a float32 source. */
+  mfsdp_status (*dequantize)(void* ctx, void* dst, int dst_dtype, const void* wire, int mode, int64_t block, int64_t n,
+                             double alpha, int accumulate);
+  /* Ranges of pieces (each of piece_n elements) into one buffer in one call (one launch on a
+   * GPU): a gather's copy-out into parameter-major weights. Destinations must not overlap. */
+  mfsdp_status (*dequantize_pack)(void* ctx, void* dst_base, int dst_dtype, const mfsdp_quant_item* items,
+                                  int32_t n_items, int mode, int64_t block, int64_t piece_n, double alpha,
+                                  int accumulate);
 } mfsdp_kernel_ops;
 
 extern const mfsdp_kernel_ops mfsdp_cpu_kernels;

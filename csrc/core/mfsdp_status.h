@@ -2,7 +2,7 @@
  *
  * Every engine function returns an mfsdp_status. On failure it also records a message
  * "file:line: function: text" in thread-local storage; the Python glue turns the pair into
- * one exception (csrc/python/module.c), so no C path ever aborts the interpreter.
+ * one exception (mfsdp_raise in csrc/python/glue.c), so no C path ever aborts the interpreter.
  * The first error wins: MFSDP_CHECK* propagate a status without overwriting its text. */
 #ifndef MFSDP_STATUS_H
 #define MFSDP_STATUS_H

@@ -12,7 +12,9 @@
 extern "C" {
 #endif
 
-/* NULL when built without CUDA. */
+/* NULL when built without CUDA. Its quantized entries (quantize, dequantize, dequantize_pack)
+ * write and read the format of [Note: quantized wire format] (core/mfsdp_quant.h) bit for bit
+ * as the CPU table does. */
 extern const mfsdp_kernel_ops* const mfsdp_cuda_kernels;
 /* The kernel context of a device, made on first use (it holds a few bytes of device memory for
  * count_nonfinite) and kept for the process. MFSDP_ERR_UNSUPPORTED without CUDA. */

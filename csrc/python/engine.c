@@ -2,10 +2,10 @@
  *
  * Ownership: the engine owns the pipeline, which owns every bucket buffer (torch tensors held
  * through the memory ops). It keeps a reference to its transport object for as long as the
- * pipeline may call it. Calls run with the GIL held, except while the native NCCL transport
- * waits for NCCL (it lets go of the GIL then): `busy` refuses a call from another thread
- * meanwhile, since the pipeline is not re-entrant. */
-#include "glue.h"
+ * pipeline may call it. Every method reaches the pipeline as [Note: engine calls] says. */
+#include "bucket_spec.h"
+#include "pieces.h"
+#include "torch_memory.h"
 
 #include "../cuda/mfsdp_cuda.h"
 
@@ -18,12 +18,46 @@ typedef struct engine_object {
   PyObject* device;
   PyObject* current_stream; /* torch.cuda.current_stream, CUDA engines only */
   void* kernels_ctx;
-  int busy;
+  int busy;                 /* a pipeline call is running ([Note: engine calls]) */
 } engine_object;
 
-static module_state* engine_state(PyObject* self) { return mfsdp_state_of_type(Py_TYPE(self)); }
+static module_state* engine_state(PyObject* self) { return mfsdp_type_state(Py_TYPE(self)); }
 
 static PyObject* fail(PyObject* self, mfsdp_status s) { return mfsdp_raise(engine_state(self), s); }
+
+/* [Note: engine calls]
+ * The pipeline is not re-entrant, and a call into it can run Python or let go of the GIL
+ * midway: the memory ops and the torch transport call torch (Work.wait lets go of the GIL), the
+ * native NCCL transport lets go of it while it waits for NCCL, and meanwhile another thread, a
+ * signal handler or a profiler hook may call the engine. `busy` marks such a call. So:
+ * - Every function that takes a non-const mfsdp_pipeline* runs through ENGINE_CALL: it checks
+ *   that the engine is open and idle (ready), marks it busy, points the kernels at torch's
+ *   current stream, runs the call and clears busy. It checks after the method has converted its
+ *   arguments, right before the call, because converting them runs Python (__index__,
+ *   __bool__, a tensor's methods) that may close the engine or start another call: checking
+ *   first, as most methods once did, called a closed (NULL) pipeline. The rule goes by
+ *   constness, not by what a mutation happens to call today: set_local, set_hold,
+ *   set_outer_hold and set_prescale once checked busy without setting it.
+ * - The const accessors (tensor, local_piece, weight_state, grad_state, stats) check ready
+ *   after converting their arguments and do not mark busy: they run no Python and keep the GIL
+ *   while they read, so no call can start meanwhile, and they leave the kernels' stream alone
+ *   (it is shared with a call that may be waiting on another thread).
+ * - The getters `broken` and `num_buckets` read one field and answer at any time, also while
+ *   a call runs (a watchdog thread may poll `broken`) and after close().
+ * - close() refuses while a call runs; the call still holds the pipeline. */
+
+/* The engine is open and no call is running; else False with the exception set. */
+static int ready(engine_object* e) {
+  if (e->pipeline == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "Engine is not initialised or was closed");
+    return 0;
+  }
+  if (e->busy) {
+    PyErr_SetString(PyExc_RuntimeError, "Engine re-entered from another thread or a callback; calls must not overlap");
+    return 0;
+  }
+  return 1;
+}
 
 /* CUDA engines launch on torch's current stream: read it at every call (cheap, and it may
  * change between calls under torch.cuda.stream(...)). */
@@ -37,89 +71,30 @@ static int refresh_stream(engine_object* e) {
 #endif
 }
 
-static int ready(engine_object* e) {
-  if (e->pipeline == NULL) {
-    PyErr_SetString(PyExc_RuntimeError, "Engine is not initialised or was closed");
-    return 0;
-  }
-  if (e->busy) {
-    PyErr_SetString(PyExc_RuntimeError, "Engine re-entered from another thread or a callback; calls must not overlap");
-    return 0;
-  }
-  return refresh_stream(e);
+static int engine_enter(engine_object* e) {
+  if (!ready(e)) return 0;
+  e->busy = 1; /* before the stream is read: that calls torch */
+  if (refresh_stream(e)) return 1;
+  e->busy = 0;
+  return 0;
+}
+
+static mfsdp_status engine_leave(engine_object* e, mfsdp_status s) {
+  e->busy = 0;
+  return s;
+}
+
+/* The status of `call`, a pipeline function on e->pipeline, run as [Note: engine calls] says;
+ * MFSDP_ERR_PYTHON with the exception set when the engine cannot take a call (fail() keeps it).
+ * `call` is evaluated only after the engine was entered. */
+#define ENGINE_CALL(e, call) (engine_enter(e) ? engine_leave((e), (call)) : MFSDP_ERR_PYTHON)
+
+static PyObject* none_or_fail(PyObject* self, mfsdp_status s) {
+  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* construction */
-
-static int dict_long(PyObject* d, const char* key, long long* out) {
-  PyObject* v = PyDict_GetItemString(d, key);
-  if (v == NULL) {
-    PyErr_Format(PyExc_KeyError, "bucket spec is missing '%s'", key);
-    return -1;
-  }
-  *out = PyLong_AsLongLong(v);
-  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-static int64_t* dict_i64s(PyObject* d, const char* key, int32_t* n) {
-  PyObject* v = PyDict_GetItemString(d, key);
-  if (v == NULL) {
-    PyErr_Format(PyExc_KeyError, "bucket spec is missing '%s'", key);
-    return NULL;
-  }
-  PyObject* fast = PySequence_Fast(v, "bucket spec field must be a sequence");
-  if (fast == NULL) return NULL;
-  Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
-  int64_t* out = PyMem_Malloc((size_t)(len ? len : 1) * sizeof *out);
-  for (Py_ssize_t i = 0; out && i < len; ++i) {
-    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (out[i] == -1 && PyErr_Occurred()) {
-      PyMem_Free(out);
-      out = NULL;
-    }
-  }
-  if (out == NULL && !PyErr_Occurred()) PyErr_NoMemory();
-  *n = (int32_t)len;
-  Py_DECREF(fast);
-  return out;
-}
-
-static void free_spec(mfsdp_bucket_spec* s) {
-  PyMem_Free((void*)s->layout.numels);
-  PyMem_Free((void*)s->layout.pieces);
-  PyMem_Free((void*)s->layout.param_offsets);
-  PyMem_Free((void*)s->layout.shard_offsets);
-  memset(&s->layout, 0, sizeof s->layout);
-}
-
-/* A bucket dict as _C.plan makes it (plus the dtypes and modes the wrapper adds). */
-static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
-  if (!PyDict_Check(d)) {
-    PyErr_SetString(PyExc_TypeError, "bucket spec must be a dict");
-    return -1;
-  }
-  long long v[11];
-  static const char* keys[11] = {"shards",     "shard_rank", "shard_size",      "param_dtype",      "main_dtype",
-                                 "grad_dtype", "comm_dtype", "weights_sharded", "weights_regather", "grad_mode",
-                                 "weight_size"};
-  for (int i = 0; i < 11; ++i)
-    if (dict_long(d, keys[i], &v[i]) < 0) return -1;
-  int32_t n[4] = {0, 0, 0, 0};
-  static const char* arrays[4] = {"numels", "pieces", "param_offsets", "shard_offsets"};
-  int64_t* a[4] = {NULL, NULL, NULL, NULL};
-  for (int i = 0; i < 4; ++i)
-    if ((a[i] = dict_i64s(d, arrays[i], &n[i])) == NULL) break;
-  *s = (mfsdp_bucket_spec){{(int32_t)v[0], n[0], a[0], a[1], a[2], a[3], v[10], v[2]}, (int32_t)v[1],
-                           (int32_t)v[3], (int32_t)v[4], (int32_t)v[5], (int32_t)v[6], (int32_t)v[7], (int32_t)v[8],
-                           (int32_t)v[9]};
-  if (!a[0] || !a[1] || !a[2] || !a[3] || n[1] != n[0] || n[2] != n[0] || n[3] != n[0]) {
-    free_spec(s);
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bucket spec: item tables of different lengths");
-    return -1;
-  }
-  return 0;
-}
 
 PyDoc_STRVAR(engine_doc,
              "Engine(buckets, dp_world, dp_rank, grad_prescale, reduce_op, reduce_queue_bytes, device, transport)\n\n"
@@ -127,7 +102,7 @@ PyDoc_STRVAR(engine_doc,
              "reduce_op: 'sum' or 'avg'. device: torch.device of every buffer. transport: a\n"
              "TorchTransport or NcclTransport over the data-parallel ranks (of one replica).\n"
              "outer_transport, outer_world: hybrid sharding, the replicas across which reduced gradients\n"
-             "are also all-reduced ([Note: hybrid sharding] in csrc/comm/pipeline.c). outer_sharded:\n"
+             "are also all-reduced ([Note: hybrid sharding] in csrc/comm/replicas.c). outer_sharded:\n"
              "HFSDP, sharded buckets also split over the replicas ([Note: optimizer sharded across\n"
              "replicas]): their specs have dp_world * outer_world shards.");
 
@@ -169,24 +144,9 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     PyErr_Format(PyExc_ValueError, "Engine: reduce_op must be 'sum' or 'avg', not '%s'", op);
     return -1;
   }
-  PyObject* index = PyObject_GetAttrString(device, "index");
-  PyObject* type = PyObject_GetAttrString(device, "type");
-  if (index == NULL || type == NULL) {
-    Py_XDECREF(index);
-    Py_XDECREF(type);
-    return -1;
-  }
-  int is_cuda = PyUnicode_Check(type) && PyUnicode_CompareWithASCIIString(type, "cuda") == 0;
-  /* "cuda" without an index would mean whichever device is current at each call: refuse it
-   * rather than guess (fully_shard resolves it once, to the current device). */
-  int device_index = is_cuda && index != Py_None ? (int)PyLong_AsLong(index) : -1;
-  Py_DECREF(index);
-  Py_DECREF(type);
-  if (PyErr_Occurred()) return -1;
-  if (is_cuda && device_index < 0) {
-    PyErr_SetString(PyExc_ValueError, "Engine: a CUDA device needs an index (torch.device('cuda', N))");
-    return -1;
-  }
+  torch_memory memory;
+  if (mfsdp_torch_memory_init(&memory, st, device) < 0) return -1;
+  int is_cuda = memory.device_index >= 0, device_index = memory.device_index;
 
   const mfsdp_kernel_ops* kernels = &mfsdp_cpu_kernels;
   void* kernels_ctx = NULL;
@@ -210,39 +170,26 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   }
   e->kernels_ctx = kernels_ctx;
 
-  PyObject* fast = PySequence_Fast(specs_obj, "Engine: buckets must be a sequence of dicts");
-  if (fast == NULL) return -1;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  mfsdp_bucket_spec* specs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *specs);
-  int rc = -1;
-  Py_ssize_t parsed = 0;
-  if (specs == NULL) {
-    PyErr_NoMemory();
-    goto exit;
-  }
-  for (; parsed < n; ++parsed)
-    if (parse_spec(PySequence_Fast_GET_ITEM(fast, parsed), &specs[parsed]) < 0) goto exit;
+  mfsdp_bucket_spec* specs;
+  int32_t n;
+  if (mfsdp_bucket_specs_from_python(specs_obj, &specs, &n) < 0) return -1;
 
   Py_XSETREF(e->device, Py_NewRef(device));
   Py_XSETREF(e->transport, Py_NewRef(transport));
   Py_XSETREF(e->outer_transport, outer == Py_None ? NULL : Py_NewRef(outer));
-  e->memory = (torch_memory){st, e->device, device_index};
+  e->memory = memory; /* its device: e->device, the same object */
   transport_object* t = (transport_object*)transport;
   transport_object* o = (transport_object*)e->outer_transport;
   mfsdp_backend be = {&mfsdp_torch_memory_ops, &e->memory, t->ops, t->ctx, kernels, kernels_ctx,
                       o ? o->ops : NULL, o ? o->ctx : NULL};
   mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes, force_comm, outer_world, outer_sharded};
-  mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, (int32_t)n, &e->pipeline);
+  mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, n, &e->pipeline);
+  mfsdp_free_bucket_specs(specs, n); /* the pipeline keeps copies */
   if (s != MFSDP_OK) {
     fail(self, s);
-    goto exit;
+    return -1;
   }
-  rc = 0;
-exit:
-  for (Py_ssize_t i = 0; i < parsed; ++i) free_spec(&specs[i]);
-  PyMem_Free(specs);
-  Py_DECREF(fast);
-  return rc;
+  return 0;
 }
 
 static void engine_close_pipeline(engine_object* e) {
@@ -280,11 +227,10 @@ static void engine_dealloc(PyObject* self) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* methods */
+/* methods ([Note: engine calls]) */
 
 #define MAX_IDS_ON_STACK 64
 
-/* Runs a pipeline call over a sequence of bucket ids. */
 /* Reads a sequence of ints (bucket or item ids) into `stack`, or a heap array when longer than
  * MAX_IDS_ON_STACK; *out points at them. Free with release_ids. 0 on success. */
 static int read_ids(PyObject* ids, int32_t* stack, int32_t** out, int32_t* n) {
@@ -320,12 +266,10 @@ static PyObject* over_ids(PyObject* self, PyObject* ids,
                           mfsdp_status (*fn)(mfsdp_pipeline*, const int32_t*, int32_t)) {
   engine_object* e = (engine_object*)self;
   int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!ready(e) || read_ids(ids, stack, &arr, &n) < 0) return NULL;
-  e->busy = 1;
-  mfsdp_status s = fn(e->pipeline, arr, n);
-  e->busy = 0;
+  if (read_ids(ids, stack, &arr, &n) < 0) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, fn(e->pipeline, arr, n));
   release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
+  return none_or_fail(self, s);
 }
 
 static PyObject* engine_unshard(PyObject* self, PyObject* ids) { return over_ids(self, ids, mfsdp_pipeline_unshard); }
@@ -340,12 +284,7 @@ static PyObject* engine_set_reduce_order(PyObject* self, PyObject* ids) {
 
 static PyObject* run(PyObject* self, mfsdp_status (*fn)(mfsdp_pipeline*)) {
   engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
-  e->busy = 1;
-  mfsdp_status s = fn(e->pipeline);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  return none_or_fail(self, ENGINE_CALL(e, fn(e->pipeline)));
 }
 
 static PyObject* engine_end_backward(PyObject* self, PyObject* unused) {
@@ -367,117 +306,131 @@ static PyObject* engine_drain(PyObject* self, PyObject* unused) {
 
 static PyObject* engine_begin_backward(PyObject* self, PyObject* sync) {
   engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
   int flag = PyObject_IsTrue(sync);
   if (flag < 0) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_begin_backward(e->pipeline, flag);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_begin_backward(e->pipeline, flag)));
 }
 
 static PyObject* engine_install_main_weights(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int include_frozen = 0;
-  if (!PyArg_ParseTuple(args, "|p:install_main_weights", &include_frozen) || !ready(e)) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_install_main_weights(e->pipeline, include_frozen);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  if (!PyArg_ParseTuple(args, "|p:install_main_weights", &include_frozen)) return NULL;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_install_main_weights(e->pipeline, include_frozen)));
 }
 
-static int device_matches(engine_object* e, const tensor_view* v, const char* what) {
-  if (v->device != e->memory.device_index) {
+/* A parameter or gradient tensor given to (bucket, item): its view, on the engine's device. An
+ * engine without a pipeline has no device yet (ENGINE_CALL refuses it next). */
+static int item_tensor(PyObject* self, PyObject* const* args, Py_ssize_t nargs, const char* what, const char* usage,
+                       long* b, long* i, tensor_view* v) {
+  engine_object* e = (engine_object*)self;
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "%s takes 3 arguments", usage);
+    return -1;
+  }
+  *b = PyLong_AsLong(args[0]);
+  *i = PyLong_AsLong(args[1]);
+  if (PyErr_Occurred() || mfsdp_tensor_view(engine_state(self), args[2], what, v) < 0) return -1;
+  if (e->pipeline != NULL && v->device != e->memory.device_index) {
     PyErr_Format(PyExc_ValueError, "%s: tensor is on %s%d but the engine's buffers are on %s%d", what,
                  v->device < 0 ? "cpu" : "cuda:", v->device < 0 ? 0 : v->device,
                  e->memory.device_index < 0 ? "cpu" : "cuda:", e->memory.device_index < 0 ? 0 : e->memory.device_index);
-    return 0;
+    return -1;
   }
-  return 1;
+  return 0;
 }
 
 static PyObject* engine_grad_ready(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   engine_object* e = (engine_object*)self;
-  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "grad_ready(bucket, item, grad) takes 3 arguments");
-  if (!ready(e)) return NULL;
-  long b = PyLong_AsLong(args[0]), i = PyLong_AsLong(args[1]);
-  if (PyErr_Occurred()) return NULL;
+  long b, i;
   tensor_view v;
-  if (mfsdp_tensor_view(engine_state(self), args[2], "grad_ready", &v) < 0 || !device_matches(e, &v, "grad_ready"))
-    return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_grad_ready(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel, args[2]);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  if (item_tensor(self, args, nargs, "grad_ready", "grad_ready(bucket, item, grad)", &b, &i, &v) < 0) return NULL;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_grad_ready(e->pipeline, (int32_t)b, (int32_t)i, v.data,
+                                                                     v.dtype, v.numel, args[2])));
+}
+
+static PyObject* engine_set_item(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  engine_object* e = (engine_object*)self;
+  long b, i;
+  tensor_view v;
+  if (item_tensor(self, args, nargs, "set_item", "set_item(bucket, item, tensor)", &b, &i, &v) < 0) return NULL;
+  return none_or_fail(
+      self, ENGINE_CALL(e, mfsdp_pipeline_set_item(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel)));
+}
+
+static PyObject* engine_set_local(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  engine_object* e = (engine_object*)self;
+  long b, i;
+  tensor_view v;
+  if (item_tensor(self, args, nargs, "set_local", "set_local(bucket, item, tensor)", &b, &i, &v) < 0) return NULL;
+  return none_or_fail(
+      self, ENGINE_CALL(e, mfsdp_pipeline_set_local(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel)));
 }
 
 static PyObject* engine_init_begin(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b, direct = 0;
-  if (!PyArg_ParseTuple(args, "i|p:init_begin", &b, &direct) || !ready(e)) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_init_begin(e->pipeline, (int32_t)b, direct);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  if (!PyArg_ParseTuple(args, "i|p:init_begin", &b, &direct)) return NULL;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_init_begin(e->pipeline, (int32_t)b, direct)));
 }
 
 static PyObject* engine_init_end(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
   long b = PyLong_AsLong(arg);
   if (PyErr_Occurred()) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_init_end(e->pipeline, (int32_t)b);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
-}
-
-static PyObject* engine_set_item(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  engine_object* e = (engine_object*)self;
-  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "set_item(bucket, item, tensor) takes 3 arguments");
-  if (!ready(e)) return NULL;
-  long b = PyLong_AsLong(args[0]), i = PyLong_AsLong(args[1]);
-  if (PyErr_Occurred()) return NULL;
-  tensor_view v;
-  if (mfsdp_tensor_view(engine_state(self), args[2], "set_item", &v) < 0 || !device_matches(e, &v, "set_item"))
-    return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_set_item(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
-}
-
-static PyObject* engine_set_local(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  engine_object* e = (engine_object*)self;
-  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "set_local(bucket, item, tensor) takes 3 arguments");
-  if (!ready(e)) return NULL;
-  long b = PyLong_AsLong(args[0]), i = PyLong_AsLong(args[1]);
-  if (PyErr_Occurred()) return NULL;
-  tensor_view v;
-  if (mfsdp_tensor_view(engine_state(self), args[2], "set_local", &v) < 0 || !device_matches(e, &v, "set_local"))
-    return NULL;
-  mfsdp_status s = mfsdp_pipeline_set_local(e->pipeline, (int32_t)b, (int32_t)i, v.data, v.dtype, v.numel);
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_init_end(e->pipeline, (int32_t)b)));
 }
 
 static PyObject* engine_set_comm_dtype(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
-  if (!ready(e)) return NULL;
   int code = -1;
   if (arg != Py_None && (code = mfsdp_dtype_code(engine_state(self), arg, "set_comm_dtype")) < 0) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_set_comm_dtype(e->pipeline, code);
-  e->busy = 0;
-  if (s != MFSDP_OK) return fail(self, s);
-  Py_RETURN_NONE;
+  return none_or_fail(self, ENGINE_CALL(e, mfsdp_pipeline_set_comm_dtype(e->pipeline, code)));
 }
+
+static PyObject* engine_zero_item_grads(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  int b;
+  PyObject* items;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, "iO:zero_item_grads", &b, &items) || read_ids(items, stack, &arr, &n) < 0) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, mfsdp_pipeline_zero_item_grads(e->pipeline, b, arr, n));
+  release_ids(arr, stack);
+  return none_or_fail(self, s);
+}
+
+/* set_hold and set_outer_hold: (buckets, hold). */
+static PyObject* hold_ids(PyObject* self, PyObject* args, const char* format,
+                          mfsdp_status (*fn)(mfsdp_pipeline*, const int32_t*, int32_t, int)) {
+  engine_object* e = (engine_object*)self;
+  PyObject* ids;
+  int hold;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, format, &ids, &hold) || read_ids(ids, stack, &arr, &n) < 0) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, fn(e->pipeline, arr, n, hold));
+  release_ids(arr, stack);
+  return none_or_fail(self, s);
+}
+
+static PyObject* engine_set_hold(PyObject* self, PyObject* args) {
+  return hold_ids(self, args, "Op:set_hold", mfsdp_pipeline_set_hold);
+}
+
+static PyObject* engine_set_outer_hold(PyObject* self, PyObject* args) {
+  return hold_ids(self, args, "Op:set_outer_hold", mfsdp_pipeline_set_outer_hold);
+}
+
+static PyObject* engine_set_prescale(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  PyObject* ids;
+  double prescale;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, "Od:set_prescale", &ids, &prescale) || read_ids(ids, stack, &arr, &n) < 0) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, mfsdp_pipeline_set_prescale(e->pipeline, arr, n, prescale));
+  release_ids(arr, stack);
+  return none_or_fail(self, s);
+}
+
+/* const accessors (tensor ... stats): ready() after the arguments, no busy ([Note: engine calls]) */
 
 static PyObject* engine_tensor(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
@@ -488,56 +441,6 @@ static PyObject* engine_tensor(PyObject* self, PyObject* args) {
   const mfsdp_buffer* buf = mfsdp_pipeline_buffer(e->pipeline, b, kind);
   if (buf == NULL) Py_RETURN_NONE;
   return Py_NewRef((PyObject*)buf->handle);
-}
-
-static PyObject* engine_zero_item_grads(PyObject* self, PyObject* args) {
-  engine_object* e = (engine_object*)self;
-  int b;
-  PyObject* items;
-  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!PyArg_ParseTuple(args, "iO:zero_item_grads", &b, &items) || !ready(e) || read_ids(items, stack, &arr, &n) < 0)
-    return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_zero_item_grads(e->pipeline, b, arr, n);
-  e->busy = 0;
-  release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
-}
-
-static PyObject* engine_set_hold(PyObject* self, PyObject* args) {
-  engine_object* e = (engine_object*)self;
-  PyObject* ids;
-  int hold;
-  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!PyArg_ParseTuple(args, "Op:set_hold", &ids, &hold) || !ready(e) || read_ids(ids, stack, &arr, &n) < 0)
-    return NULL;
-  mfsdp_status s = mfsdp_pipeline_set_hold(e->pipeline, arr, n, hold);
-  release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
-}
-
-static PyObject* engine_set_outer_hold(PyObject* self, PyObject* args) {
-  engine_object* e = (engine_object*)self;
-  PyObject* ids;
-  int hold;
-  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!PyArg_ParseTuple(args, "Op:set_outer_hold", &ids, &hold) || !ready(e) || read_ids(ids, stack, &arr, &n) < 0)
-    return NULL;
-  mfsdp_status s = mfsdp_pipeline_set_outer_hold(e->pipeline, arr, n, hold);
-  release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
-}
-
-static PyObject* engine_set_prescale(PyObject* self, PyObject* args) {
-  engine_object* e = (engine_object*)self;
-  PyObject* ids;
-  double prescale;
-  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
-  if (!PyArg_ParseTuple(args, "Od:set_prescale", &ids, &prescale) || !ready(e) || read_ids(ids, stack, &arr, &n) < 0)
-    return NULL;
-  mfsdp_status s = mfsdp_pipeline_set_prescale(e->pipeline, arr, n, prescale);
-  release_ids(arr, stack);
-  return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
 }
 
 static PyObject* engine_local_piece(PyObject* self, PyObject* args) {
@@ -576,24 +479,28 @@ static PyObject* engine_stats(PyObject* self, PyObject* args) {
   if (b < -1 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %d", b);
   mfsdp_comm_stats s;
   mfsdp_pipeline_stats(e->pipeline, b, &s);
-  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "all_gathers", (long long)s.all_gathers,
-                       "all_gather_bytes", (long long)s.all_gather_bytes, "reduce_scatters",
-                       (long long)s.reduce_scatters, "reduce_scatter_bytes", (long long)s.reduce_scatter_bytes,
-                       "all_reduces", (long long)s.all_reduces, "all_reduce_bytes", (long long)s.all_reduce_bytes,
-                       "outer_all_reduces", (long long)s.outer_all_reduces, "outer_all_reduce_bytes",
-                       (long long)s.outer_all_reduce_bytes, "outer_reduce_scatters", (long long)s.outer_reduce_scatters,
-                       "outer_reduce_scatter_bytes", (long long)s.outer_reduce_scatter_bytes, "outer_all_gathers",
-                       (long long)s.outer_all_gathers, "outer_all_gather_bytes", (long long)s.outer_all_gather_bytes);
+  /* every counter of MFSDP_COMM_COUNTERS, in its order: "<kind>s" and "<kind>_bytes" */
+#define STAT_KEYS_(kind) #kind "s", #kind "_bytes",
+#define STAT_VALUES_(kind) s.kind##s, s.kind##_bytes,
+  static const char* const keys[] = {MFSDP_COMM_COUNTERS(STAT_KEYS_)};
+  const int64_t values[] = {MFSDP_COMM_COUNTERS(STAT_VALUES_)};
+#undef STAT_KEYS_
+#undef STAT_VALUES_
+  PyObject* dict = PyDict_New();
+  for (size_t i = 0; dict != NULL && i < sizeof keys / sizeof *keys; ++i) {
+    PyObject* value = PyLong_FromLongLong((long long)values[i]);
+    if (value == NULL || PyDict_SetItemString(dict, keys[i], value) < 0) Py_CLEAR(dict);
+    Py_XDECREF(value);
+  }
+  return dict;
 }
 
 static PyObject* engine_count_nonfinite_grad(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b, i;
   int64_t count = 0;
-  if (!PyArg_ParseTuple(args, "ii:count_nonfinite_grad", &b, &i) || !ready(e)) return NULL;
-  e->busy = 1;
-  mfsdp_status s = mfsdp_pipeline_count_nonfinite_grad(e->pipeline, b, i, &count);
-  e->busy = 0;
+  if (!PyArg_ParseTuple(args, "ii:count_nonfinite_grad", &b, &i)) return NULL;
+  mfsdp_status s = ENGINE_CALL(e, mfsdp_pipeline_count_nonfinite_grad(e->pipeline, b, i, &count));
   if (s != MFSDP_OK) return fail(self, s);
   return PyLong_FromLongLong(count);
 }

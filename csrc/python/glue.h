@@ -1,7 +1,18 @@
-/* glue.h: shared pieces of the CPython module megatron_fsdp_c._C.
+/* glue.h: the floor of the CPython module megatron_fsdp_c._C (glue.c): what every other file of
+ * csrc/python/ uses, and nothing that knows them.
  *
- * The module is multi-phase initialised and keeps everything it needs in its module state
- * (no global PyObject*). Heap types find that state through PyType_GetModuleByDef. */
+ * Files include only the headers of files below them:
+ *   glue.h          (glue.c)          <- every file
+ *   torch_memory.h  (torch_memory.c)  <- engine.c
+ *   bucket_spec.h   (bucket_spec.c)   <- engine.c
+ *   pieces.h        (register fns)    <- module.c, and each piece for its own prototype
+ * The pieces (plan.c, kernels.c, host_heap.c, torch_transport.c, nccl_transport_type.c,
+ * bucket_spec.c, engine.c) use nothing of each other but those two headers; module.c is the
+ * roof and only registers them.
+ *
+ * The module is multi-phase initialised and keeps everything it needs in its module state (no
+ * global PyObject*), as CPython's Modules/xxlimited.c does. Functions get the state from their
+ * module (mfsdp_module_state); methods of our heap types from their type (mfsdp_type_state). */
 #ifndef MFSDP_GLUE_H
 #define MFSDP_GLUE_H
 
@@ -23,9 +34,19 @@ typedef struct module_state {
   PyTypeObject* nccl_transport_type; /* NULL when built without CUDA */
 } module_state;
 
-extern PyModuleDef mfsdp_module_def;
+/* The state of our module: of `module` itself, or of the module that made a heap type. Our
+ * types are not subclassable (no Py_TPFLAGS_BASETYPE), so Py_TYPE(self) is always the type
+ * PyType_FromModuleAndSpec made and PyType_GetModuleState finds its module directly (a
+ * subclassable type would need PyType_GetModuleByDef, which walks the MRO). */
+module_state* mfsdp_module_state(PyObject* module);
+module_state* mfsdp_type_state(PyTypeObject* type);
 
-module_state* mfsdp_state_of_type(PyTypeObject* type);
+/* Fills the floor's part of the state (EngineError, torch, torch.Tensor, the dtype tables) and
+ * adds EngineError and DTYPE_CODES to the module; 0, or -1 with an exception. The pieces fill
+ * their own type slots. Traverse and clear cover every slot. */
+int mfsdp_state_init(PyObject* module, module_state* st);
+int mfsdp_state_traverse(module_state* st, visitproc visit, void* arg);
+void mfsdp_state_clear(module_state* st);
 
 /* Transport objects share this head, so the engine can take any of them. */
 typedef struct transport_object {
@@ -35,10 +56,14 @@ typedef struct transport_object {
   int device; /* -1: host buffers, >= 0: CUDA device of the buffers it moves */
 } transport_object;
 
-/* Raises the exception for `status` (using the last-error text) and returns NULL. */
+/* The one place a C status becomes a Python exception: raises the exception for `status` with
+ * the last-error text ("file:line: function: text", see mfsdp_status.h) and returns NULL.
+ * MFSDP_ERR_PYTHON with an exception already set keeps that exception. */
 PyObject* mfsdp_raise(module_state* st, mfsdp_status status);
 
-/* Records the pending Python exception as the engine's last error and clears it. */
+/* The other way round, for C callbacks that call Python: records the pending Python exception
+ * as the engine's last error, clears it, and returns `status` (MFSDP_ERR_TIMEOUT when the
+ * exception says it timed out). */
 mfsdp_status mfsdp_status_from_python(mfsdp_status status, const char* what);
 
 /* A contiguous tensor's address, dtype code, element count and device (-1: CPU). */
@@ -51,20 +76,9 @@ typedef struct tensor_view {
 int mfsdp_tensor_view(module_state* st, PyObject* tensor, const char* what, tensor_view* out);
 int mfsdp_dtype_code(module_state* st, PyObject* dtype, const char* what); /* -1 with exception */
 
-/* The torch memory ops: buffers are torch tensors on one device (see mfsdp_transport.h). */
-typedef struct torch_memory {
-  module_state* st;
-  PyObject* device; /* torch.device */
-  int device_index; /* -1 for CPU */
-} torch_memory;
-extern const mfsdp_memory_ops mfsdp_torch_memory_ops;
-
-int mfsdp_register_torch_transport(PyObject* module, module_state* st);
-int mfsdp_register_engine(PyObject* module, module_state* st);
-int mfsdp_register_nccl(PyObject* module, module_state* st); /* no-op without CUDA */
 #ifdef MFSDP_WITH_CUDA
 /* Points a CUDA kernel context at torch's current stream on `device`; current_stream is
- * torch.cuda.current_stream. 0, or -1 with an exception. (cuda_glue.c) */
+ * torch.cuda.current_stream. 0, or -1 with an exception. */
 int mfsdp_use_current_stream(PyObject* current_stream, int device, void* kernels_ctx);
 #endif
 

@@ -37,6 +37,24 @@ void fill_test_values(void* p, int dtype, int64_t n, uint64_t* rng) {
   }
 }
 
+void fill_quant_values(void* p, int dtype, int64_t n, int64_t block, uint64_t* rng, int specials) {
+  for (int64_t first = 0; first < n; first += block) {
+    int64_t len = n - first < block ? n - first : block;
+    int kind = specials ? (int)rng_range(rng, 0, 11) : 11;
+    double magnitude = ldexp(1.0, (int)rng_range(rng, -12, 12)) * (0.5 + rng_uniform(rng));
+    int64_t special_at = rng_range(rng, 0, len - 1);
+    for (int64_t i = 0; i < len; ++i) {
+      double v = (2.0 * rng_uniform(rng) - 1.0) * magnitude;
+      if (kind == 0) v = i % 2 ? -0.0 : 0.0;
+      if (kind == 1 && i == special_at) v = NAN;
+      if (kind == 2 && i == special_at) v = rng_range(rng, 0, 1) ? INFINITY : -INFINITY;
+      if (kind == 3) v = (2.0 * rng_uniform(rng) - 1.0) * 1e-39; /* float32 subnormals */
+      if (kind == 4 && i == special_at) v = rng_range(rng, 0, 1) ? magnitude : -magnitude; /* the absmax itself */
+      store_from_double(p, dtype, first + i, v);
+    }
+  }
+}
+
 int64_t count_differences(const void* a, const void* b, int dtype, int64_t n) {
   int64_t wrong = 0, size = mfsdp_dtype_size(dtype);
   for (int64_t i = 0; i < n; ++i) {

@@ -83,6 +83,11 @@ void store_from_double(void* p, int dtype, int64_t i, double v);
 /* Random values in [-4, 4) of a floating dtype, with NaN, +-Inf, float32 subnormals and values
  * that overflow float16 sprinkled in: the kernels' test inputs. */
 void fill_test_values(void* p, int dtype, int64_t n, uint64_t* rng);
+/* Inputs of the quantization kernels, block by block (blocks of `block` elements): most blocks
+ * random values of a random magnitude 2^-12 .. 2^12 (some holding their +-absmax exactly), and,
+ * when `specials`, whole zero blocks (+0 and -0), blocks holding one NaN, +Inf or -Inf, and
+ * blocks of float32 subnormals. */
+void fill_quant_values(void* p, int dtype, int64_t n, int64_t block, uint64_t* rng, int specials);
 /* Elements of a and b that differ bit for bit (a NaN equals any NaN). */
 int64_t count_differences(const void* a, const void* b, int dtype, int64_t n);
 

@@ -5,11 +5,21 @@
  *  - kernels: every dtype pair, aligned and misaligned, sizes around the vector width and past
  *    several grid strides, bit-identical to the CPU kernels; the one-launch pack; NaN counts;
  *    refusals with file:line.
+ *  - the emulator's timing knobs and per-record events (emu/cuda_runtime.h).
+ *  - quant: quantize and dequantize of every mode and float dtype, bit-identical to the CPU
+ *    kernels (wire bytes and values), sizes 1 to 100003 with odd tails, blocks of 1-4100,
+ *    misaligned sources, destinations and pieces; pieces of an all-to-all in one launch; the
+ *    copy-out of ranges of W pieces in one launch per table, with a full memory pool.
  *  - the pipeline cases of pipeline_cases.c through NCCL transport + CUDA kernels, world 1-4,
  *    with stream-ordered frees (a buffer freed too early is an AddressSanitizer error), once as
- *    they come and once with every stream operation delayed at random (other interleavings).
+ *    they come, once with every stream operation delayed at random (other interleavings) and
+ *    once with every rank's stream deferred until its host synchronizes (a host that touches
+ *    memory its stream has yet to use fails on every run).
  *  - a unit of three buckets (fp32, bf16, fp64) gathered as one NCCL group and read by the
  *    consumer stream straight after the wait.
+ *  - HFSDP (2 replicas x 2 shards) over two steps of three microbatches, as it comes and with
+ *    streams deferred or slowed (hf_modes): the collectives inside and across the replicas must
+ *    be ordered by events, not by timing.
  *  - the watchdog: a collective a peer never joins aborts the communicators within the timeout
  *    and the next call raises MFSDP_ERR_TIMEOUT; the peer then sees MFSDP_ERR_NCCL.
  *
@@ -194,6 +204,239 @@ static void test_kernels(void) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* the emulator's own promises: the timing knobs the stress runs rely on, and events that
+ * concern one record each (as in CUDA) */
+
+static void set_flag(void* arg) { *(_Atomic int*)arg = 1; }
+
+static double seconds_since(const struct timespec* a);
+
+static void test_emulator(void) {
+  cudaStream_t deferred, other, fast;
+  cudaStreamCreateWithPriority(&deferred, cudaStreamNonBlocking, 0);
+  cudaStreamCreateWithPriority(&other, cudaStreamNonBlocking, 0);
+  cudaStreamCreateWithPriority(&fast, cudaStreamNonBlocking, 0);
+  emu_stream_defer(deferred, 1);
+  /* a deferred stream runs nothing until the host waits for it, and holds back its waiters */
+  _Atomic int ran = 0, waiter_ran = 0;
+  cudaEvent_t e;
+  cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  emu_stream_host_fn(deferred, set_flag, (void*)&ran);
+  cudaEventRecord(e, deferred);
+  cudaStreamWaitEvent(other, e, 0);
+  emu_stream_host_fn(other, set_flag, (void*)&waiter_ran);
+  nap(0.02);
+  CHECK(!ran && !waiter_ran && cudaEventQuery(e) == cudaErrorNotReady,
+        "a deferred stream ran before the host waited for it (ran %d, its waiter %d)", (int)ran, (int)waiter_ran);
+  /* the waiter waits for the record it saw: a later record of the same event on a stream that
+   * runs at once completes the event, not that record */
+  cudaEventRecord(e, fast);
+  cudaStreamSynchronize(fast);
+  nap(0.01);
+  CHECK(cudaEventQuery(e) == cudaSuccess, "an event whose latest record passed is complete");
+  CHECK(!waiter_ran, "a wait for an event's first record was released by its second");
+  cudaStreamSynchronize(deferred);
+  cudaStreamSynchronize(other);
+  CHECK(ran && waiter_ran, "synchronizing a deferred stream runs it and releases its waiters (ran %d, waiter %d)",
+        (int)ran, (int)waiter_ran);
+  /* work queued after a synchronize stays deferred; switching deferral off lets it go */
+  ran = 0;
+  emu_stream_host_fn(deferred, set_flag, (void*)&ran);
+  nap(0.01);
+  CHECK(!ran, "work queued after a synchronize ran without one");
+  emu_stream_defer(deferred, 0);
+  cudaStreamSynchronize(deferred);
+  CHECK(ran, "deferral off: the queued work ran");
+  /* a slowed stream starts each operation at least its delay later */
+  emu_set_stream_delay_us(2000);
+  cudaStream_t slow;
+  cudaStreamCreateWithPriority(&slow, cudaStreamNonBlocking, 0);
+  emu_set_stream_delay_us(0);
+  struct timespec a;
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  for (int k = 0; k < 5; ++k) emu_stream_host_fn(slow, set_flag, (void*)&ran);
+  cudaStreamSynchronize(slow);
+  double took = seconds_since(&a);
+  CHECK(took >= 0.01, "5 operations on a stream slowed by 2 ms each took %.4f s", took);
+  cudaEventDestroy(e);
+  cudaStream_t made[] = {deferred, other, fast, slow};
+  for (size_t k = 0; k < sizeof made / sizeof made[0]; ++k) cudaStreamDestroy(made[k]);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* quantized pieces ([Note: quantized wire format] in core/mfsdp_quant.h): the CUDA table
+ * against the CPU one, bit for bit */
+
+/* `pieces` pieces of n elements quantized by both tables; shift misaligns the source by one
+ * element and the wire by 4 bytes (still the 4 its scales need). Compares every byte of the
+ * pieces and the guard bytes around them. */
+static void expect_quantize(kernel_rig* k, int mode, int64_t block, int st, int64_t n, int shift, int32_t pieces) {
+  uint64_t rng = (uint64_t)(mode * 7919 + block * 131 + st * 17 + n + shift);
+  int64_t elem = mfsdp_dtype_size(st), W = mfsdp_quant_wire_bytes(mode, n, block);
+  char* src = malloc((size_t)((n * pieces + 1) * elem));
+  fill_quant_values(src + shift * elem, st, n * pieces, block, &rng, 1);
+  size_t bytes = (size_t)(W * pieces + 64);
+  uint8_t* want = malloc(bytes);
+  uint8_t* got = malloc(bytes);
+  memset(want, 0xa5, bytes);
+  memset(got, 0xa5, bytes);
+  int64_t at = shift ? 4 : 0;
+  mfsdp_status cpu = mfsdp_cpu_quantize(want + at, mode, block, src + shift * elem, st, n, pieces);
+  mfsdp_status gpu = mfsdp_cuda_kernels->quantize(k->ctx, got + at, mode, block, src + shift * elem, st, n, pieces);
+  cudaStreamSynchronize(k->stream);
+  CHECK(cpu == MFSDP_OK && gpu == MFSDP_OK, "quantize %s: %s", mfsdp_quant_mode_name(mode), mfsdp_last_error());
+  int64_t wrong = 0;
+  for (size_t b = 0; b < bytes; ++b) wrong += want[b] != got[b];
+  CHECK(wrong == 0, "quantize %s from %s n=%lld block=%lld shift=%d pieces=%d: %lld bytes differ from the CPU kernel",
+        mfsdp_quant_mode_name(mode), mfsdp_dtype_name(st), (long long)n, (long long)block, shift, pieces,
+        (long long)wrong);
+  free(src);
+  free(want);
+  free(got);
+}
+
+/* One piece dequantized into dst[shift..] by both tables (shift misaligns the vector path). */
+static void expect_dequantize(kernel_rig* k, int mode, int64_t block, int dt, int64_t n, int shift, double alpha,
+                              int accumulate) {
+  uint64_t rng = (uint64_t)(mode * 31 + block + dt * 7 + n + shift);
+  int64_t W = mfsdp_quant_wire_bytes(mode, n, block);
+  float* src = malloc((size_t)(n + 1) * sizeof *src);
+  uint8_t* wire = malloc((size_t)W + 16);
+  fill_quant_values(src, MFSDP_F32, n, block, &rng, 1);
+  CHECK_OK(mfsdp_cpu_quantize(wire, mode, block, src, MFSDP_F32, n, 1));
+  size_t bytes = (size_t)(n + 8) * 8;
+  char* want = malloc(bytes);
+  char* got = malloc(bytes);
+  fill_test_values(want, dt, n + 8, &rng);
+  memcpy(got, want, bytes);
+  int64_t off = shift * mfsdp_dtype_size(dt);
+  mfsdp_status cpu = mfsdp_cpu_dequantize(want + off, dt, wire, mode, block, n, alpha, accumulate);
+  mfsdp_status gpu = mfsdp_cuda_kernels->dequantize(k->ctx, got + off, dt, wire, mode, block, n, alpha, accumulate);
+  cudaStreamSynchronize(k->stream);
+  CHECK(cpu == MFSDP_OK && gpu == MFSDP_OK, "dequantize %s: %s", mfsdp_quant_mode_name(mode), mfsdp_last_error());
+  int64_t wrong = count_differences(want, got, dt, n + 8); /* includes the untouched edges */
+  CHECK(wrong == 0, "dequantize %s into %s n=%lld block=%lld shift=%d alpha=%g accumulate=%d: %lld elements differ",
+        mfsdp_quant_mode_name(mode), mfsdp_dtype_name(dt), (long long)n, (long long)block, shift, alpha, accumulate,
+        (long long)wrong);
+  free(src);
+  free(wire);
+  free(want);
+  free(got);
+}
+
+/* A gather's copy-out: W pieces cut into ranges (odd offsets, mid-block, mid-byte, empty) in
+ * `items` items scattered over one destination with holes, by both tables. With a full pool:
+ * torch holds every byte of the device, and the copy-out may not allocate. */
+static void expect_dequantize_pack(kernel_rig* k, int device, int mode, int dt, int items_wanted, double alpha,
+                                   int accumulate) {
+  enum { PIECES = 4 };
+  const int64_t piece_n = 5003, block = mode == MFSDP_QUANT_INT4 ? 50 : 97;
+  uint64_t rng = (uint64_t)(mode * 5 + dt + items_wanted + accumulate);
+  int64_t W = mfsdp_quant_wire_bytes(mode, piece_n, block);
+  uint16_t* src = malloc((size_t)(PIECES * piece_n) * sizeof *src);
+  uint8_t* wire = malloc((size_t)(PIECES * W));
+  fill_quant_values(src, MFSDP_F16, PIECES * piece_n, block, &rng, 1);
+  CHECK_OK(mfsdp_cpu_quantize(wire, mode, block, src, MFSDP_F16, piece_n, PIECES));
+  mfsdp_quant_item* items = calloc((size_t)items_wanted, sizeof *items);
+  int64_t dst_at = 0;
+  for (int i = 0; i < items_wanted; ++i) {
+    int64_t n = i % 9 == 4 ? 0 : rng_range(&rng, 1, i % 5 == 0 ? 3000 : 40);
+    int64_t first = rng_range(&rng, 0, piece_n - n);
+    dst_at += rng_range(&rng, 0, 3); /* holes */
+    items[i] = (mfsdp_quant_item){wire + (i * 7 % PIECES) * W, first, dst_at, n};
+    dst_at += n;
+  }
+  size_t bytes = (size_t)(dst_at + 8) * 8;
+  char* want = malloc(bytes);
+  char* got = malloc(bytes);
+  fill_test_values(want, dt, dst_at + 8, &rng);
+  memcpy(got, want, bytes);
+  size_t held = emu_device_memory_free(device);
+  CHECK(emu_device_reserve(device, (long long)held), "torch takes the whole pool");
+  long allocations = emu_runtime_allocations();
+  CHECK_OK(mfsdp_cpu_dequantize_pack(want, dt, items, items_wanted, mode, block, piece_n, alpha, accumulate));
+  CHECK_OK(mfsdp_cuda_kernels->dequantize_pack(k->ctx, got, dt, items, items_wanted, mode, block, piece_n, alpha,
+                                               accumulate));
+  cudaStreamSynchronize(k->stream);
+  CHECK(emu_runtime_allocations() == allocations, "the copy-out allocated device memory %ld times",
+        emu_runtime_allocations() - allocations);
+  emu_device_reserve(device, -(long long)held);
+  int64_t wrong = count_differences(want, got, dt, dst_at + 8);
+  CHECK(wrong == 0, "dequantize_pack %s into %s, %d items, alpha=%g accumulate=%d: %lld elements differ",
+        mfsdp_quant_mode_name(mode), mfsdp_dtype_name(dt), items_wanted, alpha, accumulate, (long long)wrong);
+  free(src);
+  free(wire);
+  free(items);
+  free(want);
+  free(got);
+}
+
+static void test_quant_kernels(void) {
+  const int device = 1; /* as test_kernels: the tensors on device 1 while device 0 is current */
+  kernel_rig k;
+  cudaSetDevice(device);
+  cudaStreamCreateWithPriority(&k.stream, cudaStreamNonBlocking, 0);
+  CHECK_OK(mfsdp_cuda_kernel_context(device, &k.ctx));
+  mfsdp_cuda_set_stream(k.ctx, k.stream);
+  cudaSetDevice(0);
+  /* sizes around the vector width and a block, odd tails, past several grid strides (4096
+   * threads: 100003 elements in blocks of 2 are 50002 blocks, a thread each) */
+  const int64_t sizes[] = {1, 7, 8, 9, 127, 128, 129, 1031, 100003};
+  const int64_t blocks[] = {128, 100, 2, 4100};
+  const int n_sizes = (int)(sizeof sizes / sizeof sizes[0]);
+  for (int mode = 0; mode < MFSDP_NUM_QUANT_MODES; ++mode)
+    for (int b = 0; b < 4; ++b)
+      for (int z = 0; z < n_sizes; ++z) {
+        int64_t block = blocks[b] == 2 && mode != MFSDP_QUANT_INT4 ? 1 : blocks[b];
+        if (sizes[z] == 100003 && blocks[b] == 4100) continue;
+        for (int t = 0; t < MFSDP_NUM_FLOAT_DTYPES; ++t)
+          for (int shift = 0; shift < 2; ++shift) {
+            if (sizes[z] < 100003 || (shift == 0 && t != MFSDP_F64) || (shift == 1 && t == MFSDP_BF16))
+              expect_quantize(&k, mode, block, t, sizes[z], shift, 1);
+            if (sizes[z] == 100003 && !(t == MFSDP_F32 || (t == MFSDP_BF16 && shift))) continue;
+            expect_dequantize(&k, mode, block, t, sizes[z], shift, 1.0, 0);
+            expect_dequantize(&k, mode, block, t, sizes[z], shift, 1.0 / 3.0, 0);
+            expect_dequantize(&k, mode, block, t, sizes[z], shift, 1.0 / 3.0, 1); /* not a power of two: no FMA */
+          }
+      }
+  for (int mode = 0; mode < MFSDP_NUM_QUANT_MODES; ++mode) {
+    expect_quantize(&k, mode, 128, MFSDP_F32, 1031, 1, 5); /* an all-to-all's pieces in one launch */
+    expect_quantize(&k, mode, 32, MFSDP_F16, 7, 0, 3);
+    for (int dt = 0; dt < MFSDP_NUM_FLOAT_DTYPES; ++dt)
+      for (int acc = 0; acc < 2; ++acc) {
+        expect_dequantize_pack(&k, device, mode, dt, 23, acc ? 0.25 : 1.0, acc);   /* one small table */
+        expect_dequantize_pack(&k, device, mode, dt, 77, 1.0 / 3.0, acc);         /* one large table */
+      }
+    expect_dequantize_pack(&k, device, mode, MFSDP_BF16, 2000, 1.0, 0); /* three launches */
+  }
+  int current = -1;
+  cudaGetDevice(&current);
+  CHECK(current == 0, "a quantized entry point left device %d current (the caller's was 0)", current);
+  /* refused as the CPU kernels refuse */
+  float x[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  uint8_t w[64] __attribute__((aligned(16)));
+  int32_t ints[8] = {0};
+  CHECK(mfsdp_cuda_kernels->quantize(k.ctx, w, MFSDP_QUANT_INT4, 3, x, MFSDP_F32, 8, 1) == MFSDP_ERR_INVALID_ARGUMENT,
+        "int4 odd block refused");
+  CHECK(mfsdp_cuda_kernels->quantize(k.ctx, w + 2, MFSDP_QUANT_INT8, 4, x, MFSDP_F32, 8, 1) ==
+            MFSDP_ERR_INVALID_ARGUMENT, "misaligned piece refused");
+  CHECK(mfsdp_cuda_kernels->quantize(k.ctx, w, MFSDP_QUANT_INT8, 4, ints, MFSDP_I32, 8, 1) == MFSDP_ERR_UNSUPPORTED,
+        "integer source refused");
+  CHECK_OK(mfsdp_cuda_kernels->quantize(k.ctx, w, MFSDP_QUANT_INT8, 4, x, MFSDP_F32, 8, 1));
+  cudaStreamSynchronize(k.stream);
+  float y[8] = {0};
+  mfsdp_quant_item bad[2] = {{w, 0, 0, 4}, {w, 6, 4, 4}};
+  CHECK(mfsdp_cuda_kernels->dequantize_pack(k.ctx, y, MFSDP_F32, bad, 2, MFSDP_QUANT_INT8, 4, 8, 1.0, 0) ==
+            MFSDP_ERR_INVALID_ARGUMENT, "an item past its piece refused");
+  CHECK(mfsdp_cuda_kernels->dequantize(k.ctx, x, MFSDP_I16, w, MFSDP_QUANT_INT8, 4, 8, 1.0, 0) == MFSDP_ERR_UNSUPPORTED,
+        "into int16 refused");
+  cudaStreamSynchronize(k.stream);
+  CHECK(y[0] == 0 && y[3] == 0, "a refused copy-out launched nothing");
+  mfsdp_cuda_set_stream(k.ctx, NULL);
+  cudaStreamDestroy(k.stream);
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* the NCCL rig: emulated device memory, the native transport, the CUDA kernels */
 
 typedef struct emu_world {
@@ -201,6 +444,9 @@ typedef struct emu_world {
   ncclUniqueId ids[2];
   double timeout_s;
   const mfsdp_nccl_hooks* hooks; /* NULL: none */
+  int defer;                     /* each rank's current stream is deferred (emu_stream_defer) */
+  int stream_delay_us;           /* each operation on a rank's current stream starts this much later */
+  int lane_delay_us;             /* ... on the transports' lanes */
   pthread_barrier_t start;       /* the ranks make their transports together: the set-up's timeout
                                     counts from there, not from when each thread got a core */
 } emu_world;
@@ -238,10 +484,13 @@ static void dev_destroy(void* ctx, mfsdp_buffer* buf) {
 
 static mfsdp_memory_ops dev_memory_ops; /* heap ops with the two above; filled in main */
 
+static int g_defer_streams = 0; /* worlds made while set defer their ranks' current streams */
+
 static void* emu_world_create(int n) {
   emu_world* w = calloc(1, sizeof *w);
   w->n = n;
   w->timeout_s = 30.0;
+  w->defer = g_defer_streams;
   pthread_barrier_init(&w->start, NULL, (unsigned)n);
   ncclGetUniqueId(&w->ids[0]);
   ncclGetUniqueId(&w->ids[1]);
@@ -260,13 +509,19 @@ static int emu_rank_setup_on(emu_world* w, int rank, int device, mfsdp_backend* 
   /* One device per rank, with torch's current stream on it; the thread's current device stays
    * 0, as on a rank that never called torch.cuda.set_device: the engine must not depend on it. */
   cudaSetDevice(device);
+  emu_set_stream_delay_us(w->stream_delay_us);
   cudaStreamCreateWithPriority(&r->stream, cudaStreamNonBlocking, 0);
+  emu_set_stream_delay_us(0);
+  if (w->defer) emu_stream_defer(r->stream, 1);
   cudaSetDevice(0);
   if (mfsdp_cuda_kernel_context(device, &r->kernels_ctx) != MFSDP_OK) return -1;
   mfsdp_cuda_set_stream(r->kernels_ctx, r->stream);
   *state = r;
   pthread_barrier_wait(&w->start);
-  if (mfsdp_nccl_create(w->ids, rank, w->n, device, w->timeout_s, w->hooks, &r->nccl) != MFSDP_OK) return -1;
+  emu_set_stream_delay_us(w->lane_delay_us); /* the lanes the transport makes now */
+  mfsdp_status made = mfsdp_nccl_create(w->ids, rank, w->n, device, w->timeout_s, w->hooks, &r->nccl);
+  emu_set_stream_delay_us(0);
+  if (made != MFSDP_OK) return -1;
   int current = -1;
   cudaGetDevice(&current);
   CHECK(current == 0, "creating the transport left device %d current (the caller's was 0)", current);
@@ -367,25 +622,44 @@ out:
 
 /* ------------------------------------------------------------------------------------------ */
 /* HFSDP on native NCCL: 2 replicas x 2 shards, each rank with its own communicators inside the
- * replica and across replicas ([Note: optimizer sharded across replicas] in pipeline.c) */
+ * replica and across replicas ([Note: optimizer sharded across replicas] in replicas.c). Run
+ * in several timings (hf_modes), each legal in CUDA: as it comes; with every rank's current
+ * stream deferred until its host synchronizes, so that a host touching memory its stream has
+ * yet to use fails on every run, whatever the machine's load; and deferred with one kind of
+ * stream slowed by 1 ms an operation, so that a collective ordered after another (inside vs.
+ * across the replicas) or after the producer's work by timing rather than by an event reads
+ * stale values on (nearly) every run instead of now and then. */
 
 enum { HF_OUTER = 2, HF_INNER = 2, HF_ROWS = 7, HF_COLS = 3, HF_STEPS = 2, HF_MICRO = 3 };
 
+typedef struct hf_mode {
+  const char* name;
+  int param_dtype;     /* of the compute weights; main weights, gradients, communication: float32 */
+  int defer;           /* every rank's current stream deferred (emu_stream_defer) */
+  int stream_delay_us; /* each operation on a rank's current stream starts this much later */
+  int inner_delay_us;  /* ... on the lanes inside the replica */
+  int outer_delay_us;  /* ... on the lanes across the replicas */
+  int jitter_us;       /* every stream operation starts up to this much later (emu_set_jitter_us) */
+} hf_mode;
+
 typedef struct hfsdp_thread {
+  const hf_mode* mode;
   emu_world* inner; /* this rank's replica */
   emu_world* outer; /* its twins in the other replicas */
   int o, i;
 } hfsdp_thread;
 
 static double hf_grad(int rank, int mb, int64_t j) { return 0.5 * (rank + 1) - 0.25 * mb + 1e-2 * j; }
+static double hf_init(int64_t j) { return 1.0 - 0.05 * j; }
 
 static void* hfsdp_worker(void* arg) {
   hfsdp_thread* t = arg;
-  int W = HF_OUTER * HF_INNER, rank = t->o * HF_INNER + t->i, n = HF_ROWS * HF_COLS;
-  mfsdp_param_info info = {n, HF_COLS, MFSDP_F32, 0, 1, 0};
+  const hf_mode* m = t->mode;
+  int W = HF_OUTER * HF_INNER, rank = t->o * HF_INNER + t->i, n = HF_ROWS * HF_COLS, pdt = m->param_dtype;
+  mfsdp_param_info info = {n, HF_COLS, pdt, 0, 1, 0};
   mfsdp_plan plan;
   CHECK_OK(mfsdp_plan_build(&info, 1, W, 0, 16, &plan));
-  mfsdp_bucket_spec spec = {plan.buckets[0].layout, rank, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
+  mfsdp_bucket_spec spec = {plan.buckets[0].layout, rank, pdt, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0,
                             MFSDP_GRAD_SCATTER_ACCUMULATE};
   mfsdp_backend be;
   void* dev = NULL;
@@ -396,7 +670,9 @@ static void* hfsdp_worker(void* arg) {
     goto out;
   }
   pthread_barrier_wait(&t->outer->start);
+  emu_set_stream_delay_us(t->outer->lane_delay_us);
   CHECK_OK(mfsdp_nccl_create(t->outer->ids, t->o, HF_OUTER, rank, t->outer->timeout_s, NULL, &across));
+  emu_set_stream_delay_us(0);
   if (across == NULL) goto done;
   be.outer = &mfsdp_nccl_ops;
   be.outer_ctx = across;
@@ -404,10 +680,11 @@ static void* hfsdp_worker(void* arg) {
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
   if (p == NULL) goto done;
   float* v = malloc((size_t)n * sizeof *v);
-  for (int j = 0; j < n; ++j) v[j] = (float)(1.0 - 0.05 * j);
+  for (int j = 0; j < n; ++j) v[j] = (float)hf_init(j);
   CHECK_OK(mfsdp_pipeline_init_begin(p, 0, 0));
   CHECK_OK(mfsdp_pipeline_set_item(p, 0, 0, v, MFSDP_F32, n));
   CHECK_OK(mfsdp_pipeline_init_end(p, 0));
+  emu_rank_sync(dev); /* set_item's copy reads v on the stream, and v takes the gradients below */
   int32_t b0 = 0;
   for (int step = 0; step < HF_STEPS; ++step) {
     CHECK_OK(mfsdp_pipeline_zero_grads(p));
@@ -438,21 +715,25 @@ static void* hfsdp_worker(void* arg) {
       wrong += fabs(g[goff + j] - want) > 1e-5 * (fabs(want) + 1);
       w[off + j] -= 0.5f * g[goff + j]; /* the optimizer, on this rank's piece only */
     }
-    CHECK(wrong == 0, "HFSDP on NCCL, rank %d step %d: %d main gradients wrong", rank, step, wrong);
+    CHECK(wrong == 0, "HFSDP on NCCL (%s), rank %d step %d: %d main gradients wrong", m->name, rank, step, wrong);
     CHECK_OK(mfsdp_pipeline_install_main_weights(p, 0));
   }
   CHECK_OK(mfsdp_pipeline_unshard(p, &b0, 1));
   CHECK_OK(mfsdp_pipeline_wait_unshard(p, &b0, 1));
   emu_rank_sync(dev);
-  const float* full = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT)->data;
+  const void* full = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT)->data;
+  double tol = pdt == MFSDP_F32 ? 1e-4 : 2e-2; /* bf16: the main weights rounded on install */
   int wrong = 0;
   for (int j = 0; j < n; ++j) {
-    double step_grad = 0;
+    double step_grad = 0, init[1];
     for (int mb = 0; mb < HF_MICRO; ++mb)
       for (int r = 0; r < W; ++r) step_grad += hf_grad(r, mb, j) / W;
-    wrong += fabs(full[j] - (1.0 - 0.05 * j - 0.5 * HF_STEPS * step_grad)) > 1e-4;
+    store_from_double(init, pdt, 0, hf_init(j)); /* the main weights start from the compute weights */
+    double want = load_as_double(init, pdt, 0) - 0.5 * HF_STEPS * step_grad;
+    wrong += fabs(load_as_double(full, pdt, j) - want) > tol * (fabs(want) + 1);
   }
-  CHECK(wrong == 0, "HFSDP on NCCL, rank %d: %d full weights wrong after the replicas' gathers", rank, wrong);
+  CHECK(wrong == 0, "HFSDP on NCCL (%s), rank %d: %d full weights wrong after the replicas' gathers", m->name, rank,
+        wrong);
   mfsdp_comm_stats st;
   mfsdp_pipeline_stats(p, -1, &st);
   CHECK(st.outer_reduce_scatters == HF_STEPS && st.outer_all_gathers == HF_STEPS && st.outer_all_reduces == 0,
@@ -472,21 +753,47 @@ out:
   return NULL;
 }
 
-static void test_hfsdp(void) {
+static void run_hfsdp(const hf_mode* m) {
   emu_world* inner[HF_OUTER];
   emu_world* outer[HF_INNER];
-  for (int o = 0; o < HF_OUTER; ++o) inner[o] = emu_world_create(HF_INNER);
-  for (int i = 0; i < HF_INNER; ++i) outer[i] = emu_world_create(HF_OUTER);
+  for (int o = 0; o < HF_OUTER; ++o) {
+    inner[o] = emu_world_create(HF_INNER);
+    inner[o]->defer = m->defer;
+    inner[o]->stream_delay_us = m->stream_delay_us;
+    inner[o]->lane_delay_us = m->inner_delay_us;
+  }
+  for (int i = 0; i < HF_INNER; ++i) {
+    outer[i] = emu_world_create(HF_OUTER);
+    outer[i]->lane_delay_us = m->outer_delay_us;
+  }
+  emu_set_jitter_us(m->jitter_us);
   pthread_t threads[HF_OUTER * HF_INNER];
   hfsdp_thread args[HF_OUTER * HF_INNER];
   for (int o = 0; o < HF_OUTER; ++o)
     for (int i = 0; i < HF_INNER; ++i) {
-      args[o * HF_INNER + i] = (hfsdp_thread){inner[o], outer[i], o, i};
+      args[o * HF_INNER + i] = (hfsdp_thread){m, inner[o], outer[i], o, i};
       pthread_create(&threads[o * HF_INNER + i], NULL, hfsdp_worker, &args[o * HF_INNER + i]);
     }
   for (int r = 0; r < HF_OUTER * HF_INNER; ++r) pthread_join(threads[r], NULL);
+  emu_set_jitter_us(0);
   for (int o = 0; o < HF_OUTER; ++o) emu_world_destroy(inner[o]);
   for (int i = 0; i < HF_INNER; ++i) emu_world_destroy(outer[i]);
+}
+
+static void test_hfsdp(void) {
+  const int F = MFSDP_F32, B = MFSDP_BF16;
+  const hf_mode modes[] = {
+      /* name, param dtype, defer, current streams' delay, inner lanes' delay, outer lanes' delay, jitter */
+      {"as it comes", F, 0, 0, 0, 0, 0},
+      {"streams deferred", F, 1, 0, 0, 0, 0},
+      {"streams deferred, lanes across replicas slow", F, 1, 0, 0, 1000, 0},
+      {"streams deferred, lanes inside replicas slow", F, 1, 0, 1000, 0, 0},
+      {"jitter", F, 0, 0, 0, 0, 300},
+      {"bf16 compute fp32 main, streams deferred, lanes across replicas slow", B, 1, 0, 0, 1000, 0},
+      {"bf16 compute fp32 main, streams deferred, lanes inside replicas slow", B, 1, 0, 1000, 0, 0},
+      {"bf16 compute fp32 main, streams deferred and slow", B, 1, 1000, 0, 0, 0},
+  };
+  for (size_t k = 0; k < sizeof modes / sizeof modes[0]; ++k) run_hfsdp(&modes[k]);
 }
 
 static void test_grouped_unit(void) {
@@ -934,8 +1241,8 @@ static void test_watchdog(void) {
 
 /* ------------------------------------------------------------------------------------------ */
 
-/* `test_emu [scenario]` runs one scenario (kernels, pipeline, grouped, watchdog, connect,
- * destroy, group-abort, pipeline-destroy, close, interrupt); no argument runs them all. */
+/* `test_emu [scenario]` runs one scenario (emulator, kernels, quant, pipeline, grouped, hfsdp, watchdog,
+ * connect, destroy, group-abort, pipeline-destroy, close, interrupt); no argument runs them all. */
 static int wanted(int argc, char** argv, const char* name) { return argc < 2 || strcmp(argv[1], name) == 0; }
 
 int main(int argc, char** argv) {
@@ -944,7 +1251,9 @@ int main(int argc, char** argv) {
   dev_memory_ops.release = dev_release;
   dev_memory_ops.destroy = dev_destroy;
   int streams_before = emu_streams_alive();
+  if (wanted(argc, argv, "emulator")) test_emulator();
   if (wanted(argc, argv, "kernels")) test_kernels();
+  if (wanted(argc, argv, "quant")) test_quant_kernels();
   long before = emu_nccl_collectives();
   if (wanted(argc, argv, "pipeline")) {
     run_pipeline_cases(&nccl_rig, 4, 0);
@@ -952,6 +1261,9 @@ int main(int argc, char** argv) {
     emu_set_jitter_us(300);               /* again with streams starting work at random moments */
     run_pipeline_cases(&nccl_rig, 4, 0);
     emu_set_jitter_us(0);
+    g_defer_streams = 1; /* and with every rank's stream as far behind its host as CUDA allows */
+    run_pipeline_cases(&nccl_rig, 4, 0);
+    g_defer_streams = 0;
     CHECK(emu_nccl_premul_reductions() > 0, "no_shard / ZeRO-1 float32 reductions pre-multiply inside NCCL");
   }
   if (wanted(argc, argv, "grouped")) test_grouped_unit();

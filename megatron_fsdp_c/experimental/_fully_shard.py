@@ -18,181 +18,52 @@ on a step runs exactly as under fully_shard_model: the same hooks and shared col
 The user's optimizer steps the DTensor parameters directly, so the engine notices the update
 through the parameters' version counters at the next forward and refreshes what it keeps
 gathered (ZeRO-1/2 full weights, a group that does not reshard, a cast compute copy).
+
+This module is the entry point (fully_shard); a group's formation and DTensor conversion are in
+_group.py, the root state (lazy init, the forward hooks) in _root.py, the policy checks and casts
+in _policy.py, the module methods (FSDPModule, UnshardHandle) in _module.py, and what torch's own
+code finds on a sharded module (its state key, register_fsdp_forward_method) in _torch_state.py.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-import logging
-import math
 from typing import Iterable, List, Optional, Union
 
-import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._pytree import tree_map
+from torch.distributed.device_mesh import DeviceMesh
 
-from .. import _C
-from .._distributed import DistContext, make_dist_context
-from .._sharded import ShardedCore
-from ..fully_shard import parse_strategy
-from ..hooks import HookManager, _in_backward
-from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
-from ..no_shard import is_no_shard, mark_by_name
-from ..param_buffer import ParamBuffer, ParamRecord, _contiguous_stride
+from .._common import parse_strategy
+from ..no_shard import mark_by_name
+from ._group import dp_mesh_of, form_group
+from ._module import FSDPModule, fsdp_class
+from ._policy import check_policies
+from ._root import post_forward, pre_forward
+from ._torch_state import register_torch_state
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
-
-logger = logging.getLogger("megatron_fsdp_c")
-
-# A parameter a group has sharded carries `_mfsdp_sharded_by`: one registered in two groups (tied
-# weights split across fully_shard calls) is caught instead of silently untied.
-_CONTEXTS = {}      # (mesh, device) -> DistContext: one gather communicator per mesh, not per call
-_DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
-
-
-@dataclasses.dataclass(eq=False)
-class _Group:
-    """One fully_shard call (see [Note: per-module groups])."""
-    modules: List[nn.Module]
-    places: List[tuple]            # (module, attribute, original parameter) of the group's parameters
-    ctx: DistContext
-    strategy: int
-    mp_policy: object              # torch's MixedPrecisionPolicy or ours
-    reshard_after_forward: bool
-    reshard_after_backward: bool = True
-    requires_gradient_sync: bool = True
-    requires_all_reduce: bool = True   # HSDP: the all-reduce across replicas
-    forward_prefetch: Optional[List[nn.Module]] = None
-    backward_prefetch: Optional[List[nn.Module]] = None
-    divide_factor: Optional[float] = None
-    is_last_backward: bool = True
-    state: Optional["_RootState"] = None  # the engine, from the lazy init on
-    unit: Optional[object] = None          # its unit in the engine's hooks
-
-
-# -- mixed precision ------------------------------------------------------------------------------
-
-def _is_torch_policy(mp) -> bool:
-    return all(hasattr(mp, f) for f in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"))
-
-
-def _engine_policy(mp, param_dtype: torch.dtype):
-    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype`."""
-    if isinstance(mp, OurPolicy):
-        return param_dtype, mp
-    compute = mp.param_dtype or param_dtype
-    # FSDP2: sharded parameters and gradients stay in the parameter's dtype; reduce in
-    # reduce_dtype (or the compute dtype). A narrower reduction still sums in the gradient
-    # dtype here ([Note: exchange reduction] in csrc/comm/pipeline.c).
-    return compute, OurPolicy(main_params_dtype=param_dtype, main_grads_dtype=param_dtype,
-                              grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True)
-
-
-def _cast_floats(tree, dtype):
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
-
-
-# -- fully_shard -----------------------------------------------------------------------------------
-
-def _check_policies(mp_policy, offload_policy, shard_placement_fn) -> None:
-    if not (isinstance(mp_policy, OurPolicy) or _is_torch_policy(mp_policy)):
-        raise TypeError("mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy or "
-                        f"megatron_fsdp_c.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if offload_policy is not None:
-        if type(offload_policy).__name__ == "CPUOffloadPolicy":
-            raise NotImplementedError("offload_policy=CPUOffloadPolicy() is not yet supported by megatron_fsdp_c: "
-                                      "leave offload_policy at its default (OffloadPolicy() or None)")
-        if type(offload_policy).__name__ != "OffloadPolicy":
-            raise TypeError(f"offload_policy must be torch's OffloadPolicy() or None, got {type(offload_policy).__name__}")
-    if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError("shard_placement_fn must be a callable (parameter -> None or Shard(0))")
-
-
-def _mesh_and_context(mesh, device_type: str) -> DistContext:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
-                           "(launch with torchrun; backend 'gloo' on CPU, 'nccl' on GPU)")
-    if mesh is None:
-        mesh = _DEFAULT_MESH.get(device_type)
-        if mesh is None:
-            mesh = _DEFAULT_MESH[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: the per-module fully_shard takes a 1-D "
-                         "mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), as torch's does; slice a larger mesh "
-                         "first, e.g. mesh['dp_outer', 'dp_shard']")
-    if mesh.device_type != device_type:
-        raise ValueError(f"mesh is on '{mesh.device_type}' but the parameters are on '{device_type}': build the mesh "
-                         f"with init_device_mesh('{device_type}', ...) or move the module first")
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
-    key = (id(mesh), str(device))
-    ctx = _CONTEXTS.get(key)
-    if ctx is None:
-        # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
-        ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
-            make_dist_context(mesh, 1, device, dp_outer_dim=0)
-        ctx.mesh_ref = mesh  # keep the mesh (and so the key) alive with the context
-    return ctx
-
-
-def _group_params(modules, ignored) -> List[tuple]:
-    """(module, attr, param) of every parameter of `modules` not in a submodule's group."""
-    places, seen_places = [], set()
-    stack = list(modules)
-    visited = set()
-    while stack:
-        mod = stack.pop(0)
-        if id(mod) in visited:
-            continue
-        visited.add(id(mod))
-        if getattr(mod, "_mfsdp_group", None) is not None and mod not in modules:
-            continue  # a sharded submodule: its parameters are its group's
-        for attr, p in mod._parameters.items():
-            if p is None or (id(mod), attr) in seen_places or p in ignored:
-                continue
-            seen_places.add((id(mod), attr))
-            places.append((mod, attr, p))
-        stack.extend(mod.children())
-    return places
-
-
-def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: torch.device) -> nn.Parameter:
-    """This rank's torch.chunk rows of `p` (or all of it, replicated) as a DTensor Parameter."""
-    shape = p.shape
-    data = p.detach()
-    if not data.is_meta and data.device != device:
-        data = data.to(device)
-    if replicated:
-        placement, local = Replicate(), data
-    else:
-        rows = shape[0]
-        chunk = -(-rows // ctx.world)
-        lo = min(ctx.rank * chunk, rows)
-        hi = min(lo + chunk, rows)
-        placement = Shard(0)
-        local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=data.dtype, device="meta") if data.is_meta \
-            else data[lo:hi].clone()
-    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape, stride=_contiguous_stride(shape))
-    return nn.Parameter(dt, requires_grad=p.requires_grad)
+__all__ = ["fully_shard"]
 
 
 def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
-                reshard_after_forward: bool = True, shard_placement_fn=None, mp_policy=None, offload_policy=None,
-                ignored_params: Optional[Iterable[nn.Parameter]] = None,
+                reshard_after_forward: Optional[bool] = None, shard_placement_fn=None, mp_policy=None,
+                offload_policy=None, ignored_params: Optional[Iterable[nn.Parameter]] = None, dp_mesh_dims=None,
                 zero_dp_strategy: Union[int, str] = "optim_grads_params"):
     """Shards `module` (or a list of modules, one group) the way torch's FSDP2 fully_shard does
     (apply it bottom-up: blocks first, then the root), on megatron_fsdp_c's C engine. Returns the
-    module, whose class becomes FSDP<Class> in place (see [Note: per-module groups]).
+    module, whose class becomes FSDP<Class> in place, a subclass of torch's FSDPModule (see [Note:
+    per-module groups] and [Note: torch's FSDPModule] in _module.py). torch 2.13's signature:
+
+    reshard_after_forward: None (FSDP2's default) is True for every module but the root (the
+    module whose forward runs first), False there; True/False set it (an int, resharding to a
+    smaller world, is not supported). dp_mesh_dims (torch's DataParallelMeshDims): `mesh` is a
+    full SPMD mesh and these name its data-parallel dims (shard dims are flattened into one,
+    replicate dims into another: HSDP with both, a replicated group with replicate dims only);
+    parameters may be DTensors replicated over it. Other dims of size > 1 (tensor parallelism)
+    raise NotImplementedError. mp_policy takes torch's MixedPrecisionPolicy (param_dtype,
+    reduce_dtype, output_dtype, cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may
+    return None or Shard(0); offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy
+    is not supported yet).
 
     Beyond torch's arguments: zero_dp_strategy (default "optim_grads_params") gives the group
-    Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2). mp_policy takes
-    torch's MixedPrecisionPolicy (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs) or
-    megatron_fsdp_c's. shard_placement_fn may return None or Shard(0); offload_policy takes
-    torch's default OffloadPolicy() (CPUOffloadPolicy is not supported yet)."""
+    Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError("fully_shard expects an nn.Module or a non-empty list of nn.Modules")
@@ -203,375 +74,28 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         if getattr(m, "_megatron_fsdp_wrapper", None) is not None:
             raise RuntimeError(f"this {type(m).__name__} is already sharded by megatron_fsdp_c.fully_shard (the "
                                "Megatron-FSDP API); use one API per model")
-    if not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r} (resharding to a "
                         "smaller world is not supported)")
     if mp_policy is None:
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
         mp_policy = TorchPolicy()
-    _check_policies(mp_policy, offload_policy, shard_placement_fn)
+    check_policies(mp_policy, offload_policy, shard_placement_fn)
     strategy = parse_strategy(zero_dp_strategy)
+    spmd_mesh = None
+    if dp_mesh_dims is not None:
+        spmd_mesh = mesh
+        mesh, replicate_only = dp_mesh_of(mesh, dp_mesh_dims)
+        if replicate_only:
+            strategy = 0  # replicate dims alone: torch's DDP-like group
     ignored = set(ignored_params or ())
     for m in modules:
         mark_by_name(m)
-    places = _group_params(modules, ignored)
-    devices = {p.device.type for _, _, p in places if not p.is_meta}
-    if len(devices) > 1:
-        raise ValueError(f"the parameters of this {type(modules[0]).__name__} are on several device types "
-                         f"{sorted(devices)}: move it to one device first")
-    if devices:
-        device_type = devices.pop()
-    elif isinstance(mesh, DeviceMesh):
-        device_type = mesh.device_type  # a meta-device module: it will live where the mesh is
-    else:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ctx = _mesh_and_context(mesh, device_type)
-
-    converted = {}  # id(original) -> DTensor Parameter (a parameter tied within the group stays tied)
-    for mod, attr, p in places:
-        if isinstance(p, DTensor):
-            raise ValueError(f"parameter '{attr}' of {type(mod).__name__} is already a DTensor: fully_shard takes "
-                             "plain parameters (tensor parallelism with the per-module API is not supported yet)")
-        other = getattr(p, "_mfsdp_sharded_by", None)  # not a weak dict: tensors compare by value
-        if other is not None and id(p) not in converted:
-            raise ValueError(
-                f"parameter '{attr}' of {type(mod).__name__} is shared with {other}, which fully_shard already "
-                "sharded in another group: a parameter can belong to one group only. Shard a module containing "
-                "every place it is registered (their common parent), or untie it")
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0
-                                              and type(placement) is Shard):
-                raise ValueError(f"shard_placement_fn returned {placement!r} for '{attr}' of {type(mod).__name__}: "
-                                 "megatron_fsdp_c shards dim 0 only; return None or Shard(0)")
-        if id(p) not in converted:
-            replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
-            converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device)
-            p._mfsdp_sharded_by = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
-        mod._parameters[attr] = converted[id(p)]
-    group = _Group(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy, mp_policy,
-                   reshard_after_forward)
-    for m in modules:
-        m._mfsdp_group = group
-        m.__class__ = _fsdp_class(type(m))
-        m.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
-        m.register_forward_hook(_post_forward, prepend=False)
+    group = form_group(modules, mesh, strategy, mp_policy, reshard_after_forward, ignored, shard_placement_fn,
+                       spmd_mesh)
+    register_torch_state(group)
+    for m in group.modules:
+        m.__class__ = fsdp_class(type(m))
+        m.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+        m.register_forward_hook(post_forward, prepend=False)
     return module
-
-
-@functools.lru_cache(maxsize=None)
-def _fsdp_class(cls: type) -> type:
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-
-
-# -- the engine of a root (lazy init) ----------------------------------------------------------------
-
-class _RootState(ShardedCore):
-    """The engine of one root's groups (see [Note: per-module groups]); the owner the hooks see."""
-
-    overlap_param_gather = True
-
-    def __init__(self, root: nn.Module):
-        groups = []
-        for m in root.modules():
-            g = getattr(m, "_mfsdp_group", None)
-            if g is not None and g not in groups:
-                if g.state is not None:
-                    raise RuntimeError(
-                        f"the sharded {type(m).__name__} already ran a forward as its own root: run the first forward "
-                        "through the outermost sharded module (the model), which initialises every group under it")
-                groups.append(g)
-        ctxs = {id(g.ctx) for g in groups}
-        if len(ctxs) > 1:
-            raise ValueError("the groups under this root were sharded over different meshes: one mesh per model")
-        self.root = root
-        self.groups = groups
-        self.dist_ctx = ctx = groups[0].ctx
-        names = {id(mod): name for name, mod in root.named_modules(remove_duplicate=False)}
-        ends = {}  # group index -> position of its (last) module in post-order: backward order
-        for k, mod in enumerate(_post_order(root)):
-            g = getattr(mod, "_mfsdp_group", None)
-            if g is not None:
-                ends[groups.index(g)] = k
-        records, by_param = [], {}
-        for u, g in enumerate(groups):
-            for mod, attr, dp in g.places:
-                name = f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr
-                r = by_param.get(id(dp))
-                if r is None:
-                    compute, policy = _engine_policy(g.mp_policy, dp.dtype)
-                    # the compute parameter: pointed at the full weights by load_locals
-                    placeholder = nn.Parameter(torch.empty(0, dtype=compute, device=ctx.device),
-                                               requires_grad=dp.requires_grad)
-                    r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, dp.shape, u, [(mod, attr)])
-                    r.replicated = isinstance(dp.placements[-1], Replicate)  # the shard dim is the last
-                    r.strategy, r.policy, r.dist_param = g.strategy, policy, dp
-                    r.aliases.append(name)
-                    records.append(r)
-                else:
-                    r.places.append((mod, attr))
-                    r.aliases.append(name)
-        self.param_buffer = ParamBuffer(records, 3, OurPolicy(), ctx, bucket_cap=0, reduce_queue_bytes=None,
-                                        grad_prescale=1.0 / ctx.dp_world, reduce_op="sum")
-        self.param_buffer.load_locals()
-        self.param_buffer.build_dist_params(self, existing=True)
-        self._used = bytearray(len(records))
-        self._has_grad = bytearray(len(records))
-        self._holds_dist_params = True
-        self._seen = [r.dist_param._version for r in records]
-        self.report_nan_in_param_grad = False
-        self.pass_root = None
-        self._setup_host_heap(ctx.device)
-        self.hooks = HookManager(self, [g.modules[0] for g in groups],
-                                 post_order=sorted(range(len(groups)), key=lambda u: ends.get(u, -1)),
-                                 register_module_hooks=False)
-        for u, g in enumerate(groups):
-            g.state, g.unit = self, self.hooks.units[u]
-            g.unit.members = len(g.modules)
-        for g in groups:  # prefetch targets name other groups' units: all of them set first
-            self.configure(g)
-        self._swap_params(dist=True)
-
-    # -- per-group settings, applied to the engine ------------------------------------------------
-    def buckets_of(self, g: _Group) -> List[int]:
-        return list(self.param_buffer.buckets_of_unit(self.groups.index(g)))
-
-    def configure(self, g: _Group) -> None:
-        unit, engine = g.unit, self.param_buffer.engine
-        unit.reshard_after_forward = g.reshard_after_forward
-        unit.reshard_after_backward = g.reshard_after_backward
-        unit.forward_prefetch = None if g.forward_prefetch is None else [
-            _group_of(m).unit.pos for m in g.forward_prefetch if _group_of(m).unit.pos >= 0]
-        unit.backward_prefetch = None if g.backward_prefetch is None else [
-            _group_of(m).unit.bpos for m in g.backward_prefetch if _group_of(m).unit.bpos >= 0]
-        grads = [b for b in self.buckets_of(g) if self.param_buffer.specs[b]["grad_mode"] != _C.GRAD_NONE]
-        if grads:
-            engine.set_hold(grads, not g.requires_gradient_sync)
-            if self.dist_ctx.outer_world > 1:
-                engine.set_outer_hold(grads, not g.requires_all_reduce)
-            factor = g.divide_factor if g.divide_factor is not None else self.dist_ctx.dp_world
-            engine.set_prescale(grads, 1.0 / factor)
-
-    # -- what the hooks call ----------------------------------------------------------------------
-    def root_pre_forward(self, module) -> None:
-        self.pass_root = module
-        self._refresh_changed_weights()
-        self._swap_params(dist=False)
-        self.hooks.root_pre_forward()
-
-    def root_post_forward(self, output):
-        self.pass_root = None
-        return self._finish_root_forward(output)
-
-    def _refresh_changed_weights(self) -> None:
-        """An optimizer (or a load) changed some local shards in place since the last forward:
-        spread them to what the engine keeps gathered or cast (see [Note: per-module groups])."""
-        changed = False
-        for r in self.param_buffer.records:
-            v = r.dist_param._version
-            if v != self._seen[r.index]:
-                self._seen[r.index] = v
-                changed = True
-        if changed:
-            self.param_buffer.engine.install_main_weights(True)
-
-    def _should_sync(self) -> bool:
-        return True  # per group: a group with gradient sync off is on hold in the engine
-
-    def _before_backward(self) -> None:
-        """Gradients the user set to None (optimizer.zero_grad()) start again from zero."""
-        stale = [r for r in self.param_buffer.records if self._has_grad[r.index] and r.dist_param.grad is None]
-        by_bucket = {}
-        for r in stale:
-            by_bucket.setdefault(r.bucket, []).append(r.item)
-            self._has_grad[r.index] = 0
-            self._used[r.index] = 0
-        for b, items in by_bucket.items():
-            self.param_buffer.engine.zero_item_grads(b, items)
-
-    def _after_backward(self, synced: bool) -> None:
-        self._swap_params(dist=True)
-        synced_units = {u for u, g in enumerate(self.groups) if g.requires_gradient_sync}
-        self._attach_grads([r for r in self.param_buffer.records if r.unit in synced_units])
-        self._trim_host_heap()
-
-
-def _post_order(root: nn.Module) -> List[nn.Module]:
-    out, stack, seen = [], [(root, False)], set()
-    while stack:
-        mod, done = stack.pop()
-        if done:
-            out.append(mod)
-            continue
-        if id(mod) in seen:
-            continue
-        seen.add(id(mod))
-        stack.append((mod, True))
-        stack.extend((child, False) for child in reversed(list(mod.children())))
-    return out
-
-
-def _group_of(module) -> _Group:
-    g = getattr(module, "_mfsdp_group", None)
-    if g is None:
-        raise ValueError(f"{type(module).__name__} is not sharded by megatron_fsdp_c.experimental.fully_shard")
-    return g
-
-
-def _state_of(module) -> "_RootState":
-    g = _group_of(module)
-    return g.state if g.state is not None else _RootState(module)
-
-
-@torch.compiler.disable(recursive=True)
-def _pre_forward(module, args, kwargs):
-    g = module._mfsdp_group
-    state = _state_of(module)
-    if state.pass_root is None and not _in_backward():
-        state.root_pre_forward(module)
-    mp = g.mp_policy
-    if _is_torch_policy(mp) and mp.cast_forward_inputs and mp.param_dtype is not None:
-        args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
-    return state.hooks.pre_forward(g.unit, module, args, kwargs)
-
-
-@torch.compiler.disable(recursive=True)
-def _post_forward(module, args, output):
-    g = module._mfsdp_group
-    state = g.state
-    output = state.hooks.post_forward(g.unit, module, args, output)
-    mp = g.mp_policy
-    if _is_torch_policy(mp) and mp.output_dtype is not None:
-        output = _cast_floats(output, mp.output_dtype)
-    if state.pass_root is module:
-        output = state.root_post_forward(output)
-    return output
-
-
-# -- FSDPModule -----------------------------------------------------------------------------------
-
-class UnshardHandle:
-    """What unshard(async_op=True) returns: wait() makes the full parameters usable."""
-
-    def __init__(self, state: _RootState, buckets: List[int]):
-        self._state, self._buckets = state, buckets
-
-    def wait(self) -> None:
-        if self._buckets:
-            self._state.param_buffer.engine.wait_unshard(self._buckets)
-            self._buckets = []
-
-
-class FSDPModule:
-    """The methods a module gains from megatron_fsdp_c.experimental.fully_shard (FSDP2's, plus
-    zero_dp_strategy at fully_shard time). Settings with `recurse` apply to every sharded module
-    under this one."""
-
-    def _groups(self, recurse: bool) -> List[_Group]:
-        mods = self.modules() if recurse else [self]
-        out = []
-        for m in mods:
-            g = getattr(m, "_mfsdp_group", None)
-            if g is not None and g not in out:
-                out.append(g)
-        return out
-
-    def _reconfigure(self, groups) -> None:
-        for g in groups:
-            if g.state is not None:
-                g.state.configure(g)
-
-    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """Gathers this module's full parameters now (collective); they stay until reshard()."""
-        g = _group_of(self)
-        state = _state_of(self)
-        buckets = list(g.unit.buckets)
-        state.param_buffer.engine.unshard(buckets)
-        handle = UnshardHandle(state, buckets)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Releases this module's full parameters (ZeRO-3 groups)."""
-        g = _group_of(self)
-        if g.state is not None and g.unit.releasable:
-            g.state.param_buffer.engine.reshard(list(g.unit.releasable))
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Off: backwards accumulate unsharded local gradients and communicate nothing; the next
-        backward with sync on reduces the sum (the memory of one full gradient copy per group
-        meanwhile, as DDP holds; [Note: held gradients] in csrc/comm/pipeline.c)."""
-        groups = self._groups(recurse)
-        for g in groups:
-            g.requires_gradient_sync = bool(requires_gradient_sync)
-        self._reconfigure(groups)
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP (2-D mesh): off, backwards still reduce within the shard dim but skip the
-        all-reduce across replicas; the next backward with it on all-reduces the sum, once
-        ([Note: hybrid sharding] in csrc/comm/pipeline.c). No effect on a 1-D mesh."""
-        groups = self._groups(recurse)
-        for g in groups:
-            g.requires_all_reduce = bool(requires_all_reduce)
-        self._reconfigure(groups)
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
-        groups = self._groups(recurse)
-        for g in groups:
-            g.reshard_after_forward = reshard_after_forward
-        self._reconfigure(groups)
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        groups = self._groups(recurse)
-        for g in groups:
-            g.reshard_after_backward = bool(reshard_after_backward)
-        self._reconfigure(groups)
-
-    def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
-        """Gather these modules' parameters when this one runs its forward (every group between
-        them in the shared order is gathered too, see [Note: gather order] in hooks.py)."""
-        for m in modules:
-            _group_of(m)
-        g = _group_of(self)
-        g.forward_prefetch = list(modules)
-        self._reconfigure([g])
-
-    def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
-        for m in modules:
-            _group_of(m)
-        g = _group_of(self)
-        g.backward_prefetch = list(modules)
-        self._reconfigure([g])
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Gradients are divided by `factor` instead of the data-parallel size."""
-        if not (isinstance(factor, (int, float)) and factor > 0):
-            raise ValueError(f"the gradient divide factor must be a positive number, got {factor!r}")
-        groups = self._groups(True)
-        for g in groups:
-            g.divide_factor = float(factor)
-        self._reconfigure(groups)
-
-    def comm_stats(self) -> dict:
-        """megatron_fsdp_c's counters of the model's collectives so far (counts and bytes, by
-        level: inner all-gathers and reductions, and the all-reduce across replicas of HSDP)."""
-        return _state_of(self).comm_stats()
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for FSDP2 compatibility: every backward here finishes its reductions."""
-        for g in self._groups(True):
-            g.is_last_backward = bool(is_last_backward)
-
-    def _apply(self, fn, *args, **kwargs):
-        g = _group_of(self)
-        if g.state is not None:
-            raise RuntimeError(f"{type(self).__name__}: .to()/.to_empty()/.float() after the first forward would move "
-                               "the parameters out of the engine's buffers; call it before the first forward")
-        out = super()._apply(fn, *args, **kwargs)
-        for i, (mod, attr, _) in enumerate(g.places):  # to_empty() and friends may replace the parameters
-            g.places[i] = (mod, attr, mod._parameters[attr])
-        return out

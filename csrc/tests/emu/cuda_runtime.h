@@ -3,7 +3,11 @@
  * Only for csrc/tests/test_emu.c, on machines without a GPU. "Device" memory is host memory;
  * every stream is a worker thread running its queue in order; events and cross-stream waits
  * behave as in CUDA (recorded work completes asynchronously, waits block the waiting stream,
- * not the host); a kernel launch queues the kernel body, run once per (block, thread) in turn.
+ * not the host, and concern the event's latest record at the time of the call); a kernel launch
+ * queues the kernel body, run once per (block, thread) in turn. The tests can slow streams
+ * down or defer them until the host synchronizes (emu_set_stream_delay_us, emu_stream_defer):
+ * CUDA gives no timing guarantees, so orderings that only timing provides show up as wrong
+ * values there.
  * As in CUDA, each host thread has a current device (0 until cudaSetDevice); a stream and an
  * event belong to the device current when they were made, and a launch, memset or event record
  * on a stream of another device fails with cudaErrorInvalidResourceHandle. Each device has a
@@ -83,6 +87,17 @@ int emu_device_reserve(int device, long long bytes);
 long emu_runtime_allocations(void);
 void emu_set_multiprocessors(int n);  /* what cudaDevAttrMultiProcessorCount reports (default 2) */
 void emu_set_jitter_us(int max_us);   /* each stream operation starts after a random 0..max_us delay */
+/* Streams the calling host thread creates from now on start each operation `us` later: a slow
+ * or busy engine, for the streams a test cannot reach (an NCCL transport's lanes). */
+void emu_set_stream_delay_us(int us);
+/* A deferred stream is a device arbitrarily far behind the host: its queued work starts only
+ * when the host waits for the stream (cudaStreamSynchronize, a copy to host memory) or destroys
+ * it; streams waiting on its events wait as they would behind a busy GPU. CUDA promises no
+ * progress earlier, so a host that touches memory the stream has yet to read or write, or
+ * waits on no event for it, is caught at once, whatever the machine's load. (A host that waits
+ * only by polling cudaEventQuery would wait until its timeout: the engine's hosts synchronize.)
+ * Off: the queued work goes. */
+void emu_stream_defer(cudaStream_t s, int on);
 /* Queues a host function on a stream: the tests' stand-in for torch freeing into its
  * stream-ordered caching allocator. */
 void emu_stream_host_fn(cudaStream_t s, void (*fn)(void*), void* arg);

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,6 +38,7 @@ size_t g_pool_used[kMaxDevices];
 std::map<void*, std::pair<int, size_t>> g_pool_blocks; /* pointer -> (device, bytes) */
 std::atomic<int> g_multiprocessors{2};
 std::atomic<int> g_jitter_us{0};
+thread_local int g_new_stream_delay_us = 0; /* emu_set_stream_delay_us: streams this thread makes next */
 std::atomic<long> g_collectives{0};
 std::atomic<long> g_grouped{0}; /* collectives launched by a group of more than one */
 std::atomic<long> g_premul{0};
@@ -78,16 +80,24 @@ bool pool_free(void* p) {
 
 }  // namespace
 
-/* A stream: one worker thread running queued operations in order. */
+/* A stream: one worker thread running queued operations in order. The operations are counted:
+ * `pushed` queued so far, `done` run, `released` allowed to start while the stream is deferred
+ * (emu_stream_defer). */
 struct emu_stream {
   std::mutex m;
   std::condition_variable cv;
   std::deque<std::function<void()>> queue;
-  bool busy = false, stop = false;
-  const int device; /* the device current when it was made */
+  bool stop = false;
+  bool deferred = false;
+  uint64_t pushed = 0, started = 0, done = 0, released = 0;
+  const int device;   /* the device current when it was made */
+  const int delay_us; /* each operation starts this much later (emu_set_stream_delay_us) */
   std::thread worker;
 
-  explicit emu_stream(int device_) : device(device_), worker([this] { run(); }) { ++g_streams_alive; }
+  explicit emu_stream(int device_)
+      : device(device_), delay_us(g_new_stream_delay_us), worker([this] { run(); }) {
+    ++g_streams_alive;
+  }
   ~emu_stream() {
     {
       std::lock_guard<std::mutex> g(m);
@@ -100,20 +110,22 @@ struct emu_stream {
   void run() {
     std::unique_lock<std::mutex> g(m);
     for (;;) {
-      cv.wait(g, [this] { return stop || !queue.empty(); });
+      /* a deferred stream starts only what the host released; a stream being destroyed runs all */
+      cv.wait(g, [this] { return stop || (!queue.empty() && (!deferred || started < released)); });
       if (queue.empty()) return; /* stop, and everything queued has run (CUDA finishes work too) */
       std::function<void()> op = std::move(queue.front());
       queue.pop_front();
-      busy = true;
+      ++started;
       g.unlock();
       if (int j = g_jitter_us.load()) { /* shake the interleaving of streams */
         thread_local unsigned seed = static_cast<unsigned>(reinterpret_cast<uintptr_t>(this));
         seed = seed * 1103515245u + 12345u;
         std::this_thread::sleep_for(std::chrono::microseconds((seed >> 8) % static_cast<unsigned>(j + 1)));
       }
+      if (delay_us) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
       op();
       g.lock();
-      busy = false;
+      ++done;
       cv.notify_all();
     }
   }
@@ -121,12 +133,25 @@ struct emu_stream {
     {
       std::lock_guard<std::mutex> g(m);
       queue.push_back(std::move(op));
+      ++pushed;
     }
     cv.notify_all();
   }
+  /* Waits for the work queued before the call (as cudaStreamSynchronize does), releasing it
+   * first if the stream is deferred: a host that waits for a stream makes it run. */
   void synchronize() {
     std::unique_lock<std::mutex> g(m);
-    cv.wait(g, [this] { return queue.empty() && !busy; });
+    uint64_t target = pushed;
+    if (released < target) released = target;
+    cv.notify_all();
+    cv.wait(g, [&] { return done >= target; });
+  }
+  void defer(bool on) {
+    {
+      std::lock_guard<std::mutex> g(m);
+      deferred = on;
+    }
+    cv.notify_all();
   }
 };
 
@@ -147,12 +172,16 @@ bool on_current_device(cudaStream_t s) { return resolve(s)->device == g_device; 
 
 }  // namespace
 
-/* An event: how many records were issued, how many have passed on their streams. The state is
- * shared with queued operations, so destroying a pending event is safe (as in CUDA). */
+/* An event: how many records were issued, and which of them have not passed on their streams
+ * yet. Each record completes on its own: a wait or query concerns one record (the latest at the
+ * time of the call, as in CUDA), which a later record on a faster stream does not complete. The
+ * state is shared with queued operations, so destroying a pending event is safe (as in CUDA). */
 struct emu_event_state {
   std::mutex m;
   std::condition_variable cv;
-  uint64_t recorded = 0, completed = 0;
+  uint64_t recorded = 0;
+  std::set<uint64_t> pending; /* records issued whose stream has not reached them */
+  bool passed(uint64_t seq) const { return pending.count(seq) == 0; }
 };
 struct emu_event {
   std::shared_ptr<emu_event_state> s = std::make_shared<emu_event_state>();
@@ -250,10 +279,11 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   {
     std::lock_guard<std::mutex> g(st->m);
     seq = ++st->recorded;
+    st->pending.insert(seq);
   }
   resolve(s)->push([st, seq] {
     std::lock_guard<std::mutex> g(st->m);
-    if (st->completed < seq) st->completed = seq;
+    st->pending.erase(seq);
     st->cv.notify_all();
   });
   return cudaSuccess;
@@ -262,7 +292,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
   std::lock_guard<std::mutex> g(e->s->m);
-  return e->s->completed >= e->s->recorded ? cudaSuccess : cudaErrorNotReady;
+  return e->s->passed(e->s->recorded) ? cudaSuccess : cudaErrorNotReady;
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
@@ -282,7 +312,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
   }
   resolve(s)->push([st, target] {
     std::unique_lock<std::mutex> g(st->m);
-    st->cv.wait(g, [&] { return st->completed >= target; });
+    st->cv.wait(g, [&] { return st->passed(target); });
   });
   return cudaSuccess;
 }
@@ -356,6 +386,8 @@ int emu_device_reserve(int device, long long bytes) {
 long emu_runtime_allocations(void) { return g_allocations.load(); }
 void emu_set_multiprocessors(int n) { g_multiprocessors = n; }
 void emu_set_jitter_us(int max_us) { g_jitter_us = max_us; }
+void emu_set_stream_delay_us(int us) { g_new_stream_delay_us = us; }
+void emu_stream_defer(cudaStream_t s, int on) { resolve(s)->defer(on != 0); }
 void emu_stream_host_fn(cudaStream_t s, void (*fn)(void*), void* arg) { resolve(s)->push([=] { fn(arg); }); }
 
 }  // extern "C"

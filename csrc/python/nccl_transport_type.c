@@ -1,13 +1,13 @@
-/* cuda_glue.c: the CUDA half of megatron_fsdp_c._C: NcclTransport, NCCL unique ids, and the
- * CUDA kernels as functions on CUDA tensors (for tests and benchmarks). The C side lives in
- * csrc/cuda/, which includes no Python; a CPU-only build compiles only the no-op register
- * function at the end. */
-#include "glue.h"
+/* nccl_transport_type.c: megatron_fsdp_c._C.NcclTransport, the Python type of the native NCCL
+ * transport (csrc/cuda/nccl_transport.c, which includes no Python), and the NCCL facts Python
+ * needs: nccl_unique_id, nccl_version, NCCL_BUILD_VERSION. A CPU-only build compiles only the
+ * no-op register function at the end. */
+#include "pieces.h"
 
 #ifdef MFSDP_WITH_CUDA
+#include <string.h>
 #include <time.h>
 
-#include "../cuda/mfsdp_cuda.h"
 #include "../cuda/mfsdp_nccl.h"
 
 typedef struct nccl_object {
@@ -94,7 +94,7 @@ static int nccl_init(PyObject* self, PyObject* args, PyObject* kwds) {
   st = mfsdp_nccl_create(ids, rank, world, device, seconds, &hooks, &t);
   Py_END_ALLOW_THREADS
   if (st != MFSDP_OK) {
-    mfsdp_raise(mfsdp_state_of_type(Py_TYPE(self)), st);
+    mfsdp_raise(mfsdp_type_state(Py_TYPE(self)), st);
     goto exit;
   }
   o->nccl = t;
@@ -131,7 +131,7 @@ static PyObject* nccl_close(PyObject* self, PyObject* unused) {
   Py_BEGIN_ALLOW_THREADS /* waits for the peers */
   st = mfsdp_nccl_close(o->nccl);
   Py_END_ALLOW_THREADS
-  if (st != MFSDP_OK) return mfsdp_raise(mfsdp_state_of_type(Py_TYPE(self)), st);
+  if (st != MFSDP_OK) return mfsdp_raise(mfsdp_type_state(Py_TYPE(self)), st);
   Py_RETURN_NONE;
 }
 
@@ -187,124 +187,9 @@ static PyObject* py_nccl_unique_id(PyObject* module, PyObject* unused) {
   Py_END_ALLOW_THREADS
   if (r != ncclSuccess) {
     mfsdp_set_error(MFSDP_ERR_NCCL, __FILE__, __LINE__, __func__, "ncclGetUniqueId: %s", ncclGetErrorString(r));
-    return mfsdp_raise((module_state*)PyModule_GetState(module), MFSDP_ERR_NCCL);
+    return mfsdp_raise(mfsdp_module_state(module), MFSDP_ERR_NCCL);
   }
   return PyBytes_FromStringAndSize((const char*)&id, sizeof id);
-}
-
-int mfsdp_use_current_stream(PyObject* current_stream, int device, void* kernels_ctx) {
-  PyObject* stream = PyObject_CallFunction(current_stream, "i", device);
-  PyObject* handle = stream ? PyObject_GetAttrString(stream, "cuda_stream") : NULL;
-  Py_XDECREF(stream);
-  if (handle == NULL) return -1;
-  mfsdp_cuda_set_stream(kernels_ctx, (void*)(intptr_t)PyLong_AsLongLong(handle));
-  Py_DECREF(handle);
-  return PyErr_Occurred() ? -1 : 0;
-}
-
-/* Kernels on CUDA tensors, on torch's current stream: what the engine runs, for tests/benchmarks. */
-static int current_stream_context(module_state* st, int device, void** ctx) {
-  PyObject* cuda = PyObject_GetAttrString(st->torch, "cuda");
-  PyObject* current_stream = cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL;
-  Py_XDECREF(cuda);
-  if (current_stream == NULL) return -1;
-  mfsdp_status s = mfsdp_cuda_kernel_context(device, ctx);
-  if (s != MFSDP_OK) {
-    Py_DECREF(current_stream);
-    mfsdp_raise(st, s);
-    return -1;
-  }
-  int rc = mfsdp_use_current_stream(current_stream, device, *ctx);
-  Py_DECREF(current_stream);
-  return rc;
-}
-
-static int cuda_pair(PyObject* module, PyObject* dst, PyObject* src, tensor_view* d, tensor_view* s, void** ctx) {
-  module_state* st = PyModule_GetState(module);
-  if (mfsdp_tensor_view(st, dst, "cuda kernel", d) < 0 || mfsdp_tensor_view(st, src, "cuda kernel", s) < 0) return -1;
-  if (d->device < 0 || d->device != s->device || d->numel != s->numel) {
-    PyErr_SetString(PyExc_ValueError, "cuda kernel: both tensors must be on the same CUDA device, same size");
-    return -1;
-  }
-  return current_stream_context(st, d->device, ctx);
-}
-
-/* cuda_pack_(dst, srcs, offsets, alpha=1.0, accumulate=False): the engine's one-launch gradient
- * pack: dst[offsets[i] : offsets[i] + srcs[i].numel()] = alpha * srcs[i] (or += ). */
-static PyObject* py_cuda_pack(PyObject* module, PyObject* args) {
-  PyObject *dst, *srcs, *offsets;
-  double alpha = 1.0;
-  int accumulate = 0;
-  if (!PyArg_ParseTuple(args, "OOO|dp:cuda_pack_", &dst, &srcs, &offsets, &alpha, &accumulate)) return NULL;
-  module_state* st = PyModule_GetState(module);
-  tensor_view d;
-  if (mfsdp_tensor_view(st, dst, "cuda_pack_ dst", &d) < 0) return NULL;
-  PyObject* s_seq = PySequence_Fast(srcs, "cuda_pack_: srcs must be a sequence of tensors");
-  PyObject* o_seq = s_seq ? PySequence_Fast(offsets, "cuda_pack_: offsets must be a sequence of ints") : NULL;
-  mfsdp_pack_item* items = NULL;
-  PyObject* result = NULL;
-  if (o_seq == NULL) goto exit;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(s_seq);
-  if (d.device < 0 || n != PySequence_Fast_GET_SIZE(o_seq) || n > INT32_MAX) {
-    PyErr_SetString(PyExc_ValueError, "cuda_pack_: dst must be a CUDA tensor and srcs, offsets the same length");
-    goto exit;
-  }
-  items = PyMem_Calloc((size_t)(n ? n : 1), sizeof *items);
-  if (items == NULL) {
-    PyErr_NoMemory();
-    goto exit;
-  }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    tensor_view s;
-    if (mfsdp_tensor_view(st, PySequence_Fast_GET_ITEM(s_seq, i), "cuda_pack_ src", &s) < 0) goto exit;
-    long long off = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(o_seq, i));
-    if (off == -1 && PyErr_Occurred()) goto exit;
-    if (s.device != d.device || off < 0 || off + s.numel > d.numel) {
-      PyErr_Format(PyExc_ValueError, "cuda_pack_: source %zd (%lld elements at offset %lld) is not on dst's device "
-                   "or does not fit in dst (%lld elements)", i, (long long)s.numel, off, (long long)d.numel);
-      goto exit;
-    }
-    items[i] = (mfsdp_pack_item){s.data, s.dtype, off, s.numel};
-  }
-  void* ctx;
-  if (current_stream_context(st, d.device, &ctx) < 0) goto exit;
-  mfsdp_status stt = mfsdp_cuda_kernels->pack(ctx, d.data, d.dtype, items, (int32_t)n, alpha, accumulate);
-  if (stt != MFSDP_OK) {
-    mfsdp_raise(st, stt);
-    goto exit;
-  }
-  result = Py_None;
-  Py_INCREF(result);
-exit:
-  PyMem_Free(items);
-  Py_XDECREF(s_seq);
-  Py_XDECREF(o_seq);
-  return result;
-}
-
-static PyObject* py_cuda_copy(PyObject* module, PyObject* args) {
-  PyObject *dst, *src;
-  double alpha = 1.0;
-  tensor_view d, s;
-  void* ctx;
-  if (!PyArg_ParseTuple(args, "OO|d:cuda_copy_", &dst, &src, &alpha) || cuda_pair(module, dst, src, &d, &s, &ctx) < 0)
-    return NULL;
-  mfsdp_status stt = mfsdp_cuda_copy(ctx, d.data, d.dtype, s.data, s.dtype, d.numel, alpha);
-  if (stt != MFSDP_OK) return mfsdp_raise(PyModule_GetState(module), stt);
-  Py_RETURN_NONE;
-}
-
-static PyObject* py_cuda_accumulate(PyObject* module, PyObject* args) {
-  PyObject *dst, *src;
-  double alpha = 1.0;
-  tensor_view d, s;
-  void* ctx;
-  if (!PyArg_ParseTuple(args, "OO|d:cuda_accumulate_", &dst, &src, &alpha) ||
-      cuda_pair(module, dst, src, &d, &s, &ctx) < 0)
-    return NULL;
-  mfsdp_status stt = mfsdp_cuda_accumulate(ctx, d.data, d.dtype, s.data, s.dtype, d.numel, alpha);
-  if (stt != MFSDP_OK) return mfsdp_raise(PyModule_GetState(module), stt);
-  Py_RETURN_NONE;
 }
 
 /* (major, minor, patch) of a version code: NCCL_VERSION(X, Y, Z) = X * 10000 + Y * 100 + Z since
@@ -320,36 +205,31 @@ static PyObject* py_nccl_version(PyObject* module, PyObject* unused) {
   ncclResult_t r = ncclGetVersion(&code);
   if (r != ncclSuccess) {
     mfsdp_set_error(MFSDP_ERR_NCCL, __FILE__, __LINE__, __func__, "ncclGetVersion: %s", ncclGetErrorString(r));
-    return mfsdp_raise((module_state*)PyModule_GetState(module), MFSDP_ERR_NCCL);
+    return mfsdp_raise(mfsdp_module_state(module), MFSDP_ERR_NCCL);
   }
   return version_tuple(code);
 }
 
-static PyMethodDef cuda_methods[] = {
+static PyMethodDef nccl_functions[] = {
     {"nccl_unique_id", py_nccl_unique_id, METH_NOARGS, "nccl_unique_id() -> bytes: a new NCCL unique id."},
     {"nccl_version", py_nccl_version, METH_NOARGS,
      "nccl_version() -> (major, minor, patch) of the libnccl this process loaded (ncclGetVersion)."},
-    {"cuda_copy_", py_cuda_copy, METH_VARARGS, "cuda_copy_(dst, src, alpha=1.0): the CUDA cast-copy kernel."},
-    {"cuda_accumulate_", py_cuda_accumulate, METH_VARARGS,
-     "cuda_accumulate_(dst, src, alpha=1.0): the CUDA accumulate kernel."},
-    {"cuda_pack_", py_cuda_pack, METH_VARARGS,
-     "cuda_pack_(dst, srcs, offsets, alpha=1.0, accumulate=False): the one-launch bucket pack."},
     {NULL, NULL, 0, NULL},
 };
 
-int mfsdp_register_nccl(PyObject* module, module_state* st) {
+int mfsdp_register_nccl_transport(PyObject* module, module_state* st) {
   st->nccl_transport_type = (PyTypeObject*)PyType_FromModuleAndSpec(module, &nccl_spec, NULL);
   if (st->nccl_transport_type == NULL || PyModule_AddType(module, st->nccl_transport_type) < 0) return -1;
   PyObject* built = version_tuple(NCCL_VERSION_CODE); /* the nccl.h this build compiled against */
   int rc = built ? PyModule_AddObjectRef(module, "NCCL_BUILD_VERSION", built) : -1;
   Py_XDECREF(built);
   if (rc < 0) return -1;
-  return PyModule_AddFunctions(module, cuda_methods);
+  return PyModule_AddFunctions(module, nccl_functions);
 }
 
-#else /* CPU-only build: no CUDA types or functions */
+#else /* CPU-only build: no NCCL type or functions */
 
-int mfsdp_register_nccl(PyObject* module, module_state* st) {
+int mfsdp_register_nccl_transport(PyObject* module, module_state* st) {
   (void)module;
   st->nccl_transport_type = NULL;
   return 0;

@@ -1,0 +1,225 @@
+/* buffers.c: the buffer table of a bucket (the kinds of mfsdp_pipeline.h): which buffers
+ * own storage and which are views of them, materialising and releasing temporaries, the
+ * padding runs of the gradient buffer, and the packer every copy between layouts goes through.
+ *
+ * [Note: storage resize]
+ * Temporary buffers (ZeRO-3 full weights, gather outputs, ZeRO-2/3 full gradients, comm
+ * copies) keep one tensor object for the life of the model and only resize its storage between
+ * 0 and full size. Parameter views and tensors autograd saved for backward point into that
+ * storage object, so they stay valid across release and re-gather: no per-parameter work on
+ * the hot path. */
+#include "pipeline_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Beyond this many padding runs, zeroing a temporary gradient bucket is one fill of all of it. */
+#define MAX_HOLE_FILLS 64
+
+static void refresh_views(bucket* bk, int owner) {
+  for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
+    if (bk->present[k] && bk->owner[k] == owner && k != owner)
+      bk->buf[k].data = pl_at(&bk->buf[owner], bk->view_offset[k]);
+}
+
+mfsdp_status pl_materialize(mfsdp_pipeline* p, bucket* bk, int kind) {
+  if (!bk->present[kind])
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "buffer kind %d does not exist in this bucket", kind);
+  int o = bk->owner[kind];
+  if (bk->materialized[o]) return MFSDP_OK;
+  MFSDP_CHECK(p->be.memory->materialize(p->be.memory_ctx, &bk->buf[o]));
+  bk->materialized[o] = 1;
+  refresh_views(bk, o);
+  return MFSDP_OK;
+}
+
+mfsdp_status pl_release(mfsdp_pipeline* p, bucket* bk, int kind) {
+  if (!bk->present[kind]) return MFSDP_OK;
+  int o = bk->owner[kind];
+  if (!bk->materialized[o] || !bk->temporary[o]) return MFSDP_OK;
+  MFSDP_CHECK(p->be.memory->release(p->be.memory_ctx, &bk->buf[o]));
+  bk->materialized[o] = 0;
+  refresh_views(bk, o);
+  return MFSDP_OK;
+}
+
+static mfsdp_status add_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype, int temporary) {
+  MFSDP_CHECK(p->be.memory->create(p->be.memory_ctx, numel, dtype, &bk->buf[kind]));
+  bk->present[kind] = 1;
+  bk->owner[kind] = (int8_t)kind;
+  bk->materialized[kind] = 1;
+  bk->temporary[kind] = (int8_t)temporary;
+  return MFSDP_OK;
+}
+
+static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, int64_t offset, int64_t numel) {
+  int o = bk->owner[of];
+  int64_t base = bk->view_offset[of] + offset;
+  if (of == o && offset == 0 && numel == bk->buf[o].numel) {
+    bk->buf[kind] = bk->buf[o]; /* the same range: share the handle, destroy only once */
+  } else {
+    MFSDP_CHECK(p->be.memory->create_view(p->be.memory_ctx, &bk->buf[o], base, numel, &bk->buf[kind]));
+  }
+  bk->present[kind] = 1;
+  bk->owner[kind] = (int8_t)o;
+  bk->view_offset[kind] = base;
+  bk->buf[kind].data = pl_at(&bk->buf[o], base);
+  return MFSDP_OK;
+}
+
+static void drop_buffer(mfsdp_pipeline* p, bucket* bk, int kind) {
+  if (!bk->present[kind]) return;
+  int shared = 0;
+  for (int j = 0; j < MFSDP_BUF_COUNT; ++j)
+    if (j != kind && bk->present[j] && bk->buf[j].handle == bk->buf[kind].handle) shared = 1;
+  if (!shared) p->be.memory->destroy(p->be.memory_ctx, &bk->buf[kind]);
+  memset(&bk->buf[kind], 0, sizeof bk->buf[kind]);
+  bk->present[kind] = bk->materialized[kind] = bk->temporary[kind] = 0;
+  bk->owner[kind] = -1;
+  bk->view_offset[kind] = 0;
+}
+
+mfsdp_status pl_release_temporaries(mfsdp_pipeline* p, bucket* bk) {
+  for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
+    if (bk->present[k] && bk->owner[k] == k && bk->temporary[k]) MFSDP_CHECK(pl_release(p, bk, k));
+  return MFSDP_OK;
+}
+
+/* The temporary buffers that depend on the communication dtype (see mfsdp_pipeline.h). */
+mfsdp_status pl_create_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_bucket_spec* s = &bk->spec;
+  int64_t full = bk->full_size;
+  if (s->grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
+  if (s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, bk->shard_start, bk->shard_size));
+  } else if (s->grad_mode == MFSDP_GRAD_ALL_REDUCE && pl_exchanges(p, bk)) {
+    int64_t block = pl_exchange_block(p, bk);
+    full = block * p->cfg.dp_world;
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, (int64_t)p->cfg.dp_rank * block, block));
+  } else if (s->comm_dtype != s->grad_dtype) {
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, bk->shard_start, bk->shard_size));
+  }
+  if (pl_exchanges(p, bk)) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, full, s->comm_dtype, 1));
+  return MFSDP_OK;
+}
+
+void pl_drop_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
+  drop_buffer(p, bk, MFSDP_BUF_EXCHANGE);
+  drop_buffer(p, bk, MFSDP_BUF_COMM_SLICE);
+  drop_buffer(p, bk, MFSDP_BUF_COMM);
+  if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
+    drop_buffer(p, bk, MFSDP_BUF_GRAD_SLICE);
+    drop_buffer(p, bk, MFSDP_BUF_GRAD);
+  }
+}
+
+/* Creates the buffers of one bucket per the table in mfsdp_pipeline.h. */
+mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_bucket_spec* s = &bk->spec;
+  int64_t shard = bk->shard_size, sub = bk->sub_size, full = bk->full_size;
+  int grads = s->grad_mode != MFSDP_GRAD_NONE;
+  int accumulate = s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE;
+  int wide_main = grads && s->main_dtype != s->param_dtype;
+
+  MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, s->layout.weight_size, s->param_dtype, s->weights_sharded));
+  if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, full, s->param_dtype, 1));
+  bk->gather_kind = bk->present[MFSDP_BUF_GATHER] ? MFSDP_BUF_GATHER : MFSDP_BUF_WEIGHT;
+  /* HFSDP keeps the whole collective shard: the replicas' all-gather fills it once per step */
+  if (s->weights_sharded && (!wide_main || bk->subs > 1))
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, shard, s->param_dtype, 0));
+  else
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, bk->gather_kind, bk->shard_start, shard));
+  if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SUB, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
+  if (wide_main)
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, sub, s->main_dtype, 0));
+  else if (!(bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded)) /* else: pl_main_in_weight */
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
+  if (grads) {
+    if (accumulate) {
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_SHARD, shard, s->grad_dtype, 0));
+    } else { /* persistent full gradients accumulate locally until the step's reduction */
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, full, s->grad_dtype, 0));
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, bk->shard_start, shard));
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, shard));
+    }
+    if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
+    if (s->main_dtype != s->grad_dtype)
+      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype, 0));
+    else
+      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
+    MFSDP_CHECK(pl_create_comm_buffers(p, bk));
+  }
+  /* Views exist now; temporaries give their memory back until first use. */
+  return pl_release_temporaries(p, bk);
+}
+
+/* The runs of the rank-major GRAD holding no item's rows (see [Note: chunked layout]):
+ * alignment gaps, the missing rows of the last ranks' pieces, each shard's tail. */
+mfsdp_status pl_compute_holes(bucket* bk) {
+  int32_t n = bk->spec.layout.n_items;
+  bk->holes = malloc((size_t)(2 * ((int64_t)bk->owners * (n + 1))) * sizeof *bk->holes);
+  if (bk->holes == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "hole table");
+  for (int32_t slot = 0; slot < bk->owners; ++slot) { /* in memory order */
+    int32_t r = (slot % bk->subs) * bk->shards + slot / bk->subs; /* the owner at this slot */
+    int64_t cursor = (int64_t)slot * bk->sub_size;
+    for (int32_t i = 0; i < n; ++i) { /* pieces are laid out in item order */
+      int64_t first, len;
+      pl_piece(bk, i, r, &first, &len);
+      if (len == 0) continue;
+      int64_t start = (int64_t)slot * bk->sub_size + bk->shard_offsets[i];
+      if (start > cursor) {
+        if (bk->n_holes > 0 && bk->holes[2 * bk->n_holes - 1] == cursor) {
+          bk->holes[2 * bk->n_holes - 1] = start; /* continues the previous hole */
+        } else {
+          bk->holes[2 * bk->n_holes] = cursor;
+          bk->holes[2 * bk->n_holes + 1] = start;
+          bk->n_holes++;
+        }
+      }
+      cursor = start + len;
+    }
+    int64_t end = (int64_t)(slot + 1) * bk->sub_size;
+    if (cursor < end) {
+      if (bk->n_holes > 0 && bk->holes[2 * bk->n_holes - 1] == cursor) {
+        bk->holes[2 * bk->n_holes - 1] = end;
+      } else {
+        bk->holes[2 * bk->n_holes] = cursor;
+        bk->holes[2 * bk->n_holes + 1] = end;
+        bk->n_holes++;
+      }
+    }
+  }
+  int64_t* fit = realloc(bk->holes, (size_t)(2 * bk->n_holes + 2) * sizeof *fit);
+  if (fit) bk->holes = fit;
+  return MFSDP_OK;
+}
+
+/* Zeroes the padding of a freshly materialised temporary GRAD (one fill when it has many runs). */
+mfsdp_status pl_zero_holes(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+  if (bk->n_holes > MAX_HOLE_FILLS)
+    return p->be.kernels->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size);
+  for (int32_t h = 0; h < bk->n_holes; ++h)
+    MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, pl_at(g, bk->holes[2 * h]), g->dtype,
+                                         bk->holes[2 * h + 1] - bk->holes[2 * h]));
+  return MFSDP_OK;
+}
+
+mfsdp_status pl_packer_flush(packer* k) {
+  if (k->n == 0) return MFSDP_OK;
+  mfsdp_status st = k->p->be.kernels->pack(k->p->be.kernels_ctx, k->dst, k->dst_dtype, k->items, k->n, k->alpha,
+                                           k->accumulate);
+  k->n = 0;
+  return st;
+}
+
+mfsdp_status pl_packer_add(packer* k, const void* src, int32_t src_dtype, int64_t dst_offset, int64_t n) {
+  if (n == 0) return MFSDP_OK;
+  if (k->n == PACK_CHUNK) MFSDP_CHECK(pl_packer_flush(k));
+  k->items[k->n++] = (mfsdp_pack_item){src, src_dtype, dst_offset, n};
+  return MFSDP_OK;
+}
+

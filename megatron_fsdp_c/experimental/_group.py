@@ -1,0 +1,234 @@
+"""A group of the per-module API: the parameters one fully_shard call takes over (see [Note:
+per-module groups] in _fully_shard.py), their conversion to DTensor parameters, the cache of
+mesh -> DistContext the groups share, and torch 2.13's dp_mesh_dims (a full SPMD mesh whose
+data-parallel dims are named)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .._common import contiguous_stride
+from .._distributed import DistContext, make_dist_context
+from ..no_shard import is_no_shard
+
+__all__ = ["ShardGroup", "dp_mesh_of", "form_group", "group_of"]
+
+_CONTEXTS = {}      # (mesh's ranks, device) -> DistContext: one gather communicator per mesh, not per call
+_DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
+_DP_MESHES = {}     # (SPMD mesh, shard dims, replicate dims) -> (data-parallel mesh, no_shard, SPMD mesh)
+
+
+@dataclasses.dataclass(eq=False)
+class ShardGroup:
+    """One fully_shard call (see [Note: per-module groups] in _fully_shard.py)."""
+    modules: List[nn.Module]
+    places: List[tuple]            # (module, attribute, original parameter) of the group's parameters
+    ctx: DistContext
+    strategy: int
+    mp_policy: object              # torch's MixedPrecisionPolicy or ours
+    reshard_after_forward: Optional[bool]  # None: FSDP2's default, set at the lazy init (False for the root)
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True   # HSDP: the all-reduce across replicas
+    forward_prefetch: Optional[List[nn.Module]] = None
+    backward_prefetch: Optional[List[nn.Module]] = None
+    divide_factor: Optional[float] = None
+    is_last_backward: bool = True
+    state: Optional[object] = None  # its RootState (_root.py, which imports this module), from the lazy init on
+    unit: Optional[object] = None          # its unit in the engine's hooks
+    all_reduce_hook: Optional[object] = None  # set_all_reduce_hook's (hook, stream)
+    post_optim_event: Optional[object] = None  # set_post_optim_event's, waited on at the next root pre-forward
+    unshard_in_backward: bool = True       # accepted settings with no effect here ([Note: torch's FSDPModule])
+    force_sum_reduction: bool = False
+    torch_state: Optional[object] = None   # what torch's code finds under its state key (_torch_state.py)
+
+
+def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:
+    """The dims `names` of `mesh` as one dim (flattened when several, as torch's fully_shard does)."""
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+
+def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
+    """(the data-parallel mesh, whether it only replicates) of torch 2.13's `dp_mesh_dims` on a full
+    SPMD `mesh`: its shard dims flattened into one, its replicate dims into another; both make the
+    2-D (replicate, shard) HSDP mesh, replicate dims alone a replicated (no_shard) group, as in
+    torch. A dim of size > 1 that is neither is tensor (or expert, context) parallelism: not
+    supported by the per-module API yet. Made once per mesh and dims: every group of a model must
+    get the same mesh object (one engine per mesh, see [Note: per-module groups] in _fully_shard.py)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"dp_mesh_dims needs mesh= the full SPMD DeviceMesh, got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
+    if not shard and not replicate:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    for name in shard + replicate:
+        if name not in names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    model_parallel = [n for n in names if n not in shard + replicate and mesh.size(names.index(n)) > 1]
+    if model_parallel:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims=...) on a mesh with the model-parallel dims {model_parallel} (tensor, "
+            "context or expert parallelism): megatron_fsdp_c's per-module API shards plain data parallelism "
+            "only so far (tensor parallelism is a later issue). Use torch.distributed.fsdp.fully_shard for "
+            "this model, or a mesh whose dims are all data-parallel")
+    key = (id(mesh), shard, replicate)
+    if key not in _DP_MESHES:
+        if shard and replicate:
+            dp = DeviceMesh._concatenate([_submesh(mesh, replicate), _submesh(mesh, shard)])
+        else:
+            dp = _submesh(mesh, shard or replicate)
+        _DP_MESHES[key] = (dp, not shard, mesh)  # the SPMD mesh kept alive with its key
+    dp, no_shard, _ = _DP_MESHES[key]
+    return dp, no_shard
+
+
+def _plain(p: nn.Parameter, spmd_mesh: Optional[DeviceMesh]):
+    """A DTensor parameter replicated over the SPMD mesh of dp_mesh_dims (all dims, or a size-1
+    model-parallel one) as the plain tensor it holds; any other parameter as it is."""
+    if spmd_mesh is None or not isinstance(p, DTensor):
+        return p
+    sizes = p.device_mesh.mesh.shape
+    if any(not isinstance(pl, Replicate) and sizes[i] > 1 for i, pl in enumerate(p.placements)):
+        raise ValueError(f"a DTensor parameter with placements {p.placements} on mesh {p.device_mesh.mesh_dim_names}: "
+                         "with dp_mesh_dims, parameters must be Replicate() on every dim of size > 1")
+    return nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
+
+
+def _mesh_and_context(mesh, device_type: str) -> DistContext:
+    """The DistContext of `mesh` (None: every rank), made once per mesh and device."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
+                           "(launch with torchrun; backend 'gloo' on CPU, 'nccl' on GPU)")
+    if mesh is None:
+        mesh = _DEFAULT_MESH.get(device_type)
+        if mesh is None:
+            mesh = _DEFAULT_MESH[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: the per-module fully_shard takes a 1-D "
+                         "mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), as torch's does; slice a larger mesh "
+                         "first, e.g. mesh['dp_outer', 'dp_shard']")
+    if mesh.device_type != device_type:
+        raise ValueError(f"mesh is on '{mesh.device_type}' but the parameters are on '{device_type}': build the mesh "
+                         f"with init_device_mesh('{device_type}', ...) or move the module first")
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    # By the ranks and dim names, not the object: mesh["dp"] makes a new DeviceMesh each time,
+    # and each fully_shard call of a model must get the same context (one engine per model).
+    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, str(device))
+    ctx = _CONTEXTS.get(key)
+    if ctx is None:
+        # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
+        ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
+            make_dist_context(mesh, 1, device, dp_outer_dim=0)
+        ctx.mesh_ref = mesh  # keep the mesh (and so the key) alive with the context
+    return ctx
+
+
+def _group_params(modules, ignored) -> List[tuple]:
+    """(module, attr, param) of every parameter of `modules` not in a submodule's group."""
+    places, seen_places = [], set()
+    stack = list(modules)
+    visited = set()
+    while stack:
+        mod = stack.pop(0)
+        if id(mod) in visited:
+            continue
+        visited.add(id(mod))
+        if getattr(mod, "_mfsdp_group", None) is not None and mod not in modules:
+            continue  # a sharded submodule: its parameters are its group's
+        for attr, p in mod._parameters.items():
+            if p is None or (id(mod), attr) in seen_places or p in ignored:
+                continue
+            seen_places.add((id(mod), attr))
+            places.append((mod, attr, p))
+        stack.extend(mod.children())
+    return places
+
+
+def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: torch.device) -> nn.Parameter:
+    """This rank's torch.chunk rows of `p` (or all of it, replicated) as a DTensor Parameter."""
+    shape = p.shape
+    data = p.detach()
+    if not data.is_meta and data.device != device:
+        data = data.to(device)
+    if replicated:
+        placement, local = Replicate(), data
+    else:
+        rows = shape[0]
+        chunk = -(-rows // ctx.world)
+        lo = min(ctx.rank * chunk, rows)
+        hi = min(lo + chunk, rows)
+        placement = Shard(0)
+        local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=data.dtype, device="meta") if data.is_meta \
+            else data[lo:hi].clone()
+    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape, stride=contiguous_stride(shape))
+    return nn.Parameter(dt, requires_grad=p.requires_grad)
+
+
+def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: int, mp_policy,
+               reshard_after_forward: Optional[bool], ignored: set, shard_placement_fn,
+               spmd_mesh: Optional[DeviceMesh] = None) -> ShardGroup:
+    """One fully_shard call's group: its parameters become DTensor Parameters on the modules, and
+    each module points at the group (`_mfsdp_group`). The arguments are checked already; `mesh` is
+    the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims)."""
+    plain = {}  # a DTensor parameter tied within the group stays tied as a plain one
+    places = [(mod, attr, plain.setdefault(id(p), _plain(p, spmd_mesh))) for mod, attr, p in _group_params(modules, ignored)]
+    devices = {p.device.type for _, _, p in places if not p.is_meta}
+    if len(devices) > 1:
+        raise ValueError(f"the parameters of this {type(modules[0]).__name__} are on several device types "
+                         f"{sorted(devices)}: move it to one device first")
+    if devices:
+        device_type = devices.pop()
+    elif isinstance(mesh, DeviceMesh):
+        device_type = mesh.device_type  # a meta-device module: it will live where the mesh is
+    else:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    ctx = _mesh_and_context(mesh, device_type)
+
+    # A parameter a group has sharded carries `_mfsdp_sharded_by`: one registered in two groups (tied
+    # weights split across fully_shard calls) is caught instead of silently untied.
+    converted = {}  # id(original) -> DTensor Parameter (a parameter tied within the group stays tied)
+    for mod, attr, p in places:
+        if isinstance(p, DTensor):
+            raise ValueError(f"parameter '{attr}' of {type(mod).__name__} is already a DTensor: fully_shard takes "
+                             "plain parameters (tensor parallelism with the per-module API is not supported yet)")
+        other = getattr(p, "_mfsdp_sharded_by", None)  # not a weak dict: tensors compare by value
+        if other is not None and id(p) not in converted:
+            raise ValueError(
+                f"parameter '{attr}' of {type(mod).__name__} is shared with {other}, which fully_shard already "
+                "sharded in another group: a parameter can belong to one group only. Shard a module containing "
+                "every place it is registered (their common parent), or untie it")
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(p)
+            if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0
+                                              and type(placement) is Shard):
+                raise ValueError(f"shard_placement_fn returned {placement!r} for '{attr}' of {type(mod).__name__}: "
+                                 "megatron_fsdp_c shards dim 0 only; return None or Shard(0)")
+        if id(p) not in converted:
+            replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
+            converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device)
+            p._mfsdp_sharded_by = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
+        mod._parameters[attr] = converted[id(p)]
+    group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
+                       mp_policy, reshard_after_forward)
+    for m in modules:
+        m._mfsdp_group = group
+    return group
+
+
+def group_of(module) -> ShardGroup:
+    """The group `module` was sharded into (a clear error when it was not)."""
+    g = getattr(module, "_mfsdp_group", None)
+    if g is None:
+        raise ValueError(f"{type(module).__name__} is not sharded by megatron_fsdp_c.experimental.fully_shard")
+    return g
+

@@ -1,0 +1,48 @@
+"""The per-module API's policies: torch's FSDP2 MixedPrecisionPolicy (or megatron_fsdp_c's) and
+OffloadPolicy, checked at fully_shard time; the mixed precision turned into what the engine takes
+at the lazy init, and the casts of the forward's inputs and outputs."""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
+
+__all__ = ["cast_floats", "check_policies", "engine_policy", "is_torch_policy"]
+
+
+def is_torch_policy(mp) -> bool:
+    """Does `mp` carry the fields of torch's FSDP2 MixedPrecisionPolicy?"""
+    return all(hasattr(mp, f) for f in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"))
+
+
+def engine_policy(mp, param_dtype: torch.dtype):
+    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype`."""
+    if isinstance(mp, OurPolicy):
+        return param_dtype, mp
+    compute = mp.param_dtype or param_dtype
+    # FSDP2: sharded parameters and gradients stay in the parameter's dtype; reduce in
+    # reduce_dtype (or the compute dtype). A narrower reduction still sums in the gradient
+    # dtype here ([Note: exchange reduction] in csrc/comm/reduce.c).
+    return compute, OurPolicy(main_params_dtype=param_dtype, main_grads_dtype=param_dtype,
+                              grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True)
+
+
+def cast_floats(tree, dtype):
+    """The floating-point tensors of `tree` cast to `dtype` (torch's cast_forward_inputs, output_dtype)."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def check_policies(mp_policy, offload_policy, shard_placement_fn) -> None:
+    """fully_shard's policy arguments, refused with the reason before anything is changed."""
+    if not (isinstance(mp_policy, OurPolicy) or is_torch_policy(mp_policy)):
+        raise TypeError("mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy or "
+                        f"megatron_fsdp_c.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if offload_policy is not None:
+        if type(offload_policy).__name__ == "CPUOffloadPolicy":
+            raise NotImplementedError("offload_policy=CPUOffloadPolicy() is not yet supported by megatron_fsdp_c: "
+                                      "leave offload_policy at its default (OffloadPolicy() or None)")
+        if type(offload_policy).__name__ != "OffloadPolicy":
+            raise TypeError(f"offload_policy must be torch's OffloadPolicy() or None, got {type(offload_policy).__name__}")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError("shard_placement_fn must be a callable (parameter -> None or Shard(0))")

@@ -1,0 +1,303 @@
+"""The root state of the per-module API: at the first forward of a root, one engine for every
+group under it (the lazy init, see [Note: per-module groups] in _fully_shard.py); the owner its
+HookManager sees; and the forward hooks fully_shard registers on every sharded module.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate
+
+from .. import _C
+from .._common import in_backward
+from .._sharded import EngineOwner
+from ..hooks import HookManager
+from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
+from ..param_buffer import ParamBuffer, ParamRecord
+from ._group import ShardGroup, group_of
+from ._policy import cast_floats, engine_policy, is_torch_policy
+
+__all__ = ["RootState", "post_forward", "pre_forward", "state_of"]
+
+
+class RootState(EngineOwner):
+    """The engine of one root's groups (see [Note: per-module groups] in _fully_shard.py); the
+    HookOwner (hooks.py) of its HookManager."""
+
+    overlap_param_gather = True
+
+    def __init__(self, root: nn.Module):
+        groups = []
+        for m in root.modules():
+            g = getattr(m, "_mfsdp_group", None)
+            if g is not None and g not in groups:
+                if g.state is not None:
+                    raise RuntimeError(
+                        f"the sharded {type(m).__name__} already ran a forward as its own root: run the first forward "
+                        "through the outermost sharded module (the model), which initialises every group under it")
+                groups.append(g)
+        ctxs = {id(g.ctx) for g in groups}
+        if len(ctxs) > 1:
+            raise ValueError("the groups under this root were sharded over different meshes: one mesh per model")
+        self.root = root
+        self.groups = groups
+        for g in groups:  # FSDP2's default (None): reshard after forward, except the root
+            if g.reshard_after_forward is None:
+                g.reshard_after_forward = g is not getattr(root, "_mfsdp_group", None)
+        self.methods_running = 0  # registered forward methods running (_torch_state.py)
+        self.reduce_requested = False  # a post_backward() asked for the held gradients' reduction
+        self.held = set()  # indices of groups whose backwards held gradients back, not reduced yet
+        self.dist_ctx = ctx = groups[0].ctx
+        names = {id(mod): name for name, mod in root.named_modules(remove_duplicate=False)}
+        ends = {}  # group index -> position of its (last) module in post-order: backward order
+        for k, mod in enumerate(_post_order(root)):
+            g = getattr(mod, "_mfsdp_group", None)
+            if g is not None:
+                ends[groups.index(g)] = k
+        records, by_param = [], {}
+        for u, g in enumerate(groups):
+            for mod, attr, dp in g.places:
+                name = f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr
+                r = by_param.get(id(dp))
+                if r is None:
+                    compute, policy = engine_policy(g.mp_policy, dp.dtype)
+                    # the compute parameter: pointed at the full weights by load_locals
+                    placeholder = nn.Parameter(torch.empty(0, dtype=compute, device=ctx.device),
+                                               requires_grad=dp.requires_grad)
+                    r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, dp.shape, u, [(mod, attr)])
+                    r.replicated = isinstance(dp.placements[-1], Replicate)  # the shard dim is the last
+                    r.strategy, r.policy, r.dist_param = g.strategy, policy, dp
+                    r.aliases.append(name)
+                    records.append(r)
+                else:
+                    r.places.append((mod, attr))
+                    r.aliases.append(name)
+        self.param_buffer = ParamBuffer(records, 3, OurPolicy(), ctx, bucket_cap=0, reduce_queue_bytes=None,
+                                        grad_prescale=1.0 / ctx.dp_world, reduce_op="sum")
+        self.param_buffer.load_locals()
+        self.param_buffer.build_dist_params(self, existing=True)
+        self._used = bytearray(len(records))
+        self._has_grad = bytearray(len(records))
+        self._holds_dist_params = True
+        self._seen = [r.dist_param._version for r in records]
+        self.report_nan_in_param_grad = False
+        self.pass_root = None
+        self._setup_host_heap(ctx.device)
+        self.hooks = HookManager(self, [g.modules[0] for g in groups],
+                                 post_order=sorted(range(len(groups)), key=lambda u: ends.get(u, -1)),
+                                 register_module_hooks=False)
+        for u, g in enumerate(groups):
+            g.state, g.unit = self, self.hooks.units[u]
+            g.unit.members = len(g.modules)
+        for g in groups:  # prefetch targets name other groups' units: all of them set first
+            self.configure(g)
+        self._swap_params(dist=True)
+
+    # -- per-group settings, applied to the engine ------------------------------------------------
+    def buckets_of(self, g: ShardGroup) -> List[int]:
+        return list(self.param_buffer.buckets_of_unit(self.groups.index(g)))
+
+    def configure(self, g: ShardGroup) -> None:
+        unit, engine = g.unit, self.param_buffer.engine
+        unit.reshard_after_forward = g.reshard_after_forward
+        unit.reshard_after_backward = g.reshard_after_backward
+        unit.forward_prefetch = None if g.forward_prefetch is None else [
+            group_of(m).unit.pos for m in g.forward_prefetch if group_of(m).unit.pos >= 0]
+        unit.backward_prefetch = None if g.backward_prefetch is None else [
+            group_of(m).unit.bpos for m in g.backward_prefetch if group_of(m).unit.bpos >= 0]
+        grads = [b for b in self.buckets_of(g) if self.param_buffer.specs[b]["grad_mode"] != _C.GRAD_NONE]
+        if grads:
+            engine.set_hold(grads, not g.requires_gradient_sync)
+            if self.dist_ctx.outer_world > 1:
+                engine.set_outer_hold(grads, not g.requires_all_reduce)
+            factor = g.divide_factor if g.divide_factor is not None else self.dist_ctx.dp_world
+            engine.set_prescale(grads, 1.0 / factor)
+
+    # -- what the hooks call ----------------------------------------------------------------------
+    def root_pre_forward(self, module) -> None:
+        self.pass_root = module
+        for g in self.groups:  # set_post_optim_event: the current stream waits on it once
+            if g.post_optim_event is not None:
+                g.post_optim_event.wait()
+                g.post_optim_event = None
+        self._refresh_changed_weights()
+        self._swap_params(dist=False)
+        self.hooks.root_pre_forward()
+
+    def root_post_forward(self, output):
+        self.pass_root = None
+        return self._finish_root_forward(output)
+
+    def _refresh_changed_weights(self) -> None:
+        """An optimizer (or a load) changed some local shards in place since the last forward:
+        spread them to what the engine keeps gathered or cast (see [Note: per-module groups] in
+        _fully_shard.py)."""
+        changed = False
+        for r in self.param_buffer.records:
+            v = r.dist_param._version
+            if v != self._seen[r.index]:
+                self._seen[r.index] = v
+                changed = True
+        if changed:
+            self.param_buffer.engine.install_main_weights(True)
+
+    def _should_sync(self) -> bool:
+        return True  # per group: a group with gradient sync off is on hold in the engine
+
+    def _before_backward(self) -> None:
+        """Gradients the user set to None (optimizer.zero_grad()) start again from zero."""
+        stale = [r for r in self.param_buffer.records if self._has_grad[r.index] and r.dist_param.grad is None]
+        by_bucket = {}
+        for r in stale:
+            by_bucket.setdefault(r.bucket, []).append(r.item)
+            self._has_grad[r.index] = 0
+            self._used[r.index] = 0
+        for b, items in by_bucket.items():
+            self.param_buffer.engine.zero_item_grads(b, items)
+
+    def _after_backward(self, synced: bool) -> None:
+        self._swap_params(dist=True)
+        synced_units = {u for u, g in enumerate(self.groups) if g.requires_gradient_sync}
+        self.held = {u for u in self.held if u not in synced_units}
+        self.held |= {u for u, g in enumerate(self.groups) if u not in synced_units and g.unit.grad_buckets}
+        self._attach_grads([r for r in self.param_buffer.records if r.unit in synced_units])
+        for u in sorted(synced_units):
+            if self.groups[u].all_reduce_hook is not None:
+                self._run_all_reduce_hook(self.groups[u])
+        self._trim_host_heap()
+
+    def _run_all_reduce_hook(self, g: ShardGroup) -> None:
+        """set_all_reduce_hook's hook on each of the group's reduced gradient shards: this rank's
+        rows of the bucket in the buffer the parameters' .grad views."""
+        hook, stream = g.all_reduce_hook
+        buf = self.param_buffer
+        shards = []
+        for b in g.unit.grad_buckets:
+            pieces = [buf.engine.local_piece(b, r.item, _C.BUF_OPT_GRAD) for r in buf.records if r.bucket == b]
+            where = pieces[0][0]
+            lo, hi = min(o for _, o, _ in pieces), max(o + n for _, o, n in pieces)
+            shards.append(torch.from_dlpack(buf.engine.tensor(b, where)).narrow(0, lo, hi - lo))
+        if stream is None:
+            for t in shards:
+                hook(t)
+            return
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            for t in shards:
+                hook(t)
+        current.wait_stream(stream)
+
+    def reduce_held(self) -> None:
+        """[Note: reductions outside a backward]
+        torch.distributed.pipelining runs every microbatch's backward with gradient sync off, then
+        asks for the reduction itself, outside any backward (stage.perform_reduce_grad through
+        torch's state key, see _torch_state.py). The engine reduces in a backward only, so this runs
+        one without autograd: the buckets of the groups that held gradients back (and whose sync
+        is on again) are sealed, all others put on hold meanwhile so that they send nothing, and
+        end_backward reduces them in the shared order; then the releases and .grad follow as in
+        a backward's final callback. Every rank of the data-parallel group calls it at the same
+        point (pipelining does), so the collectives match."""
+        self.reduce_requested = False
+        held = [u for u in sorted(self.held) if self.groups[u].requires_gradient_sync]
+        if not held:
+            return
+        if self.hooks.in_backward:
+            raise RuntimeError("the reduction of held gradients was requested inside a backward pass")
+        engine = self.param_buffer.engine
+        sealed = [b for u in held for b in self.groups[u].unit.grad_buckets]
+        others = [b for b in self.param_buffer.grad_buckets() if b not in sealed]
+        if others:
+            engine.set_hold(others, True)
+        try:
+            engine.begin_backward(True)
+            engine.seal(sealed)
+            engine.end_backward()
+        finally:
+            for g in self.groups:  # each bucket's own hold back
+                self.configure(g)
+        release = [b for u in self.hooks.units if u.reshard_after_backward for b in u.releasable]
+        if release:
+            engine.reshard(release)
+        self._after_backward(True)
+
+    def reset_iter_state(self) -> None:
+        """FSDPModule.reset_iter_state on the root: a forward or backward raised part way. An
+        interrupted backward is ended (its collectives run: every rank calls this), the step's
+        gradients are discarded, every gathered bucket is released and the sharded parameters
+        are put back; the hooks' per-pass positions start again."""
+        engine, hooks = self.param_buffer.engine, self.hooks
+        if hooks.in_backward:
+            try:
+                engine.end_backward()
+            finally:
+                hooks.in_backward = False
+        engine.zero_grads()
+        for r in self.param_buffer.records:
+            r.dist_param.grad = None
+        self._used[:] = bytes(len(self._used))  # in place: the hooks hold this bytearray
+        self._has_grad[:] = bytes(len(self._has_grad))
+        self.held.clear()
+        if hooks.all_sharded:
+            engine.reshard(list(hooks.all_sharded))
+        hooks.fwd_next = hooks.fwd_done = 0
+        hooks.bwd_next = hooks.bwd_done = len(hooks.bwd_seq)
+        hooks.ran = set()
+        for u in hooks.units:
+            u.members_left = u.members
+        self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
+        self._swap_params(dist=True)
+
+
+def _post_order(root: nn.Module) -> List[nn.Module]:
+    """The modules under `root` in the order their forwards end (children first), each once."""
+    out, stack, seen = [], [(root, False)], set()
+    while stack:
+        mod, done = stack.pop()
+        if done:
+            out.append(mod)
+            continue
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        stack.append((mod, True))
+        stack.extend((child, False) for child in reversed(list(mod.children())))
+    return out
+
+
+def state_of(module) -> RootState:
+    """The root state of `module`'s group; the first call on a root is its lazy init."""
+    g = group_of(module)
+    return g.state if g.state is not None else RootState(module)
+
+
+@torch.compiler.disable(recursive=True)
+def pre_forward(module, args, kwargs):
+    """fully_shard's forward pre-hook on each module of a group: the root's pre-forward when a pass
+    starts here ([Note: pass lifecycle] in ../hooks.py), the input cast, the unit's pre-forward."""
+    g = module._mfsdp_group
+    state = state_of(module)
+    if state.pass_root is None and not in_backward():
+        state.root_pre_forward(module)
+    mp = g.mp_policy
+    if is_torch_policy(mp) and mp.cast_forward_inputs and mp.param_dtype is not None:
+        args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
+    return state.hooks.pre_forward(g.unit, module, args, kwargs)
+
+
+@torch.compiler.disable(recursive=True)
+def post_forward(module, args, output):
+    """fully_shard's forward hook on each module of a group: the unit's post-forward, the output
+    cast, and the root's post-forward when the pass started at this module."""
+    g = module._mfsdp_group
+    state = g.state
+    output = state.hooks.post_forward(g.unit, module, args, output)
+    mp = g.mp_policy
+    if is_torch_policy(mp) and mp.output_dtype is not None:
+        output = cast_floats(output, mp.output_dtype)
+    if state.pass_root is module and not state.methods_running:  # a registered method's end, not its inner forwards
+        output = state.root_post_forward(output)
+    return output
+
