@@ -318,8 +318,6 @@ def gradient_divide_factor(rank, world, ck):
 
 
 KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
-    'unshard_child_first':
-        "a child's first forward as its own root is refused: the first forward must go through the outermost sharded module (one engine per root, built there)",
 }
 
 

@@ -206,7 +206,28 @@ class RootState(EngineOwner):
         for u in sorted(synced_units):
             if self.groups[u].all_reduce_hook is not None:
                 self._run_all_reduce_hook(self.groups[u])
+        self._run_post_accumulate_grad_hooks(synced_units)
         self._trim_host_heap()
+
+    def _run_post_accumulate_grad_hooks(self, units) -> None:
+        """[Note: post-accumulate-grad hooks]
+        A hook the user registered on a sharded (DTensor) parameter with
+        register_post_accumulate_grad_hook never fires by itself: autograd accumulates into the
+        compute parameter, never into the DTensor. FSDP2 calls those hooks itself, once per
+        parameter, after the group's reduce-scatter set the sharded .grad (foreach_reduce);
+        this calls them once per parameter that has a gradient, after the reduction of every
+        synced group is done (so an optimizer step inside a hook, torchtune's optimizer in
+        backward, changes no weight another group still computes with: the next forward picks
+        the new shards up, _refresh_changed_weights), groups in backward order (the last group
+        first), parameters in registration order. A backward with gradient sync off reduces
+        nothing and calls none, as FSDP2."""
+        pending = [r for r in self.param_buffer.records
+                   if r.unit in units and getattr(r.dist_param, "_post_accumulate_grad_hooks", None)]
+        for r in sorted(pending, key=lambda r: (-r.unit, r.index)):
+            dp = r.dist_param
+            if dp.grad is not None:
+                for hook in tuple(dp._post_accumulate_grad_hooks.values()):
+                    hook(dp)
 
     def _run_all_reduce_hook(self, g: ShardGroup) -> None:
         """set_all_reduce_hook's hook on each of the group's reduced gradient shards: this rank's
