@@ -12,20 +12,25 @@ Behaviours (cell names):
   backward, not with gradient sync off: post_acc_grad_hook_runs; an optimizer per parameter
   stepped in those hooks (optimizer in backward) trains as one optimizer after the backward:
   post_acc_grad_hook_optim_parity
+- the first forward, or unshard(), through a sharded child initialises the model through its
+  root; unshard() registers the gathered Parameter until reshard(): child_first
+- a parameter replaced after fully_shard, before the first forward, is picked up at the lazy
+  init: reset_param_in_lazy_init; so is load_state_dict(sharded_sd, assign=True) on a
+  meta-device model: load_assign_on_meta
 """
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import rank_grid
 from checks import full, recorder_cells, verify
 from data import local_batch
 from megatron_fsdp_c.experimental import fully_shard
 from tiny_models import mlp_stack
-from train_both import average_grads
+from train_both import against_ddp, average_grads
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -131,6 +136,96 @@ def post_acc_grad_hook_optim_parity(rank, world, ck):
         ck.close(f"step {step}: loss", loss, ref_loss)
         ck.params(f"step {step}", model, ref)
         ck.true(f"step {step}: the hooks' zero_grad left no gradient", all(p.grad is None for p in model.parameters()))
+
+
+@cell("child_first[forward]", worlds=(2, 4), how="forward")
+@cell("child_first[unshard]", worlds=(2, 4), how="unshard")
+def child_first(rank, world, ck, how):
+    """The first forward (or unshard()) of a sharded child, not the root, initialises the whole
+    model through its root, as FSDP2's lazy init does (test_train_shared_params_uneven_shard
+    unshard()s the embedding first); unshard() registers the gathered Parameter until reshard()."""
+    model = mlp_stack()
+    ref = copy.deepcopy(model)
+    _shard_stack(model)
+    x = local_batch(9, rank, (4, 8))
+    if how == "forward":
+        with torch.no_grad():
+            ck.close("the child's first forward", model[1](x), ref[1](x))
+    else:
+        model[1].unshard()
+        w = model[1].up.weight
+        ck.true("unshard() registers the gathered Parameter", type(w) is nn.Parameter and w.shape == ref[1].up.weight.shape,
+                f"{type(w).__name__} {tuple(w.shape)}")
+        ck.close("its value", w, ref[1].up.weight)
+        ck.true("a group not unsharded keeps its DTensors", isinstance(model[0].up.weight, DTensor))
+        model[1].reshard()
+        ck.true("reshard() registers the DTensor again", isinstance(model[1].up.weight, DTensor))
+    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)))
+
+
+class WeightNorm(nn.Module):
+    """torch's test_reset_sharded_param_in_lazy_init model."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(3))
+
+    def init_weight_norm(self):
+        with torch.no_grad():
+            norm = torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(self.layer2.weight, dim=1)
+        self.weight_norm = nn.Parameter(norm)
+
+    def forward(self, x):
+        return self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+
+
+def _values(model):
+    g = torch.Generator().manual_seed(5)
+    return {n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in model.named_parameters()}
+
+
+@cell("reset_param_in_lazy_init", worlds=(2, 4))
+def reset_param_in_lazy_init(rank, world, ck):
+    """A parameter replaced after fully_shard and before the first forward (here after to_empty,
+    a DTensor computed from the sharded weights) is the group's from the lazy init on."""
+    with torch.device("meta"):
+        model = WeightNorm().double()
+    ref = WeightNorm().double()
+    values = _values(ref)
+    ref.load_state_dict(values)
+    fully_shard(model.layer1)
+    fully_shard(model.layer2)
+    fully_shard(model)
+    model.layer1.to_empty(device="cpu")
+    model.layer2.to_empty(device="cpu")
+    with torch.no_grad():
+        for name in ("layer1.weight", "layer2.weight"):
+            p = model.get_parameter(name)
+            p.copy_(distribute_tensor(values[name], p.device_mesh, p.placements))
+    model.init_weight_norm()
+    ref.init_weight_norm()
+    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (3, 3)), loss=lambda m, x: m(x))
+
+
+@cell("load_assign_on_meta", worlds=(2, 4))
+def load_assign_on_meta(rank, world, ck):
+    """load_state_dict(sharded_sd, assign=True) on a meta-device model: the assigned DTensors are
+    the parameters from the lazy init on (test_rank0_broadcast_meta_device_init)."""
+    torch.manual_seed(42)
+    ref = mlp_stack()
+    with torch.device("meta"):
+        model = mlp_stack()
+    _shard_stack(model)
+    meta_sd = model.state_dict()
+    sharded = {k: nn.Parameter(distribute_tensor(ref.state_dict()[k], v.device_mesh, v.placements))
+               for k, v in meta_sd.items()}
+    model.load_state_dict(sharded, assign=True)
+    ck.true("the assigned DTensors are the parameters",
+            all(p is sharded[n] for n, p in model.named_parameters()))
+    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)))
+    ck.true("still the assigned DTensors after training", all(p is sharded[n] for n, p in model.named_parameters()))
 
 
 KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)

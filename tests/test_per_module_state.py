@@ -370,17 +370,22 @@ def _twice():
 
 
 def _shared_across_groups():
+    """FSDP2 refuses it at the lazy init (test_shared_params_separate_fsdp_groups_error)."""
     m = Tied()
     fully_shard(m.tok)
     fully_shard(m.out)
+    fully_shard(m)
+    m(torch.randint(0, 10, (2, 3)))
 
 
 def _child_first(rank):
+    """A child's first forward initialises the model through its root (unshard_child_first,
+    first_forward_through_child); one run before its parent was sharded made it a root of its own."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(m[0])
-    fully_shard(m)
     m[0](torch.randn(2, 4))
+    fully_shard(m)
     m(torch.randn(2, 4))
 
 
@@ -399,7 +404,9 @@ def _v1_sharded():
 
 BAD_INPUT = {
     "already sharded": (RuntimeError, r"already applied.*apply it once per module"),
-    "a parameter shared across two groups": (ValueError, r"shared with .*one group only.*common parent.*or untie"),
+    "a parameter shared across two groups": (ValueError, r"Parameter 'out.weight' is shared with a parameter already "
+                                                         r"managed by another FSDP group.*fully_shard\(\[module_a, "
+                                                         r"module_b\]\).*common parent.*or untie"),
     "a mesh on the wrong device type": (ValueError, r"mesh is on 'cuda' but the parameters are on 'cpu'.*"
                                                     r"init_device_mesh\('cpu'"),
     "shard_placement_fn returning Shard(1)": (ValueError, r"Shard\(dim=1\).*return None or Shard\(0\)"),
@@ -407,7 +414,9 @@ BAD_INPUT = {
                                                                r"OffloadPolicy\(\) or None"),
     "a 3-D mesh": (ValueError, r"takes a 1-D mesh \(FSDP\) or a 2-D \(replicate, shard\) mesh \(HSDP\)"),
     "reshard_after_forward as an int": (TypeError, r"reshard_after_forward must be True or False"),
-    "a child's forward ran first as its own root": (RuntimeError, r"outermost sharded module"),
+    "a child's forward ran first as its own root": (RuntimeError, r"already been lazily initialized for 0\nFSDP "
+                                                                  r"requires running forward through the root.*"
+                                                                  r"outermost sharded module"),
     "a DTensor parameter": (ValueError, r"already a DTensor"),
     "mp_policy of another type": (TypeError, r"torch.distributed.fsdp.MixedPrecisionPolicy"),
     "a model sharded by the Megatron-FSDP API": (RuntimeError, r"one API per model"),

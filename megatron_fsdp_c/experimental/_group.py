@@ -59,6 +59,10 @@ class Origin:
     def __init__(self):
         self.state = None
 
+    def __reduce__(self):
+        # a copy (deepcopy, pickle) of a parameter is a parameter of its own: a fresh Origin
+        return (Origin, ())
+
 
 def check_origins(named: list, state) -> None:
     """[(name, DTensor parameter)] of one root's groups at its lazy init: a parameter tied across

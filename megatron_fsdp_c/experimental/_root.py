@@ -16,7 +16,7 @@ from .._sharded import EngineOwner
 from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
-from ._group import ShardGroup, group_of, root_of
+from ._group import ShardGroup, check_origins, group_of, refresh_places, root_of
 from ._policy import cast_floats, engine_policy, is_torch_policy
 
 __all__ = ["RootState", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
@@ -30,13 +30,15 @@ class RootState(EngineOwner):
 
     def __init__(self, root: nn.Module):
         groups = []
-        for m in root.modules():
+        for name, m in root.named_modules():
             g = getattr(m, "_mfsdp_group", None)
             if g is not None and g not in groups:
-                if g.state is not None:
+                if g.state is not None:  # lazily initialised before the model around it was sharded
                     raise RuntimeError(
-                        f"the sharded {type(m).__name__} already ran a forward as its own root: run the first forward "
-                        "through the outermost sharded module (the model), which initialises every group under it")
+                        f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
+                        f"through the root module first: the sharded {type(m).__name__} ran a forward (or unshard()) "
+                        "as its own root before fully_shard was applied to the model around it; apply fully_shard to "
+                        "every module first, then run the first forward through the outermost sharded module")
                 groups.append(g)
         ctxs = {id(g.ctx) for g in groups}
         if len(ctxs) > 1:
@@ -51,6 +53,11 @@ class RootState(EngineOwner):
         self.held = set()  # indices of groups whose backwards held gradients back, not reduced yet
         self.dist_ctx = ctx = groups[0].ctx
         names = {id(mod): name for name, mod in root.named_modules(remove_duplicate=False)}
+        fqn = lambda mod, attr: f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr  # noqa: E731
+        for g in groups:  # parameters replaced since fully_shard are the groups' now (FSDP2's reset_sharded_param)
+            refresh_places(g)
+        check_origins([(fqn(mod, attr), dp) for g in groups for mod, attr, dp in g.places], self)
+        _check_materialised(groups, fqn)
         ends = {}  # group index -> position of its (last) module in post-order: backward order
         for k, mod in enumerate(_post_order(root)):
             g = getattr(mod, "_mfsdp_group", None)
@@ -59,7 +66,7 @@ class RootState(EngineOwner):
         records, by_param = [], {}
         for u, g in enumerate(groups):
             for mod, attr, dp in g.places:
-                name = f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr
+                name = fqn(mod, attr)
                 r = by_param.get(id(dp))
                 if r is None:
                     compute, policy = engine_policy(g.mp_policy, dp.dtype)
@@ -314,6 +321,18 @@ class RootState(EngineOwner):
         self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
         for u in range(len(self.groups)):
             self.register(u, False)
+
+
+def _check_materialised(groups: List[ShardGroup], fqn) -> None:
+    """FSDP2's check at the lazy init, with its words: the first group (in the model's module
+    order) that still has parameters on the meta device is named with all of them."""
+    for g in groups:
+        on_meta = list(dict.fromkeys(fqn(mod, attr) for mod, attr, dp in g.places if dp.device.type == "meta"))
+        if on_meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, but the following were "
+                f"still on meta device: {on_meta}\nmaterialise the model after fully_shard: model.to_empty(device=...) "
+                "then reset_parameters() / init_weights() on each module (or load_state_dict(sharded_sd, assign=True))")
 
 
 def _post_order(root: nn.Module) -> List[nn.Module]:
