@@ -412,7 +412,9 @@ BAD_INPUT = {
     "shard_placement_fn returning Shard(1)": (ValueError, r"Shard\(dim=1\).*return None or Shard\(0\)"),
     "offload_policy=CPUOffloadPolicy()": (NotImplementedError, r"CPUOffloadPolicy\(\) is not yet supported.*"
                                                                r"OffloadPolicy\(\) or None"),
-    "a 3-D mesh": (ValueError, r"takes a 1-D mesh \(FSDP\) or a 2-D \(replicate, shard\) mesh \(HSDP\)"),
+    "a 3-D mesh": (ValueError, r"fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh.*takes a 1-D mesh "
+                               r"\(FSDP\) or a 2-D \(replicate, shard\) mesh \(HSDP\)"),
+    "a 2-D mesh without dim names": (AssertionError, r"Please init the 2D mesh for HSDP with mesh_dim_names specified"),
     "reshard_after_forward as an int": (TypeError, r"reshard_after_forward must be True or False"),
     "a child's forward ran first as its own root": (RuntimeError, r"already been lazily initialized for 0\nFSDP "
                                                                   r"requires running forward through the root.*"
@@ -435,6 +437,7 @@ def bad_input(rank, world, ck):
         "offload_policy=CPUOffloadPolicy()": lambda: fully_shard(lin(), offload_policy=CPUOffloadPolicy()),
         "a 3-D mesh": lambda: fully_shard(lin(), mesh=init_device_mesh("cpu", (1, 1, world),
                                                                        mesh_dim_names=("p", "r", "s"))),
+        "a 2-D mesh without dim names": lambda: fully_shard(lin(), mesh=init_device_mesh("cpu", (1, world))),
         "reshard_after_forward as an int": lambda: fully_shard(lin(), reshard_after_forward=2),
         "a child's forward ran first as its own root": lambda: _child_first(rank),
         "a DTensor parameter": lambda: _dtensor_parameter(world),

@@ -20,8 +20,14 @@ from ..no_shard import is_no_shard
 
 __all__ = ["Origin", "ShardGroup", "check_origins", "dp_mesh_of", "form_group", "group_of", "refresh_places", "root_of"]
 
-_CONTEXTS = {}      # (mesh's ranks, device) -> DistContext: one gather communicator per mesh, not per call
-_DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
+# [Note: per-world caches]
+# Both caches are keyed by the caller's default process group as well: torch's threaded test group
+# (FSDPTestMultiThread) runs every rank as a thread of one process, each thread with its own
+# default group and group map, so a mesh or context made by one rank's thread is unusable on
+# another's; and a process that re-initialises torch.distributed gets new ones too. Each value
+# holds its default group, so the group's id in the key cannot be reused while it is cached.
+_CONTEXTS = {}      # (default group, mesh's ranks and names, device) -> DistContext: one communicator per mesh
+_DEFAULT_MESH = {}  # (default group, device type) -> (default group, the 1-D mesh over all ranks)
 _DP_MESHES = {}     # (SPMD mesh, shard dims, replicate dims) -> (data-parallel mesh, no_shard, SPMD mesh)
 
 
@@ -183,29 +189,36 @@ def _mesh_and_context(mesh, device_type: str) -> DistContext:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
                            "(launch with torchrun; backend 'gloo' on CPU, 'nccl' on GPU)")
+    world = dist.distributed_c10d._get_default_group()  # see [Note: per-world caches]
     if mesh is None:
-        mesh = _DEFAULT_MESH.get(device_type)
-        if mesh is None:
-            mesh = _DEFAULT_MESH[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+        entry = _DEFAULT_MESH.get((id(world), device_type))
+        if entry is None:
+            entry = _DEFAULT_MESH[(id(world), device_type)] = (world, init_device_mesh(device_type, (dist.get_world_size(),)))
+        mesh = entry[1]
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: the per-module fully_shard takes a 1-D "
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: mesh has {mesh.ndim} dims "
+                         f"{mesh.mesh_dim_names}: the per-module fully_shard takes a 1-D "
                          "mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), as torch's does; slice a larger mesh "
                          "first, e.g. mesh['dp_outer', 'dp_shard']")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # torch's check and words (an AssertionError there too)
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified: e.g. "
+                             "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('dp_replicate', "
+                             "'dp_shard'))")
     if mesh.device_type != device_type:
         raise ValueError(f"mesh is on '{mesh.device_type}' but the parameters are on '{device_type}': build the mesh "
                          f"with init_device_mesh('{device_type}', ...) or move the module first")
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
     # By the ranks and dim names, not the object: mesh["dp"] makes a new DeviceMesh each time,
     # and each fully_shard call of a model must get the same context (one engine per model).
-    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, str(device))
+    key = (id(world), tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, str(device))
     ctx = _CONTEXTS.get(key)
     if ctx is None:
         # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
         ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
             make_dist_context(mesh, 1, device, dp_outer_dim=0)
-        ctx.mesh_ref = mesh  # keep the mesh (and so the key) alive with the context
+        ctx.mesh_ref, ctx.world_ref = mesh, world  # keep the mesh and the default group (so the key) alive
     return ctx
 
 
