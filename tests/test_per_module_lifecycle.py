@@ -17,6 +17,7 @@ Behaviours (cell names):
 - a parameter replaced after fully_shard, before the first forward, is picked up at the lazy
   init: reset_param_in_lazy_init; so is load_state_dict(sharded_sd, assign=True) on a
   meta-device model: load_assign_on_meta
+- .to(dtype) after the first forward (and between steps, the optimizer kept): to_after_first_forward
 """
 import copy
 
@@ -29,7 +30,7 @@ import rank_grid
 from checks import full, recorder_cells, verify
 from data import local_batch
 from megatron_fsdp_c.experimental import fully_shard
-from tiny_models import mlp_stack
+from tiny_models import MLP, MLPStack, mlp_stack
 from train_both import against_ddp, average_grads
 
 CELLS = rank_grid.Cells(__name__)
@@ -226,6 +227,37 @@ def load_assign_on_meta(rank, world, ck):
             all(p is sharded[n] for n, p in model.named_parameters()))
     against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)))
     ck.true("still the assigned DTensors after training", all(p is sharded[n] for n, p in model.named_parameters()))
+
+
+@cell("to_after_first_forward", worlds=(2,))
+def to_after_first_forward(rank, world, ck):
+    """.to(dtype) after the first forward (FSDP2 re-reads its sharded parameters; ours hand them
+    back from the engine and initialise a new one at the next forward): the parameters keep their
+    identity (the optimizer keeps working) and train on as the reference does."""
+    torch.manual_seed(42)
+    model = MLPStack(*[MLP(8) for _ in range(3)])  # float32
+    ref = copy.deepcopy(model).double()
+    _shard_stack(model)
+    with torch.no_grad():
+        model(local_batch(0, rank, (4, 8), torch.float32))
+    before = list(model.parameters())
+    model.to(torch.float64)
+    ck.true("the same DTensor parameters, now float64 with float64 shards",
+            all(p is q for p, q in zip(model.parameters(), before))
+            and all(isinstance(p, DTensor) and p.dtype == torch.float64 and p.to_local().dtype == torch.float64
+                    for p in model.parameters()))
+    data = lambda s, r: local_batch(s, r, (4, 8))  # noqa: E731
+    pair = against_ddp(ck, rank, world, model, ref, data, steps=2)
+    try:
+        model.float()
+        ck.true(".to() with gradients attached is refused", False, "no error")
+    except RuntimeError as e:
+        ck.true(".to() with gradients attached names the fix", "zero_grad(set_to_none=True)" in str(e), str(e))
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+    model.to(torch.float64)  # the same dtype: the engine is re-made from the same shards
+    pair.run(2, lambda step, mb: data(step, rank), first=2)
+    pair.check_params("after .to() between steps")
 
 
 KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)

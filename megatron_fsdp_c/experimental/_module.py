@@ -274,9 +274,8 @@ class FSDPModule(TorchFSDPModule):
 
     def _apply(self, fn, *args, **kwargs):
         g = group_of(self)
-        if g.state is not None:
-            raise RuntimeError(f"{type(self).__name__}: .to()/.to_empty()/.float() after the first forward would move "
-                               "the parameters out of the engine's buffers; call it before the first forward")
+        if g.state is not None:  # see [Note: re-initialisation] in _root.py
+            g.state.release_engine(f"{type(self).__name__}: .to()/.to_empty()/.float() after the first forward")
         out = super(TorchFSDPModule, self)._apply(fn, *args, **kwargs)  # the original class's, not torch's FSDP
         for i, (mod, attr, _) in enumerate(g.places):  # to_empty() and friends may replace the parameters
             g.places[i] = (mod, attr, mod._parameters[attr])

@@ -8,6 +8,7 @@ from typing import List
 
 import torch
 import torch.nn as nn
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed.tensor import Replicate
 
 from .. import _C
@@ -143,6 +144,42 @@ class RootState(EngineOwner):
         if g.unit.releasable:
             self.param_buffer.engine.reshard(list(g.unit.releasable))
         self.register(g.unit.index, False)
+
+    def release_engine(self, why: str) -> None:
+        """[Note: re-initialisation]
+        FSDP2 lets .to(dtype)/.float()/.to(device) run on a sharded model after its first
+        forward (its sharded parameters are plain DTensors it re-reads). Ours live in the
+        engine's buffers, planned for their dtype and device, so such a call first hands them
+        back: every group's sharded DTensor parameters are registered, their local shards are
+        copied out of the engine (the same Parameter objects, so optimizers built on them keep
+        working), the gradient hooks are removed and every group under the root forgets the
+        engine; the next forward (or unshard()) initialises a new one from the converted
+        parameters, as the first did. Refused inside a forward or backward, while gradients are
+        held back, or while a gradient is attached (the new engine starts from zero
+        gradients)."""
+        if self.hooks.in_backward or self.pass_root is not None or self.methods_running:
+            raise RuntimeError(f"{why} inside a forward or backward pass: call it between training steps")
+        if self.held:
+            raise RuntimeError(f"{why} while gradients are held back by set_requires_gradient_sync(False): finish the "
+                               "accumulation with a backward that syncs (and the optimizer step) first")
+        with_grad = [r.name for r in self.param_buffer.records if r.dist_param.grad is not None]
+        if with_grad:
+            raise RuntimeError(f"{why} while parameters hold gradients ({', '.join(with_grad[:4])}"
+                               f"{', ...' if len(with_grad) > 4 else ''}): the parameters are re-initialised from "
+                               "their shards, without the gradients; call optimizer.zero_grad(set_to_none=True) (or "
+                               "model.zero_grad()) first")
+        for u in range(len(self.groups)):
+            self.register(u, False)
+        self.hooks.remove()
+        with torch.no_grad():
+            for r in self.param_buffer.records:
+                dp = r.dist_param
+                dp._local_tensor = dp._local_tensor.detach().clone()  # out of the engine's buffer
+                origin = getattr(dp, "_mfsdp_origin", None)
+                if origin is not None:
+                    origin.state = None
+        for g in self.groups:
+            g.state = g.unit = None
 
     # -- per-group settings, applied to the engine ------------------------------------------------
     def buckets_of(self, g: ShardGroup) -> List[int]:
@@ -356,7 +393,14 @@ def state_of(module) -> RootState:
     init, through the model's root (root_of in _group.py): a first forward or unshard() of a
     child initialises every group under the root, as the root's first forward would."""
     g = group_of(module)
-    return g.state if g.state is not None else RootState(root_of(g))
+    if g.state is None:
+        # A first forward inside a functorch transform (torch.func.jvp, vmap, grad): the tensors
+        # made there would be the transform's wrappers (no storage for the engine to adopt, and
+        # DTensor.from_local refused): the engine is built outside the transforms, as the
+        # weights are plain tensors outside them.
+        with temporarily_clear_interpreter_stack():
+            RootState(root_of(g))
+    return g.state
 
 
 def to_sharded_hook(group: ShardGroup, *args, **kwargs) -> None:

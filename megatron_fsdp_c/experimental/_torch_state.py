@@ -104,8 +104,16 @@ class TorchState(_State):
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args, output):
-        self._group.state.methods_running -= 1
-        return post_forward(module, args, output)
+        state = self._group.state
+        state.methods_running -= 1
+        output = post_forward(module, args, output)
+        if not state.methods_running and not state.hooks.in_backward:
+            # FSDP2's wrapper runs the group's post-forward once more at the method's end, after
+            # the inner forwards left the FORWARD state, so the group reshards there whatever its
+            # reshard_after_forward: its sharded parameters are registered ([Note: per-group
+            # registration] in _root.py; the engine keeps the gathered weights for a backward).
+            state.register(self._group.unit.index, False)
+        return output
 
     def _root_post_backward_final_callback(self) -> None:
         """Reduces what the backwards held back, if a post_backward() asked (pipelining's
