@@ -17,6 +17,7 @@ Behaviours (cell names):
 - a parameter replaced after fully_shard, before the first forward, is picked up at the lazy
   init: reset_param_in_lazy_init; so is load_state_dict(sharded_sd, assign=True) on a
   meta-device model: load_assign_on_meta
+- the first forward inside torch.func.jvp after meta-device init (no warm-up): no_warmup_jvp
 - .to(dtype) after the first forward (and between steps, the optimizer kept): to_after_first_forward
 """
 import copy
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import rank_grid
 from checks import full, recorder_cells, verify
 from data import local_batch
-from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.experimental import FSDPModule, fully_shard
 from tiny_models import MLP, MLPStack, mlp_stack
 from train_both import against_ddp, average_grads
 
@@ -258,6 +259,33 @@ def to_after_first_forward(rank, world, ck):
     model.to(torch.float64)  # the same dtype: the engine is re-made from the same shards
     pair.run(2, lambda step, mb: data(step, rank), first=2)
     pair.check_params("after .to() between steps")
+
+
+@cell("no_warmup_jvp[keep]", worlds=(2,), reshard=False)
+@cell("no_warmup_jvp[reshard]", worlds=(2,), reshard=True)
+def no_warmup_jvp(rank, world, ck, reshard):
+    """Meta-device init, to_empty and initial values, then the first forward inside
+    torch.func.jvp (no warm-up forward): the lazy init runs outside the transform."""
+    ref = mlp_stack()
+    with torch.device("meta"):
+        model = mlp_stack()
+    _shard_stack(model, reshard_after_forward=reshard)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(distribute_tensor(ref.get_parameter(name).detach(), p.device_mesh, p.placements))
+    x, t = local_batch(0, rank, (4, 8)), local_batch(1, rank, (4, 8))
+    out, tangent = torch.func.jvp(lambda inp: model(inp), (x,), (t,))
+    ref_out, ref_tangent = torch.func.jvp(lambda inp: ref(inp), (x,), (t,))
+    ck.close("jvp: the output", out, ref_out)
+    ck.close("jvp: the tangent", tangent, ref_tangent)
+    kept = [type(p) is nn.Parameter for p in model.parameters()]
+    ck.true("after the jvp, the groups kept gathered hold their full parameters, the others their DTensors",
+            all(kept) if not reshard else not any(kept), str(kept))
+    for m in model.modules():  # the optimizer is built on the DTensors, as under FSDP2
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)), steps=2)
 
 
 KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
