@@ -18,6 +18,7 @@ Behaviours (cell names):
   init: reset_param_in_lazy_init; so is load_state_dict(sharded_sd, assign=True) on a
   meta-device model: load_assign_on_meta
 - the first forward inside torch.func.jvp after meta-device init (no warm-up): no_warmup_jvp
+- torch.compile of the model: compiled
 - .to(dtype) after the first forward (and between steps, the optimizer kept): to_after_first_forward
 """
 import copy
@@ -286,6 +287,34 @@ def no_warmup_jvp(rank, world, ck, reshard):
         if isinstance(m, FSDPModule):
             m.reshard()
     against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)), steps=2)
+
+
+@cell("compiled[reshard]", worlds=(2,), reshard=True)
+@cell("compiled[keep]", worlds=(2,), reshard=False)
+def compiled(rank, world, ck, reshard):
+    """torch.compile of the model (the eager backend traces as inductor would): the hooks that
+    register each group's parameters run eagerly between its graphs ([Note: compile] in
+    hooks.py), and it trains as the reference."""
+    import torch._dynamo as dynamo
+    model = mlp_stack()
+    ref = copy.deepcopy(model)
+    _shard_stack(model, reshard_after_forward=reshard)
+    dynamo.reset()
+    run = torch.compile(model, backend="eager")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        x = local_batch(step, rank, (4, 8))
+        loss, ref_loss = run(x).sum(), ref(x).sum()
+        loss.backward()
+        ref_loss.backward()
+        average_grads(ref, world)
+        ck.close(f"step {step}: loss", loss, ref_loss)
+        ck.grads(f"step {step}", model, ref)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    ck.params("after training", model, ref)
 
 
 KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
