@@ -182,6 +182,12 @@ def _flat_mesh(mesh2d: DeviceMesh, dp_group) -> DeviceMesh:
     return DeviceMesh.from_group(dp_group, mesh2d.device_type)
 
 
+def _reduces_in_place_wrongly(group) -> bool:
+    """torch's threaded test group (FSDPTestMultiThread's backend "threaded") cannot reduce-scatter
+    into an output inside its input (see alias_safe_reduce_scatter in csrc/python/torch_transport.c)."""
+    return dist.get_backend(group) == "threaded"
+
+
 def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport: str = "auto",
                       collective_timeout: Optional[float] = None, *, dp_outer_dim=None,
                       hybrid_fsdp_group=None, outer_sharded: bool = False) -> DistContext:
@@ -226,7 +232,8 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
         # None: the process group's timeout, as for the torch transport (README)
         t = make_nccl_transport(group, rank, world, device, timeout or group_timeout(group, device))
     else:
-        t = _C.TorchTransport(gather_group, reduce_group, device_index, timeout)
+        t = _C.TorchTransport(gather_group, reduce_group, device_index, timeout,
+                              alias_safe_reduce=_reduces_in_place_wrongly(reduce_group))
     ctx = DistContext(group, gather_group, mesh, rank, world, device, t)
     if hybrid:
         outer_world = dist.get_world_size(outer_group)
@@ -241,7 +248,8 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
             ranks = dist.get_process_group_ranks(outer_group)
             own = dist.new_group(ranks=ranks, use_local_synchronization=True, backend=dist.get_backend(outer_group),
                                  **extra)
-            ctx.outer_transport = _C.TorchTransport(own, own, device_index, timeout)
+            ctx.outer_transport = _C.TorchTransport(own, own, device_index, timeout,
+                                                    alias_safe_reduce=_reduces_in_place_wrongly(own))
         ctx.outer_group, ctx.outer_world, ctx.dp_group = outer_group, outer_world, dp_group
         if outer_sharded and outer_world > 1:
             ctx.outer_sharded, ctx.mesh = True, _flat_mesh(mesh, dp_group)

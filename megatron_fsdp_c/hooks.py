@@ -2,17 +2,21 @@
 decides *how*. Every hook is a few dictionary lookups and one call into the engine.
 
 [Note: pass lifecycle]
-  root pre-forward   swap compute params in; gather the buckets outside every unit
-  unit pre-forward   gather the unit (+ prefetch the next unit in the shared order); wait
-  unit post-forward  release the unit (ZeRO-3); hook the outputs for the pre-backward
-  root post-forward  gathers the shared order still owes (units this rank skipped)
+  root pre-forward   swap compute params in (MegatronFSDP); gather the buckets outside every unit
+  unit pre-forward   gather the unit (+ prefetch the next unit in the shared order); wait; the
+                     owner's _unit_unsharded (the per-module API registers the unit's compute params)
+  unit post-forward  reshard the unit (ZeRO-3: release; the owner's _unit_resharded); hook the
+                     outputs for the pre-backward
+  root post-forward  gathers the shared order still owes (units this rank skipped); list groups
+                     only some of whose modules ran end their forward here
   pre-backward       (first one also starts the backward: engine.begin_backward, final callback,
                      seal the buckets of units that did not run) gather the unit again
-                     (+ prefetch the previous unit); wait
+                     (+ prefetch the previous unit); wait; _unit_unsharded
   param grad hook    hand the gradient to the engine (packs it; reduces in the shared order)
-  post-backward      identity autograd.Function on the unit's inputs: release the unit
+  post-backward      identity autograd.Function on the unit's inputs: reshard the unit
   final callback     engine.end_backward (leftovers, wait reductions), release everything,
-                     sync gradients if this backward syncs, swap the distributed params back
+                     _unit_resharded, sync gradients if this backward syncs, swap the distributed
+                     params back (MegatronFSDP)
 Activation recomputation re-runs a unit's forward inside backward: then there is no prefetch
 and no release in the post-forward (the backward that follows needs the weights).
 

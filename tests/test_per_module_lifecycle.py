@@ -212,23 +212,63 @@ def reset_param_in_lazy_init(rank, world, ck):
     against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (3, 3)), loss=lambda m, x: m(x))
 
 
-@cell("load_assign_on_meta", worlds=(2, 4))
-def load_assign_on_meta(rank, world, ck):
+class TiedStack(nn.Module):
+    """Its input and output projections share their weight (as a language model's embedding and
+    output do): load_state_dict(assign=True) assigns each of the two keys its own parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16, bias=False)
+        self.stack = mlp_stack(dim=16)
+        self.down = nn.Linear(16, 8, bias=False)
+        self.out = nn.Linear(8, 16, bias=False)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x):
+        return self.out(self.down(self.stack(self.inp(x))))
+
+
+def _reshard_all(model):
+    """Every group's sharded parameters registered (an optimizer is built on them, as under FSDP2)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+@cell("load_assign_on_meta[untied]", worlds=(2, 4), tied=False)
+@cell("load_assign_on_meta[tied]", worlds=(2,), tied=True)
+def load_assign_on_meta(rank, world, ck, tied):
     """load_state_dict(sharded_sd, assign=True) on a meta-device model: the assigned DTensors are
-    the parameters from the lazy init on (test_rank0_broadcast_meta_device_init)."""
+    the parameters from the lazy init on (test_rank0_broadcast_meta_device_init); a tied weight
+    stays tied (its first place's assigned parameter)."""
     torch.manual_seed(42)
-    ref = mlp_stack()
+    make = TiedStack if tied else mlp_stack
+    ref = make().double()
     with torch.device("meta"):
-        model = mlp_stack()
-    _shard_stack(model)
+        model = make().double()
+    if tied:
+        for m in model.stack:
+            fully_shard(m)
+        fully_shard(model)
+    else:
+        _shard_stack(model)
     meta_sd = model.state_dict()
     sharded = {k: nn.Parameter(distribute_tensor(ref.state_dict()[k], v.device_mesh, v.placements))
                for k, v in meta_sd.items()}
     model.load_state_dict(sharded, assign=True)
     ck.true("the assigned DTensors are the parameters",
             all(p is sharded[n] for n, p in model.named_parameters()))
+    if tied:  # the first forward ties them again
+        with torch.no_grad():
+            model(local_batch(9, rank, (4, 8)))
+        ck.true("the tied weight is one parameter again", model.out.weight is model.inp.weight)
+        ck.equal("the names of the parameters, as the reference's", [n for n, _ in model.named_parameters()],
+                 [n for n, _ in ref.named_parameters()])
+        _reshard_all(model)
     against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)))
-    ck.true("still the assigned DTensors after training", all(p is sharded[n] for n, p in model.named_parameters()))
+    if not tied:
+        ck.true("still the assigned DTensors after training",
+                all(p is sharded[n] for n, p in model.named_parameters()))
 
 
 @cell("to_after_first_forward", worlds=(2,))
@@ -283,9 +323,7 @@ def no_warmup_jvp(rank, world, ck, reshard):
     kept = [type(p) is nn.Parameter for p in model.parameters()]
     ck.true("after the jvp, the groups kept gathered hold their full parameters, the others their DTensors",
             all(kept) if not reshard else not any(kept), str(kept))
-    for m in model.modules():  # the optimizer is built on the DTensors, as under FSDP2
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    _reshard_all(model)
     against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)), steps=2)
 
 

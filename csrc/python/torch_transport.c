@@ -18,6 +18,7 @@ typedef struct torch_transport {
   PyObject* kw_gather;      /* ("group", "async_op") */
   PyObject* kw_reduce;      /* ("op", "group", "async_op") */
   PyObject* timeout;        /* datetime.timedelta for Work.wait, or NULL: the group's own timeout */
+  int alias_safe;           /* reduce into a copy: see alias_safe_reduce_scatter */
 } torch_transport;
 
 static mfsdp_status issue(PyObject* fn, PyObject* const* args, size_t nargs, PyObject* kwnames, mfsdp_work** work,
@@ -39,10 +40,39 @@ static mfsdp_status no_premul(double premul) {
   return MFSDP_OK;
 }
 
+/* torch's threaded test group (backend "threaded", FSDPTestMultiThread) reduces rank by rank
+ * straight into each rank's output, so an output inside its own input (our rank's slice of the
+ * full gradient bucket) is overwritten before that rank's contribution is read: the sum counts
+ * some ranks twice. There the reduction goes into a copy, which that group has finished when the
+ * call returns, and is copied back. Real backends reduce in place correctly and never get here. */
+static mfsdp_status alias_safe_reduce_scatter(torch_transport* t, const mfsdp_buffer* shard,
+                                              const mfsdp_buffer* full, mfsdp_reduce_op op, mfsdp_work** work) {
+  PyObject* tmp = PyObject_CallMethod(shard->handle, "clone", NULL);
+  if (tmp == NULL) return mfsdp_status_from_python(MFSDP_ERR_COMM, "reduce_scatter_tensor");
+  PyObject* args[] = {tmp, full->handle, t->ops[op], t->reduce_group, Py_True};
+  mfsdp_status st = issue(t->reduce_scatter, args, 2, t->kw_reduce, work, "reduce_scatter_tensor");
+  PyObject* r = NULL;
+  if (st == MFSDP_OK) {
+    r = PyObject_CallMethod((PyObject*)*work, "wait", NULL);
+    if (r != NULL) {
+      Py_DECREF(r);
+      r = PyObject_CallMethod(shard->handle, "copy_", "O", tmp);
+    }
+    if (r == NULL) {
+      Py_CLEAR(*work);
+      st = mfsdp_status_from_python(MFSDP_ERR_COMM, "reduce_scatter_tensor");
+    }
+    Py_XDECREF(r);
+  }
+  Py_DECREF(tmp);
+  return st;
+}
+
 static mfsdp_status tt_reduce_scatter(void* ctx, const mfsdp_buffer* shard, const mfsdp_buffer* full,
                                      mfsdp_reduce_op op, double premul, mfsdp_work** work) {
   torch_transport* t = ctx;
   MFSDP_CHECK(no_premul(premul));
+  if (t->alias_safe) return alias_safe_reduce_scatter(t, shard, full, op, work);
   PyObject* args[] = {shard->handle, full->handle, t->ops[op], t->reduce_group, Py_True};
   return issue(t->reduce_scatter, args, 2, t->kw_reduce, work, "reduce_scatter_tensor");
 }
@@ -87,12 +117,13 @@ static const mfsdp_transport_ops torch_transport_ops = {"torch",       tt_all_ga
                                                         0};
 
 PyDoc_STRVAR(torch_transport_doc,
-             "TorchTransport(all_gather_group, reduce_group, device=-1, timeout=None)\n\n"
+             "TorchTransport(all_gather_group, reduce_group, device=-1, timeout=None, alias_safe_reduce=False)\n\n"
              "Collectives through torch.distributed (any backend; gloo on CPU), called from C.\n"
              "all_gather_group and reduce_group are process groups over the same ranks. timeout: a\n"
              "datetime.timedelta after which waiting for a collective raises (None: the group's).\n"
              "Host buffers only (device -1): on CUDA Work.wait() gets no timeout, which would block\n"
-             "the host; give the process groups the timeout instead.");
+             "the host; give the process groups the timeout instead. alias_safe_reduce: reduce-scatter\n"
+             "into a copy (torch's threaded test group, which cannot reduce in place).");
 
 /* torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names. */
 static PyObject* attr_or_fallback(PyObject* module, const char* name, const char* fallback) {
@@ -106,11 +137,13 @@ static PyObject* attr_or_fallback(PyObject* module, const char* name, const char
 
 static int tt_init(PyObject* self, PyObject* args, PyObject* kwds) {
   torch_transport* t = (torch_transport*)self;
-  static char* kwlist[] = {"all_gather_group", "reduce_group", "device", "timeout", NULL};
+  static char* kwlist[] = {"all_gather_group", "reduce_group", "device", "timeout", "alias_safe_reduce", NULL};
   PyObject *ag, *rg, *timeout = Py_None;
-  int device = -1;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iO:TorchTransport", kwlist, &ag, &rg, &device, &timeout))
+  int device = -1, alias_safe = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iOp:TorchTransport", kwlist, &ag, &rg, &device, &timeout,
+                                   &alias_safe))
     return -1;
+  t->alias_safe = alias_safe;
   Py_XSETREF(t->timeout, timeout == Py_None ? NULL : Py_NewRef(timeout));
   PyObject* dist = PyImport_ImportModule("torch.distributed");
   if (dist == NULL) return -1;

@@ -98,17 +98,19 @@ def refresh_places(g: ShardGroup) -> None:
     fully_shard (load_state_dict(assign=True), an assignment, to_empty() or .to() on a part of
     the model) is the group's from now on. A DTensor must be placed as the one it replaces (same
     shape, mesh and placements); a plain tensor of the full shape is sharded as fully_shard does."""
-    adopted = {}  # id(new parameter) -> its DTensor Parameter (a tied parameter stays tied)
+    # A parameter tied across places stays one parameter: the first place's decides, as FSDP2
+    # reads its primary place (load_state_dict(assign=True) assigns each key a parameter of its own).
+    olds = [dp for _, _, dp in g.places]  # alive through the loop: the ids below stay theirs
+    adopted = {}  # id(the group's parameter) -> what replaces it
     for i, (mod, attr, dp) in enumerate(g.places):
-        cur = mod._parameters.get(attr)
-        if cur is dp:
-            continue
-        if id(cur) not in adopted:
-            adopted[id(cur)] = _adopt(cur, dp, g, mod, attr)
-        new = adopted[id(cur)]
-        if new is not cur:
+        new = adopted.get(id(dp))
+        if new is None:
+            cur = mod._parameters.get(attr)
+            new = adopted[id(dp)] = dp if cur is dp else _adopt(cur, dp, g, mod, attr)
+        if mod._parameters.get(attr) is not new:
             mod._parameters[attr] = new
         g.places[i] = (mod, attr, new)
+    del olds
 
 
 def _adopt(cur, old: nn.Parameter, g: ShardGroup, mod: nn.Module, attr: str) -> nn.Parameter:
