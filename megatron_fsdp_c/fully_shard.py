@@ -20,6 +20,7 @@ from ._distributed import make_dist_context, resolve_device
 from .optimizer import fully_shard_optimizer, remap_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
+from ._tensor_parallel import other_dims, tp_mesh_of
 
 __all__ = ["ShardingStrategy", "close", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
@@ -150,6 +151,7 @@ def fully_shard_model(
     dp_outer_dim: Optional[str] = None,
     hybrid_fsdp_group=None,
     outer_dp_sharding_strategy: Union[int, str] = "no_shard",
+    tp_dim: Optional[str] = None,
     **unsupported,
 ) -> MegatronFSDP:
     """Wraps `module` in a MegatronFSDP that shards it over the data-parallel ranks.
@@ -169,6 +171,11 @@ def fully_shard_model(
     reduce-scattered across the replicas and weights all-gathered across them once per step);
     hybrid_fsdp_group is the ProcessGroup of all data-parallel ranks, required exactly when
     dp_outer_dim is given.
+    tp_dim: the tensor-parallel dim of device_mesh (Megatron-FSDP's name). Parameters may then be
+    torch TP DTensors on device_mesh[tp_dim] (parallelize_module) or Megatron-core style local
+    shards (plain parameters with tensor_model_parallel=True and partition_dim; the others are
+    TP-duplicated, summed over tp in backward when flagged sequence_parallel=True); see [Note:
+    tensor parallelism] in _tensor_parallel.py.
     """
     if unsupported:
         raise TypeError(f"fully_shard got unsupported arguments: {', '.join(sorted(unsupported))}")
@@ -201,9 +208,15 @@ def fully_shard_model(
         bucket_size = None
     if collective_timeout is not None and not (isinstance(collective_timeout, (int, float)) and collective_timeout > 0):
         raise ValueError(f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}")
+    dp_dims = [d for d in (dp_shard_dim, dp_outer_dim) if d is not None]
+    tp_mesh = tp_mesh_of(device_mesh, tp_dim, dp_dims)
     ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport, collective_timeout,
                             dp_outer_dim=dp_outer_dim, hybrid_fsdp_group=hybrid_fsdp_group,
                             outer_sharded=outer == 1)
+    if tp_mesh is not None and ctx.outer_sharded:
+        # HFSDP's DTensor mesh flattens (dp_outer, dp_shard) outer-major; sliced from device_mesh
+        # (not made from the group) so that it composes with the tp dim ([Note: tensor parallelism])
+        ctx.mesh = device_mesh[(dp_outer_dim, dp_shard_dim)]._flatten()
     return MegatronFSDP(
         module, dist_ctx=ctx, zero_dp_strategy=strategy, fsdp_unit_modules=units, mixed_precision_policy=policy,
         sync_model_each_microbatch=sync_model_each_microbatch, overlap_grad_reduce=overlap_grad_reduce,
@@ -211,6 +224,7 @@ def fully_shard_model(
         calculate_per_token_loss=calculate_per_token_loss, report_nan_in_param_grad=report_nan_in_param_grad,
         bucket_size=bucket_size, reduce_queue_bytes=reduce_queue_bytes,
         init_model_with_meta_device=init_model_with_meta_device, single_rank_collectives=single_rank_collectives,
+        tp_mesh=tp_mesh, unnamed_dims=other_dims(device_mesh, dp_dims),
     )
 
 

@@ -31,6 +31,7 @@ from ._common import contiguous_stride
 from ._distributed import DistContext
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import is_no_shard
+from ._tensor_parallel import TPSpec, spmd_layout
 
 __all__ = ["ParamRecord", "ParamBuffer", "collect_params"]
 
@@ -55,6 +56,7 @@ class ParamRecord:
     aliases: list = dataclasses.field(default_factory=list)  # every qualified name it is registered under
     strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
     policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
+    tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
 
     def __post_init__(self):
         self.origin = self.param
@@ -202,7 +204,8 @@ class ParamBuffer:
         for b in (range(len(self.plan)) if bucket_ids is None else bucket_ids):
             self.engine.init_begin(b)
             for r in by_bucket.get(b, []):
-                self.engine.set_item(b, r.item, r.param.detach().contiguous())
+                data = r.param._local_tensor if r.tp is not None and r.tp.dtensor_compute else r.param
+                self.engine.set_item(b, r.item, data.detach().contiguous())
             self.point_compute_params(by_bucket.get(b, []))  # while the full weights exist
             self.engine.init_end(b)
 
@@ -245,7 +248,11 @@ class ParamBuffer:
         for r in records:
             full = self.engine.tensor(r.bucket, _C.BUF_WEIGHT)
             offset = self.plan[r.bucket]["param_offsets"][r.item]
-            r.param.data = full.narrow(0, offset, math.prod(r.shape)).view(r.shape)
+            view = full.narrow(0, offset, math.prod(r.shape)).view(r.shape)
+            if r.tp is not None and r.tp.dtensor_compute:
+                r.param._local_tensor = view  # a DTensor on the TP mesh over the TP shard
+            else:
+                r.param.data = view
 
     def load_from_meta(self, root: nn.Module, device: torch.device) -> dict:
         """Materialises a meta-device model one module at a time, in module (construction) order
@@ -350,11 +357,20 @@ class ParamBuffer:
     def placement(self, r: ParamRecord):
         return Shard(0) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
 
+    def layout(self, r: ParamRecord) -> tuple:
+        """(mesh, placements, global shape) of `r`'s DTensors: the data-parallel mesh, or with TP
+        the (data-parallel..., tp) mesh (see [Note: tensor parallelism] in _tensor_parallel.py)."""
+        placements = self.ctx.placements(self.placement(r))
+        if r.tp is None:
+            return self.ctx.mesh, placements, r.shape
+        mesh, placements = spmd_layout(r.tp, self.ctx.mesh, placements, f"parameter '{r.name}'")
+        return mesh, placements, r.tp.shape
+
     def dtensor(self, r: ParamRecord, kind: int) -> DTensor:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD, OPT_GRAD) as a DTensor."""
-        return DTensor.from_local(self.local_view(r, kind), self.ctx.mesh, self.ctx.placements(self.placement(r)),
-                                  run_check=False,
-                                  shape=r.shape, stride=contiguous_stride(r.shape))
+        mesh, placements, shape = self.layout(r)
+        return DTensor.from_local(self.local_view(r, kind), mesh, placements, run_check=False,
+                                  shape=shape, stride=contiguous_stride(shape))
 
     def build_dist_params(self, owner, existing: bool = False) -> None:
         """The distributed parameters (and gradient DTensors) over the engine's buffers. With
