@@ -4,6 +4,7 @@ one process group per configuration so that peak memory is per configuration."""
 import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import statistics
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp_c as mfsdp
-from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch, init_distributed
+from megatron_fsdp_c.testing import GPT, TPGPT, Block, GPTConfig, TPBlock, batch, init_distributed, parallelize_tp
 
 MODELS = {
     # the training benchmark: a plain GPT of pre-norm blocks (CPU size)
@@ -92,6 +93,8 @@ def is_gpt(name):
 def build(args, device):
     torch.manual_seed(0)
     spec = MODELS[args.model]
+    if args.tp:  # the same GPT with separate q, k, v (torch's TP plans split them by heads)
+        return TPGPT(spec["cfg"]).to(device), TPBlock
     if is_gpt(args.model):
         model = GPT(spec["cfg"]).to(device)
         unit_cls = Block
@@ -116,9 +119,10 @@ def theoretical_bytes(model_obj, strategy, micro, grad_elem):
     communicated with grad_elem bytes an element."""
     buf = model_obj.param_buffer
     elem = {r.name: r.param.element_size() for r in buf.records}
-    unit_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.unit >= 0)
-    root_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.unit < 0)
-    grad_bytes = sum(r.param.numel() * grad_elem for r in buf.records if r.requires_grad)
+    numel = {r.name: math.prod(r.shape) for r in buf.records}  # a TP parameter's: its TP shard's
+    unit_bytes = sum(numel[r.name] * elem[r.name] for r in buf.records if r.unit >= 0)
+    root_bytes = sum(numel[r.name] * elem[r.name] for r in buf.records if r.unit < 0)
+    grad_bytes = sum(numel[r.name] * grad_elem for r in buf.records if r.requires_grad)
     if strategy == 0:
         return {"all_reduce": grad_bytes}
     if strategy == 1:
@@ -145,6 +149,9 @@ def main():
                     help="OUTERxSHARD (e.g. 2x2): hybrid sharding (HSDP) on a 2-D (replicate, shard) mesh")
     ap.add_argument("--outer", choices=["no_shard", "optim"], default="no_shard",
                     help="megatron_fsdp_c's outer_dp_sharding_strategy on --mesh (optim: HFSDP)")
+    ap.add_argument("--tp", type=int, default=0,
+                    help="N > 0: 2-D parallelism, a (world/N data-parallel, N tensor-parallel) mesh: torch's "
+                         "sequence-parallel plan (parallelize_tp), then FSDP over the data-parallel dim")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -154,6 +161,14 @@ def main():
 
     model, unit_cls = build(args, device)
     mesh = None
+    dp_rank, tp_kw = rank, {}
+    if args.tp:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh_2d = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_tp(model, mesh_2d["tp"], sequence_parallel=True)
+        dp_rank = mesh_2d["dp"].get_local_rank()  # the tp ranks of a dp rank read the same batch
+        tp_kw = dict(mesh=mesh_2d["dp"]) if args.framework in ("fsdp2", "mfsdp2") else \
+            dict(device_mesh=mesh_2d, dp_shard_dim="dp", tp_dim="tp")
     if args.mesh:
         from torch.distributed.device_mesh import init_device_mesh
         outer, inner = (int(v) for v in args.mesh.split("x"))
@@ -180,6 +195,7 @@ def main():
         policy = Fsdp2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Fsdp2Policy()
         if mesh is not None:
             extra["mesh"] = mesh  # 2-D: HSDP in both
+        extra.update(tp_kw)
         for m in model.modules():
             if isinstance(m, unit_cls):
                 fsdp2(m, mp_policy=policy, **extra)
@@ -197,7 +213,7 @@ def main():
             if mesh is not None else {}
         runner, _ = mfsdp.fully_shard(model, None, fsdp_unit_modules=[unit_cls], zero_dp_strategy=args.strategy,
                                       mixed_precision_policy=policy, transport=args.transport,
-                                      single_rank_collectives=world == 1 and train, **hybrid)
+                                      single_rank_collectives=world == 1 and train, **hybrid, **tp_kw)
         sharded = runner
         params = list(runner.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4) if train else None
@@ -205,7 +221,7 @@ def main():
         mfsdp.fully_shard_optimizer(opt)
 
     def loss_of(i):
-        x, y = make_batch(args, i, rank, device)
+        x, y = make_batch(args, i, dp_rank, device)
         with autocast if autocast is not None else contextlib.nullcontext():
             return runner(x, y)
 
@@ -270,7 +286,7 @@ def main():
                   peak_bytes=(torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()),
                   peak_kind="cuda max_memory_allocated" if cuda else "peak RSS (VmHWM) during timed steps",
                   transient_bytes=(0 if cuda else peak_rss_bytes() - rss_at_start),
-                  held=held, flag_sync_ms=flag_sync_ms, mesh=args.mesh,
+                  held=held, flag_sync_ms=flag_sync_ms, mesh=args.mesh, tp=args.tp,
                   outer=args.outer if args.mesh and args.framework == "mfsdp" else None,
                   grad_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad))
     if args.model == "tiny":

@@ -40,15 +40,17 @@ def free_port():
 
 
 def launch(world, out, framework, model, steps, strategy=3, precision="fp32", transport="auto", mesh=None,
-           outer="no_shard"):
+           outer="no_shard", tp=0):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_port", str(free_port()), str(HERE / "bench_worker.py"), "--framework", framework,
            "--model", model, "--steps", str(steps), "--strategy", str(strategy), "--precision", precision,
-           "--transport", transport, "--out", str(out)] + (["--mesh", mesh, "--outer", outer] if mesh else [])
+           "--transport", transport, "--out", str(out)] + (["--mesh", mesh, "--outer", outer] if mesh else []) + \
+        (["--tp", str(tp)] if tp else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     label = {"mfsdp": f"megatron_fsdp_c {NAMES[strategy]} ({transport} transport)",
              "mfsdp2": f"megatron_fsdp_c per-module {NAMES[strategy]}"}.get(framework, framework) + \
-        (f" on a {mesh} mesh" if mesh else "") + (" (HFSDP)" if outer == "optim" else "")
+        (f" on a {mesh} mesh" if mesh else "") + (" (HFSDP)" if outer == "optim" else "") + \
+        (f" + TP {tp} (dp {world // tp})" if tp else "")
     print(f"[bench] world {world}: {model} ({precision}) {label}", flush=True)
     start = time.monotonic()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -60,6 +62,8 @@ def launch(world, out, framework, model, steps, strategy=3, precision="fp32", tr
 
 def label(r):
     mesh = f" {'HFSDP' if r.get('outer') == 'optim' else 'HSDP'} {r['mesh']}" if r.get("mesh") else ""
+    if r.get("tp"):
+        mesh += f" + TP (dp {r['world'] // r['tp']} x tp {r['tp']})"
     if r["framework"] == "mfsdp":
         return f"megatron_fsdp_c {NAMES[r['strategy']]}{mesh}"
     if r["framework"] == "mfsdp2":
@@ -83,11 +87,16 @@ def machine():
             f"Python {platform.python_version()}")
 
 
+def own_part(r):
+    """A row of the hybrid or the 2-D parts (their own tables), not of the training benchmark."""
+    return bool(r.get("hybrid_part") or r.get("tp_part"))
+
+
 def training_groups(results):
     """(model, world) pairs of the training benchmark, in the order they ran."""
     keys = []
     for r in results:
-        if is_gpt(r["model"]) and not r.get("hybrid_part") and (r["model"], r["world"]) not in keys:
+        if is_gpt(r["model"]) and not own_part(r) and (r["model"], r["world"]) not in keys:
             keys.append((r["model"], r["world"]))
     return keys
 
@@ -98,7 +107,7 @@ def summary(results):
     lines = ["### Summary: megatron_fsdp_c optim_grads_params against the peers", "",
              "| model | ranks | step x DDP | step x FSDP2 | peak x FSDP2 |", "|---|---|---|---|---|"]
     for model, world in training_groups(results):
-        rows = [r for r in results if r["model"] == model and r["world"] == world and not r.get("hybrid_part")]
+        rows = [r for r in results if r["model"] == model and r["world"] == world and not own_part(r)]
         ddp = next((r for r in rows if r["framework"] == "ddp"), None)
         fsdp2 = next((r for r in rows if r["framework"] == "fsdp2"), None)
         ours = next((r for r in rows if r["framework"] == "mfsdp" and r["strategy"] == 3), None)
@@ -167,10 +176,35 @@ def hybrid_table(results):
                         "`inter_node_bytes` in benchmarks/run.py).", ""]
 
 
+def tp_table(results):
+    """2-D parallelism: FSDP over dp composed with torch's sequence-parallel TP plan, ours on both
+    APIs against torch's FSDP2 + TP."""
+    rows = [r for r in results if r.get("tp_part")]
+    if not rows:
+        return []
+    base = next((r for r in rows if r["framework"] == "fsdp2"), rows[0])
+    first = rows[0]
+    lines = [f"### 2-D parallelism, {first['world']} ranks as dp {first['world'] // first['tp']} x tp {first['tp']} "
+             f"({first['device']}, {first['model']} with separate q/k/v, {first['params'] / 1e6:.2f}M params, "
+             f"{first['precision']}): torch's sequence-parallel plan, then FSDP over dp", "",
+             "| configuration | step ms | x FSDP2 + TP | params MiB | grads MiB | optimizer MiB | held MiB | peak MiB | "
+             "all-gather MiB/step | reduce-scatter MiB/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        held = r["held"]
+        per = r.get("comm_per_step")
+        comm = f"{mib(per['all_gather_bytes'])} | {mib(per['reduce_scatter_bytes'])}" if per else "- | -"
+        lines.append(f"| {label(r)} | {r['step_ms']:.1f} | {r['step_ms'] / base['step_ms']:.2f} | {mib(held['param'])} | "
+                     f"{mib(held['grad'])} | {mib(held['optim'])} | {mib(sum(held.values()))} | "
+                     f"{mib(r['peak_bytes'])} | {comm} |")
+    return lines + ["", "Held: what one rank keeps between steps (its TP shard's data-parallel shard of parameters, "
+                        "gradients, AdamW states); collective bytes: our engine's counters (the data-parallel "
+                        "collectives; TP's own collectives are torch's in both).", ""]
+
+
 def tables(results):
     lines = summary(results)
     for model, world in training_groups(results):
-        rows = [r for r in results if r["model"] == model and r["world"] == world and not r.get("hybrid_part")]
+        rows = [r for r in results if r["model"] == model and r["world"] == world and not own_part(r)]
         ddp = next(r for r in rows if r["framework"] == "ddp")
         fsdp2 = next((r for r in rows if r["framework"] == "fsdp2"), None)
         precision = rows[0].get("precision", "fp32")
@@ -204,6 +238,7 @@ def tables(results):
                 lines.append(f"| {label(r).replace('megatron_fsdp_c ', '')} | " + " | ".join(cells) + " |")
             lines.append("")
     lines += hybrid_table(results)
+    lines += tp_table(results)
     for world in sorted({r["world"] for r in results if r["model"] == "tiny"}):
         tiny = [r for r in results if r["model"] == "tiny" and r["world"] == world]
         ddp = next(r for r in tiny if r["framework"] == "ddp")
@@ -255,6 +290,17 @@ def plot(results, path):
     return True
 
 
+def tag_rows(raw, mark, tag):
+    """Marks the rows written after byte `mark` of the results file as a part's own."""
+    with open(raw) as f:
+        f.seek(mark)
+        tagged = [dict(json.loads(line), **{tag: True}) for line in f.read().splitlines()]
+    with open(raw, "r+") as f:
+        f.truncate(mark)
+        f.seek(mark)
+        f.write("".join(json.dumps(t) + "\n" for t in tagged))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", default=None, help="comma-separated rank counts (default: 2,4 on CPU, GPUs on GPU)")
@@ -262,15 +308,16 @@ def main():
     ap.add_argument("--models", default=None, help="comma-separated (default: gpt on CPU, gpt-small,gpt-large on GPU)")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: fp32 on CPU, bf16 on GPU")
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--parts", default="train,hooks,hybrid",
-                    help="train (the models), hooks (the hook-overhead runs), hybrid (HSDP and HFSDP at 4 CPU ranks), any "
-                         "of them comma-separated (benchmarks/gpu_check.sh runs them as separate stages)")
+    ap.add_argument("--parts", default="train,hooks,hybrid,tp",
+                    help="train (the models), hooks (the hook-overhead runs), hybrid (HSDP and HFSDP at 4 CPU ranks), "
+                         "tp (FSDP + tensor parallelism, dp 2 x tp 2 at 4 CPU ranks), any of them comma-separated "
+                         "(benchmarks/gpu_check.sh runs them as separate stages)")
     ap.add_argument("--transport", choices=["auto", "torch", "nccl"], default="auto",
                     help="megatron_fsdp_c's transport")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"train", "hooks", "hybrid"} or not parts:
-        ap.error(f"--parts {args.parts}: choose from train, hooks, hybrid")
+    if not parts <= {"train", "hooks", "hybrid", "tp"} or not parts:
+        ap.error(f"--parts {args.parts}: choose from train, hooks, hybrid, tp")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / "results.jsonl"
@@ -306,17 +353,17 @@ def main():
         launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, mesh="2x2", outer="optim")
         launch(4, raw, "mfsdp2", models[0], args.steps, 3, precision, mesh="2x2")
         launch(4, raw, "fsdp2", models[0], args.steps, precision=precision, mesh="2x2")
-        with open(raw) as f:
-            f.seek(mark)
-            tagged = [dict(json.loads(line), hybrid_part=True) for line in f.read().splitlines()]
-        with open(raw, "r+") as f:
-            f.truncate(mark)
-            f.seek(mark)
-            f.write("".join(json.dumps(t) + "\n" for t in tagged))
+        tag_rows(raw, mark, "hybrid_part")
+    if "tp" in parts and not cuda:  # 4 ranks as dp 2 x tp 2: ours on both APIs against FSDP2 + TP
+        mark = raw.stat().st_size if raw.exists() else 0
+        launch(4, raw, "fsdp2", models[0], args.steps, precision=precision, tp=2)
+        launch(4, raw, "mfsdp2", models[0], args.steps, 3, precision, tp=2)
+        launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, tp=2)
+        tag_rows(raw, mark, "tp_part")
     results = [json.loads(line) for line in raw.read_text().splitlines()]
     flags = "".join(f" --{k} {v}" for k, v in (("worlds", args.worlds), ("models", args.models),
                                                 ("precision", args.precision),
-                                                ("parts", None if args.parts == "train,hooks,hybrid" else args.parts),
+                                                ("parts", None if args.parts == "train,hooks,hybrid,tp" else args.parts),
                                                 ("transport", None if args.transport == "auto" else args.transport))
                     if v)
     text = f"## Benchmark ({machine()})\n\nCommand: `python benchmarks/run.py --steps {args.steps}{flags}`\n\n" + \

@@ -109,6 +109,12 @@ def compose_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, what: str) -> Devic
     hit = _COMPOSED.get(key)
     if hit is not None:
         return hit[0]
+    shared = set(tp_mesh.mesh_dim_names or ()) & set(dp_mesh.mesh_dim_names or ())
+    if shared:
+        raise ValueError(
+            f"{what} is a DTensor on the tensor-parallel dim {sorted(shared)}, which the data-parallel mesh "
+            f"{dp_mesh.mesh_dim_names} given to fully_shard includes: shard over the data-parallel dims only, "
+            "e.g. fully_shard(..., mesh=mesh['dp']) (HSDP: mesh=mesh['dp_replicate', 'dp_shard'])")
     try:
         mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
     except (RuntimeError, ValueError, AssertionError, TypeError) as e:

@@ -127,8 +127,9 @@ class TPAttention(nn.Module):
         self.proj = nn.Linear(cfg.d, cfg.d)
 
     def forward(self, x):
-        b, t = x.shape[:2]
-        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        b, t = q.shape[:2]  # the projections' (a sequence-parallel input may be a shard of the sequence)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(a.transpose(1, 2).reshape(b, t, -1))
 

@@ -5,7 +5,9 @@ Each fully_shard call forms one group: the parameters of its module(s) that are 
 the group of a submodule (fully_shard is applied bottom-up, as with FSDP2). The call turns them
 into DTensor parameters at once -- torch's Shard(0) rows, or Replicate() for no_shard groups,
 fsdp_no_shard marks and 0-d parameters -- so an optimizer built afterwards holds them, and it
-swaps the module's class to FSDP<Class>. Nothing is communicated yet.
+swaps the module's class to FSDP<Class>. Nothing is communicated yet. A tensor-parallel parameter
+(a DTensor from parallelize_module on another dim of the same mesh) is sharded the same way,
+its TP shard standing for the whole ([Note: tensor parallelism] in ../_tensor_parallel.py).
 
 At the first forward of a group with no sharded ancestor, the root, one engine is built for
 every group under it (a lazy init, as FSDP2 does). The groups become the engine's units, in
@@ -57,7 +59,10 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     full SPMD mesh and these name its data-parallel dims (shard dims are flattened into one,
     replicate dims into another: HSDP with both, a replicated group with replicate dims only);
     parameters may be DTensors replicated over it. Other dims of size > 1 (tensor parallelism)
-    raise NotImplementedError. mp_policy takes torch's MixedPrecisionPolicy (param_dtype,
+    raise NotImplementedError in this form. Tensor parallelism composes as in torchtitan:
+    parallelize_module(model, mesh["tp"], plan), then fully_shard(block, mesh=mesh["dp"]) (HSDP:
+    mesh["dp_replicate", "dp_shard"]); the parameters become DTensors on the (dp..., tp) mesh
+    placed as FSDP2 places them ([Note: tensor parallelism] in ../_tensor_parallel.py). mp_policy takes torch's MixedPrecisionPolicy (param_dtype,
     reduce_dtype, output_dtype, cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may
     return None or Shard(0); offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy
     is not supported yet).

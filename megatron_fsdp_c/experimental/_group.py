@@ -77,11 +77,13 @@ def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
     model_parallel = [n for n in names if n not in shard + replicate and mesh.size(names.index(n)) > 1]
     if model_parallel:
+        # torch computes with DTensors on the whole SPMD mesh here (the batch a DTensor too); ours
+        # composes TP through the data-parallel sub-mesh instead ([Note: tensor parallelism])
         raise NotImplementedError(
             f"fully_shard(dp_mesh_dims=...) on a mesh with the model-parallel dims {model_parallel} (tensor, "
-            "context or expert parallelism): megatron_fsdp_c's per-module API shards plain data parallelism "
-            "only so far (tensor parallelism is a later issue). Use torch.distributed.fsdp.fully_shard for "
-            "this model, or a mesh whose dims are all data-parallel")
+            "context or expert parallelism) is not supported by megatron_fsdp_c's per-module API (a later issue "
+            "for tensor parallelism in this form). For tensor parallelism use torchtitan's recipe: "
+            "parallelize_module(model, mesh['tp'], plan), then fully_shard(module, mesh=mesh['dp'])")
     key = (id(mesh), shard, replicate)
     if key not in _DP_MESHES:
         if shard and replicate:
