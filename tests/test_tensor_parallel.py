@@ -63,9 +63,10 @@ def llama():
     return LlamaForCausalLM(cfg)
 
 
-def build(kind, dtype):
+def build(kind, dtype, meta=False):
     torch.manual_seed(0)
-    model = TPGPT(CFG) if kind == "gpt" else llama()
+    with torch.device("meta") if meta else torch.device("cpu"):
+        model = TPGPT(CFG) if kind == "gpt" else llama()
     return model.to(dtype)
 
 
@@ -277,14 +278,16 @@ def dp_group(mesh):
     return mesh["dp"].get_group() if mesh.ndim == 2 else mesh["dp_replicate", "dp"]._flatten().get_group()
 
 
-def per_module(kind, impl, dtype, shape=(2, 2)):
-    """torchtitan's recipe on the per-module API (ours or torch's FSDP2): the model and optimizer."""
+def per_module(kind, impl, dtype, shape=(2, 2), meta=False):
+    """torchtitan's recipe on the per-module API (ours or torch's FSDP2): the model and optimizer.
+    meta: built on the meta device, parallelized and sharded there, then materialised (to_empty)
+    and initialised (reset_parameters, on the DTensors; on CPU each rank draws its own shard)."""
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
         from megatron_fsdp_c.experimental import fully_shard
     mesh = mesh_of(shape)
-    model = build(kind, dtype)
+    model = build(kind, dtype, meta)
     if kind == "gpt":
         parallelize_tp(model, mesh["tp"], sequence_parallel=True)
     else:
@@ -292,6 +295,13 @@ def per_module(kind, impl, dtype, shape=(2, 2)):
     for block in blocks_of(kind, model):
         fully_shard(block, mesh=dp_mesh(mesh))
     fully_shard(model, mesh=dp_mesh(mesh))
+    if meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, opt, mesh
 
@@ -310,8 +320,8 @@ def tp_duplicated(named):
     return out
 
 
-def per_module_cell(rank, world, kind, impl, dtype, shape=(2, 2)):
-    model, opt, mesh = per_module(kind, impl, dtype, shape)
+def per_module_cell(rank, world, kind, impl, dtype, shape=(2, 2), meta=False):
+    model, opt, mesh = per_module(kind, impl, dtype, shape, meta)
     out = train_steps(kind, model, model.named_parameters, opt, dp_group(mesh), STEPS, clip=kind == "gpt")
     out["layout"] = layout(model.named_parameters())
     out["duplicated"] = tp_duplicated(model.named_parameters())
@@ -470,6 +480,8 @@ def grid(rank, world, path):
         cell(("per-module", kind, "ours", "float64"), per_module_cell, kind, "ours", torch.float64)
         for impl in ("ours", "torch"):
             cell(("per-module", kind, impl, "float32"), per_module_cell, kind, impl, torch.float32)
+    for impl in ("ours", "torch"):
+        cell(("per-module", "gpt", impl, "float32", "meta"), per_module_cell, "gpt", impl, torch.float32, meta=True)
     for shape in ((2, 1, 2), (1, 2, 2)):
         cell(("per-module", "gpt", "ours", "float64", shape), per_module_cell, "gpt", "ours", torch.float64, shape)
     cell(("megatron", "dtensor"), megatron_cell, "dtensor", torch.float64, save=os.path.join(path, "megatron"))
@@ -543,11 +555,13 @@ def test_per_module_float64_matches_single_process_reference(kind):
         _matches_reference(run, _reference(kind))
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "gpt meta-init"])
 def test_per_module_fp32_is_fsdp2_tp_bit_for_bit(kind):
     """The same script on torch's FSDP2 + TP: identical losses, norms, parameters, gradients, Adam
-    states, and the same placements and local shapes."""
-    ours, theirs = _cells(("per-module", kind, "ours", "float32")), _cells(("per-module", kind, "torch", "float32"))
+    states, and the same placements and local shapes. 'gpt meta-init': torchtitan's meta-device
+    flow (parallelize and shard on meta, to_empty, initialise the DTensors)."""
+    key = ("gpt", "float32", "meta") if kind == "gpt meta-init" else (kind, "float32")
+    ours, theirs = _cells(("per-module", key[0], "ours") + key[1:]), _cells(("per-module", key[0], "torch") + key[1:])
     for a, b in zip(ours, theirs):
         assert a["layout"] == b["layout"]
         assert a["losses"] == b["losses"] and a["norms"] == b["norms"]

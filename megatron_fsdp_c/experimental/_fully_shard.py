@@ -62,10 +62,10 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     raise NotImplementedError in this form. Tensor parallelism composes as in torchtitan:
     parallelize_module(model, mesh["tp"], plan), then fully_shard(block, mesh=mesh["dp"]) (HSDP:
     mesh["dp_replicate", "dp_shard"]); the parameters become DTensors on the (dp..., tp) mesh
-    placed as FSDP2 places them ([Note: tensor parallelism] in ../_tensor_parallel.py). mp_policy takes torch's MixedPrecisionPolicy (param_dtype,
-    reduce_dtype, output_dtype, cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may
-    return None or Shard(0); offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy
-    is not supported yet).
+    placed as FSDP2 places them ([Note: tensor parallelism] in ../_tensor_parallel.py).
+    mp_policy takes torch's MixedPrecisionPolicy (param_dtype, reduce_dtype, output_dtype,
+    cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may return None or Shard(0);
+    offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy is not supported yet).
 
     Beyond torch's arguments: zero_dp_strategy (default "optim_grads_params") gives the group
     Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2)."""
