@@ -946,6 +946,7 @@ int main(void) {
   test_rank_divergent_graphs();
   test_hybrid_sharding();
   run_pipeline_cases(&loop_rig, 4, 0);
+  run_quantized_cases(&loop_rig, 4, 0);
   test_pipeline_misuse();
   if (test_failures) {
     fprintf(stderr, "test_core: %d checks failed\n", test_failures);

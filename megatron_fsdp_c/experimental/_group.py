@@ -47,6 +47,7 @@ class ShardGroup:
     unshard_in_backward: bool = True       # accepted settings with no effect here ([Note: torch's FSDPModule])
     force_sum_reduction: bool = False
     torch_state: Optional[object] = None   # what torch's code finds under its state key (_torch_state.py)
+    quant_policy: Optional[object] = None  # its QuantizedCommPolicy (fully_shard's quantized_comm_policy)
 
 
 def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:

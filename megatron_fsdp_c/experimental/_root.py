@@ -69,6 +69,7 @@ class RootState(EngineOwner):
                     r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, dp.shape, u, [(mod, attr)])
                     r.replicated = isinstance(dp.placements[-1], Replicate)  # the shard dim is the last
                     r.strategy, r.policy, r.dist_param = g.strategy, policy, dp
+                    r.quant = g.quant_policy
                     r.aliases.append(name)
                     records.append(r)
                 else:
