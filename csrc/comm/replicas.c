@@ -116,14 +116,14 @@ mfsdp_status pl_launch_outer_gather(mfsdp_pipeline* p, bucket* bk) {
   return MFSDP_OK;
 }
 
-/* Waits for one bucket's collective across replicas (a quantized gather then lands). */
+/* Waits for one bucket's collective across replicas; a quantized gather then lands (also when
+ * the transport completed it at once and returned no work). */
 mfsdp_status pl_complete_outer_of(mfsdp_pipeline* p, bucket* bk) {
   mfsdp_work* w = bk->outer_work;
   int gathering = bk->outer_gathering;
   bk->outer_work = NULL;
   bk->outer_gathering = 0;
-  if (w == NULL) return MFSDP_OK;
-  MFSDP_CHECK(pl_comm_failed(p, p->be.outer->wait(p->be.outer_ctx, w)));
+  if (w != NULL) MFSDP_CHECK(pl_comm_failed(p, p->be.outer->wait(p->be.outer_ctx, w)));
   return gathering && bk->q_outer >= 0 ? pl_wire_outer_land(p, bk) : MFSDP_OK;
 }
 
