@@ -150,11 +150,12 @@ def inter_node_bytes(r, nodes=2):
         return ring_bytes("all_reduce", r["grad_bytes"] / (world // outer), outer)  # FSDP2: shard-sized all-reduce
     if r.get("comm_per_step"):
         per = r["comm_per_step"]
-        # buffer sizes: all-gather/reduce-scatter count the full bucket, all-reduce the whole buffer; a quantized
-        # gather or exchange moves its wire buffer as the collective it replaces does (an all-to-all of W pieces
-        # sends W-1 of them, as a reduce-scatter's ring does)
+        # buffer sizes: all-gather/reduce-scatter count the full bucket, all-reduce the whole buffer. A quantized
+        # gather or exchange sends W-1 of its W wire pieces, as a ring all-gather / reduce-scatter does; a quantized
+        # all-reduce counts its exchange's wire plus the gather of the reduced blocks, each sent that way once
         return sum(ring_bytes(k, per.get(f"{k}_bytes", 0) + per.get(f"quantized_{k}_bytes", 0), world)
-                   for k in ("all_gather", "reduce_scatter", "all_reduce"))
+                   for k in ("all_gather", "reduce_scatter")) + ring_bytes("all_reduce", per["all_reduce_bytes"], world) \
+            + ring_bytes("all_gather", per.get("quantized_all_reduce_bytes", 0), world)
     if r["framework"] == "ddp":
         return ring_bytes("all_reduce", r["grad_bytes"], world)
     return ring_bytes("all_gather", 2 * r["grad_bytes"], world) + ring_bytes("reduce_scatter", r["grad_bytes"], world)

@@ -201,7 +201,7 @@ def run_config(rank, world, cfg_row):
             mod.register_forward_pre_hook(lambda m, a, prefix=(mname + "." if mname else ""): capture(m, prefix))
 
     measured = {"weight_err": 0.0, "weight_bound": 0.0, "grad_err": 0.0, "grad_bound": 0.0, "losses": [],
-                "ddp_losses": [], "weight_violations": 0, "grad_violations": 0}
+                "ddp_losses": [], "weight_violations": 0, "grad_violations": 0, "ranks_differ": 0}
     for step in range(STEPS):
         main = {k: v.detach().clone() for k, v in full_params().items()}
         exact = {k: torch.zeros_like(v) for k, v in main.items()}
@@ -216,6 +216,8 @@ def run_config(rank, world, cfg_row):
                 loss = root(x, y) if per_module else fsdp(x, y)
                 layout = Layout(owner().param_buffer)
                 wb = weight_bounds(layout, main, quant)
+                same = all_gather_dict(captured, world)  # every rank computes with the same full weights
+                measured["ranks_differ"] += sum(int(not torch.equal(e[k], captured[k])) for e in same for k in captured)
                 for k, c in captured.items():  # the compute weights of this forward against the main weights
                     err = (c - main[k]).abs()
                     measured["weight_err"] = max(measured["weight_err"], float(err.max()))
@@ -280,6 +282,7 @@ def test_quantized_against_ddp(world, row, capsys):
                       f"grads max err {m['grad_err']:.3e} (bound {m['grad_bound']:.3e}), "
                       f"loss dev vs DDP {max(abs(a - b) for a, b in zip(m['losses'], m['ddp_losses'])):.3e}, "
                       f"param dev {m['param_dev']:.3e}")
+        assert m["ranks_differ"] == 0, (name, rank, m)
         assert m["weight_violations"] == 0, (name, rank, m)
         assert m["grad_violations"] == 0, (name, rank, m)
         stats = m["stats"]
@@ -297,6 +300,60 @@ def test_quantized_against_ddp(world, row, capsys):
             assert 0 < m["weight_err"] <= m["weight_bound"], m
         for a, b in zip(m["losses"], m["ddp_losses"]):
             assert abs(a - b) <= 0.02 * abs(b), (name, m["losses"], m["ddp_losses"])
+
+
+def hfsdp_run(rank, world):
+    """HFSDP 2x2 with every wire quantized, the replicas' gather too: the compute weights are
+    quantized twice (across replicas, then inside the replica), so only the invariants and the
+    end-to-end deviation from DDP are checked here; the exact values are checked in C
+    (test_hfsdp_quantized in csrc/tests/test_core.c)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.manual_seed(0)
+    model = GPT(CFG).double()
+    ddp_model = copy.deepcopy(model)
+    ddp = DDP(ddp_model)
+    ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    quant = mf.QuantizedCommPolicy(weights="int8", grads="int8", outer_weights="int8", block=64)
+    fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], device_mesh=mesh, dp_shard_dim="dp_shard",
+                               dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD,
+                               outer_dp_sharding_strategy="optim", quantized_comm_policy=quant)
+    captured = {}
+    for mname, mod in fsdp.module.named_modules():
+        if mod._parameters:
+            mod.register_forward_pre_hook(lambda m, a, prefix=(mname + "." if mname else ""): captured.update(
+                {f"{prefix}{k}": p.detach().clone() for k, p in m._parameters.items() if p is not None}))
+    out = {"losses": [], "ddp_losses": [], "ranks_differ": 0}
+    for step in range(STEPS):
+        x, y = batch(CFG, 2, seed=10_000 * step + rank)
+        captured.clear()
+        loss = fsdp(x, y)
+        loss.backward()
+        out["ranks_differ"] += sum(int(not torch.equal(e[k], captured[k])) for e in all_gather_dict(captured, world)
+                                   for k in captured)
+        opt.step()
+        opt.zero_grad()
+        ddp_loss = ddp(x, y)
+        ddp_loss.backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+        out["losses"].append(loss.item())
+        out["ddp_losses"].append(ddp_loss.item())
+    out["stats"] = fsdp.comm_stats()
+    return out
+
+
+def test_hfsdp_every_wire_quantized():
+    for rank, m in enumerate(get_run(hfsdp_run, 4)):
+        assert m["ranks_differ"] == 0, (rank, m)
+        s = m["stats"]
+        assert s["outer_quantized_all_gathers"] > 0 and s["outer_all_gathers"] == 0, s
+        assert s["quantized_all_gathers"] > 0 and s["all_gathers"] == 0, s
+        assert s["quantized_reduce_scatters"] > 0 and s["reduce_scatters"] == 0, s
+        assert s["outer_reduce_scatters"] > 0, s  # the reduction across replicas stays in the gradient dtype
+        for a, b in zip(m["losses"], m["ddp_losses"]):
+            assert abs(a - b) <= 0.02 * abs(b), m
 
 
 # ---- bad input ----

@@ -18,9 +18,11 @@
  *                 main weights are the compute weights; else a view of GATHER (or WEIGHT) at
  *                 r*S, filled at each gather ([Note: cast on gather]).
  *   MAIN_SHARD    optimizer weights (main_dtype), rank-major: own storage if main_dtype !=
- *                 param_dtype, else a view of WEIGHT_SHARD. Absent under ZeRO-1/2 with equal
- *                 dtypes and distinct layouts: the optimizer then updates this rank's rows
- *                 inside WEIGHT (mfsdp_pipeline_local_piece says where each item's rows are).
+ *                 param_dtype, or when a quantized gather would overwrite where they live
+ *                 ([Note: quantized communication] in wire.c), else a view of WEIGHT_SHARD. Absent
+ *                 under ZeRO-1/2 with equal dtypes and distinct layouts: the optimizer then updates
+ *                 this rank's rows inside WEIGHT (mfsdp_pipeline_local_piece says where each item's
+ *                 rows are).
  *   GRAD          full gradients, rank-major. ZeRO-2/3: temporary, in comm_dtype, filled each
  *                 backward and reduce-scattered. no_shard/ZeRO-1: persistent, grad_dtype,
  *                 accumulates local gradients until the step's single reduction.

@@ -457,6 +457,7 @@ static void* quant_worker(void* arg) {
   /* two gathers: of the loaded weights (ZeRO-3; ZeRO-1/2 hold them already), and after an update */
   for (int steps = 0; steps < 2; ++steps) {
     if (steps == 1) { /* the optimizer: main += 1 on this rank's rows; install; gather */
+      t->rig->rank_sync(dev); /* the host writes what init_end's kernels wrote */
       for (int i = 0; i < L->n_items; ++i) {
         int32_t where;
         int64_t off, n;
