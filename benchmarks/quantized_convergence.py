@@ -106,7 +106,11 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--modes", default=",".join(str(i) for i in range(len(MODES))))
+    ap.add_argument("--replot", action="store_true", help="only redraw the table and curves from the JSON")
     args = ap.parse_args()
+    if args.replot:
+        out = Path(args.out)
+        return report(json.loads((out / "quantized_convergence.json").read_text()), args, out)
     from megatron_fsdp_c.testing import run_on_ranks
 
     out = Path(args.out)
@@ -128,7 +132,8 @@ def report(results, args, out):
     lines = [f"#### Convergence with quantized communication: byte-level GPT on the Python standard library "
              f"({args.steps} steps, world {args.world}, ZeRO-3)", "",
              "| mode | final train loss (last 20 steps) | x baseline | held-out loss | x baseline | "
-             "wire MiB/step (gather + reduction) | s/step |", "|---|---|---|---|---|---|---|"]
+             "wire MiB/step (gathers + reductions; evaluations' gathers included) | s/step |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         tr, va = sum(r["losses"][-20:]) / len(r["losses"][-20:]), r["evals"][-1][1]
         s = r["stats"]
@@ -143,17 +148,24 @@ def report(results, args, out):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for r in results:
-            ema, smooth = None, []
-            for v in r["losses"]:
+        fig, (a, c, b) = plt.subplots(1, 3, figsize=(17, 4.5))
+
+        def smooth(values):
+            ema, out = None, []
+            for v in values:
                 ema = v if ema is None else 0.9 * ema + 0.1 * v
-                smooth.append(ema)
-            a.plot(range(1, len(smooth) + 1), smooth, label=r["label"], linewidth=1)
+                out.append(ema)
+            return out
+        base_curve = smooth(base["losses"])
+        for r in results:
+            curve = smooth(r["losses"])
+            a.plot(range(1, len(curve) + 1), curve, label=r["label"], linewidth=1)
+            c.plot(range(1, len(curve) + 1), [v - w for v, w in zip(curve, base_curve)], label=r["label"], linewidth=1)
             b.plot([e[0] for e in r["evals"]], [e[1] for e in r["evals"]], marker="o", label=r["label"], linewidth=1)
         a.set(xlabel="step", ylabel="train loss (EMA 0.9)", title="training loss")
+        c.set(xlabel="step", ylabel="train loss - baseline's (EMA 0.9)", title="difference from the baseline")
         b.set(xlabel="step", ylabel="held-out loss", title="held-out loss")
-        for ax in (a, b):
+        for ax in (a, c, b):
             ax.grid(alpha=0.3)
         a.legend(fontsize=8)
         fig.tight_layout()
