@@ -47,7 +47,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
                  bucket_size: Optional[int] = None, reduce_queue_bytes: Optional[int] = None,
                  init_model_with_meta_device: bool = False, single_rank_collectives: bool = False,
-                 tp_mesh=None, unnamed_dims=()):
+                 tp_mesh=None, unnamed_dims=(), quantized_comm_policy=None):
         super().__init__()
         self.module = module
         self.dist_ctx = dist_ctx
@@ -87,7 +87,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
         self.param_buffer = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx,
                                         bucket_cap=cap, reduce_queue_bytes=reduce_queue_bytes,
                                         grad_prescale=prescale, reduce_op=op,
-                                        single_rank_collectives=single_rank_collectives)
+                                        single_rank_collectives=single_rank_collectives,
+                                        quant_policy=quantized_comm_policy)
         self.init_peak_bytes = None
         if init_model_with_meta_device:
             self.init_peak_bytes = self.param_buffer.load_from_meta(module, dist_ctx.device)

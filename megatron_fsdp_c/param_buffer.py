@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import _C
 from ._common import contiguous_stride
 from ._distributed import DistContext
-from .mixed_precision import MixedPrecisionPolicy
+from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 from .no_shard import is_no_shard
 from ._tensor_parallel import TPSpec, spmd_layout
 
@@ -57,6 +57,7 @@ class ParamRecord:
     strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
     policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
     tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
+    quant: Optional[QuantizedCommPolicy] = None  # and its quantized communication (None: the model's)
 
     def __post_init__(self):
         self.origin = self.param
@@ -100,6 +101,25 @@ def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]
     return list(records.values())
 
 
+# torch.distributed backends whose all_gather_into_tensor and all_to_all_single move uint8 tensors
+# (gloo, checked on CPU; NCCL), the quantized wires' element type
+QUANT_BACKENDS = ("gloo", "nccl")
+
+
+def check_quant_transport(ctx: DistContext) -> None:
+    """Quantized communication moves byte buffers: refused with the reason on a transport that
+    may not carry them (the native NCCL transport does: ncclUint8 all-gathers and send/recv)."""
+    if isinstance(ctx.transport, _C.TorchTransport):
+        for group in (ctx.group, ctx.gather_group):
+            backend = str(torch.distributed.get_backend(group))
+            names = [part.split(":")[-1] for part in backend.split(",")]
+            unknown = [n for n in names if n not in QUANT_BACKENDS]
+            if unknown:
+                raise ValueError(
+                    f"QuantizedCommPolicy: the process group's backend {backend!r} is not known to carry the "
+                    f"quantized wires (uint8 all-gathers and all-to-alls); supported: {', '.join(QUANT_BACKENDS)}")
+
+
 class StorageTally:
     """Counts bytes of storage, each storage once: views, aliases and DTensor local tensors
     share their owner's bytes; released (0-byte) storage counts nothing."""
@@ -129,7 +149,7 @@ class ParamBuffer:
 
     def __init__(self, records: List[ParamRecord], strategy: int, policy: MixedPrecisionPolicy, ctx: DistContext,
                  *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str,
-                 single_rank_collectives: bool = False):
+                 single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None):
         self.single_rank_collectives = single_rank_collectives
         self.records = records
         self.strategy = strategy
@@ -148,7 +168,9 @@ class ParamBuffer:
         for b, bp in enumerate(self.plan):
             first = records[bp["params"][0]] if bp["params"] else None
             spec = self._bucket_spec(bp, dtype_of[bp["dtype"]], self.strategy_of(first),
-                                     (first.policy if first is not None and first.policy else policy))
+                                     (first.policy if first is not None and first.policy else policy),
+                                     (first.quant if first is not None and first.quant else quant_policy),
+                                     first.name if first is not None else "")
             specs.append(spec)
             for i, (pi, local) in enumerate(zip(bp["params"], bp["local"])):
                 rec = records[pi]
@@ -159,6 +181,8 @@ class ParamBuffer:
         if reduce_queue_bytes is None:
             reduce_queue_bytes = 4 * max_grad_bytes  # a few reductions in flight, never the whole model
         self.specs = specs
+        if any(s.get("wire_weights") or s.get("wire_grads") or s.get("wire_outer_weights") for s in specs):
+            check_quant_transport(ctx)
         self.engine = _C.Engine(specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
                                 ctx.device, ctx.transport, single_rank_collectives,
                                 outer_transport=ctx.outer_transport, outer_world=ctx.outer_world,
@@ -168,11 +192,25 @@ class ParamBuffer:
     def strategy_of(self, record: Optional[ParamRecord]) -> int:
         return self.strategy if record is None or record.strategy is None else record.strategy
 
-    def _bucket_spec(self, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy) -> dict:
+    def _bucket_spec(self, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy,
+                     quant: Optional[QuantizedCommPolicy], name: str) -> dict:
         trainable = bp["requires_grad"] and dtype.is_floating_point
         main = grad = comm = dtype
         if trainable:
             main, grad, comm = policy.resolve(dtype)
+        wire = {}
+        if quant is not None and quant.enabled:
+            wire = quant.wire_spec()
+            if trainable and quant.grads is not None:
+                # [Note: quantized communication] in csrc/comm/wire.c: the pieces are quantized from, and
+                # summed in, the main gradients; the wire format replaces the communication dtype
+                if grad not in (torch.float32, torch.float64):
+                    raise ValueError(
+                        f"QuantizedCommPolicy(grads={quant.grads!r}) sums the dequantized gradients in the main "
+                        f"gradient dtype, which is {grad} for parameter '{name}': use float32 main gradients "
+                        "(MixedPrecisionPolicy(main_grads_dtype=torch.float32), or float32 parameters under "
+                        "torch's MixedPrecisionPolicy)")
+                comm = grad
         codes = _C.DTYPE_CODES
         sharded = bp["shards"] > 1
         if not trainable:
@@ -192,6 +230,7 @@ class ParamBuffer:
                                 and strategy == 3),
             weights_regather=int(sharded and strategy in (1, 2)),
             grad_mode=grad_mode,
+            **wire,
         )
 
     # -- initialisation -------------------------------------------------------------------
@@ -343,6 +382,7 @@ class ParamBuffer:
                 persistent["grad"] += nbytes(grad_full)
             persistent["grad"] += nbytes(t(_C.BUF_GRAD_SHARD)) + nbytes(t(_C.BUF_OPT_GRAD))
             temporary += nbytes(t(_C.BUF_COMM)) + nbytes(t(_C.BUF_EXCHANGE))
+            temporary += sum(nbytes(t(kind)) for kind in (_C.BUF_GATHER_WIRE, _C.BUF_GRAD_WIRE, _C.BUF_OUTER_WIRE))
         optim = 0
         if optimizer is not None:
             for state in optimizer.state.values():

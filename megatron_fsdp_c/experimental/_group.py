@@ -50,6 +50,7 @@ class ShardGroup:
     torch_state: Optional[object] = None   # what torch's code finds under its state key (_torch_state.py)
     tp_specs: List[Optional[TPSpec]] = dataclasses.field(default_factory=list)  # per place: a TP parameter's
                                            # spec ([Note: tensor parallelism] in ../_tensor_parallel.py), or None
+    quant_policy: Optional[object] = None  # its QuantizedCommPolicy (fully_shard's quantized_comm_policy)
 
 
 def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:

@@ -73,6 +73,7 @@ class RootState(EngineOwner):
                     # the shard dim is the data-parallel mesh's last (a TP placement follows it)
                     r.replicated = isinstance(dp.placements[ctx.mesh.ndim - 1], Replicate)
                     r.strategy, r.policy, r.dist_param, r.tp = g.strategy, policy, dp, tp
+                    r.quant = g.quant_policy
                     r.aliases.append(name)
                     records.append(r)
                 else:
