@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .._common import contiguous_stride
 from .._distributed import DistContext, make_dist_context
 from ..no_shard import is_no_shard
+from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
 __all__ = ["Origin", "ShardGroup", "check_origins", "dp_mesh_of", "form_group", "group_of", "refresh_places", "root_of"]
 
@@ -54,6 +55,9 @@ class ShardGroup:
     unshard_in_backward: bool = True       # accepted settings with no effect here ([Note: torch's FSDPModule])
     force_sum_reduction: bool = False
     torch_state: Optional[object] = None   # what torch's code finds under its state key (_torch_state.py)
+    tp_specs: List[Optional[TPSpec]] = dataclasses.field(default_factory=list)  # per place: a TP parameter's
+                                           # spec ([Note: tensor parallelism] in ../_tensor_parallel.py), or None
+    quant_policy: Optional[object] = None  # its QuantizedCommPolicy (fully_shard's quantized_comm_policy)
     parent: Optional["ShardGroup"] = None  # the group of the closest sharded module above (set by its fully_shard)
 
 
@@ -106,14 +110,15 @@ def refresh_places(g: ShardGroup) -> None:
         new = adopted.get(id(dp))
         if new is None:
             cur = mod._parameters.get(attr)
-            new = adopted[id(dp)] = dp if cur is dp else _adopt(cur, dp, g, mod, attr)
+            tp = g.tp_specs[i] if i < len(g.tp_specs) else None
+            new = adopted[id(dp)] = dp if cur is dp else _adopt(cur, dp, g, mod, attr, tp)
         if mod._parameters.get(attr) is not new:
             mod._parameters[attr] = new
         g.places[i] = (mod, attr, new)
     del olds
 
 
-def _adopt(cur, old: nn.Parameter, g: ShardGroup, mod: nn.Module, attr: str) -> nn.Parameter:
+def _adopt(cur, old: nn.Parameter, g: ShardGroup, mod: nn.Module, attr: str, tp) -> nn.Parameter:
     where = f"'{attr}' of {type(mod).__name__}"
     if not isinstance(cur, torch.Tensor):
         raise ValueError(f"parameter {where} was removed after fully_shard: a sharded module's parameters must stay "
@@ -122,13 +127,17 @@ def _adopt(cur, old: nn.Parameter, g: ShardGroup, mod: nn.Module, attr: str) -> 
         raise ValueError(f"parameter {where} was replaced after fully_shard by one of shape {tuple(cur.shape)}; "
                          f"the group sharded shape {tuple(old.shape)}: a replacement must have the same shape")
     if isinstance(cur, DTensor):
-        if cur.device_mesh != g.ctx.mesh or tuple(cur.placements) != tuple(old.placements):
+        if cur.device_mesh != old.device_mesh or tuple(cur.placements) != tuple(old.placements):
             raise ValueError(
                 f"parameter {where} was replaced after fully_shard by a DTensor on mesh {cur.device_mesh} with "
                 f"placements {tuple(cur.placements)}; the group shards it as {tuple(old.placements)} on "
-                f"{g.ctx.mesh}: distribute it like the parameter it replaces (distribute_tensor(full, "
+                f"{old.device_mesh}: distribute it like the parameter it replaces (distribute_tensor(full, "
                 "p.device_mesh, p.placements))")
         return cur if isinstance(cur, nn.Parameter) else nn.Parameter(cur, requires_grad=cur.requires_grad)
+    if tp is not None:
+        raise ValueError(f"the tensor-parallel parameter {where} was replaced after fully_shard by a plain tensor: "
+                         "assign a DTensor distributed like the parameter it replaces (distribute_tensor(full, "
+                         "p.device_mesh, p.placements))")
     replicated = isinstance(old.placements[-1], Replicate)
     return _to_dtensor(cur, g.ctx, replicated, g.ctx.device)
 
@@ -158,11 +167,13 @@ def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
     model_parallel = [n for n in names if n not in shard + replicate and mesh.size(names.index(n)) > 1]
     if model_parallel:
+        # torch computes with DTensors on the whole SPMD mesh here (the batch a DTensor too); ours
+        # composes TP through the data-parallel sub-mesh instead ([Note: tensor parallelism])
         raise NotImplementedError(
             f"fully_shard(dp_mesh_dims=...) on a mesh with the model-parallel dims {model_parallel} (tensor, "
-            "context or expert parallelism): megatron_fsdp_c's per-module API shards plain data parallelism "
-            "only so far (tensor parallelism is a later issue). Use torch.distributed.fsdp.fully_shard for "
-            "this model, or a mesh whose dims are all data-parallel")
+            "context or expert parallelism) is not supported by megatron_fsdp_c's per-module API (a later issue "
+            "for tensor parallelism in this form). For tensor parallelism use torchtitan's recipe: "
+            "parallelize_module(model, mesh['tp'], plan), then fully_shard(module, mesh=mesh['dp'])")
     key = (id(mesh), shard, replicate)
     if key not in _DP_MESHES:
         if shard and replicate:
@@ -249,10 +260,12 @@ def _group_params(modules, ignored, children: list) -> List[tuple]:
     return places
 
 
-def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: torch.device) -> nn.Parameter:
-    """This rank's torch.chunk rows of `p` (or all of it, replicated) as a DTensor Parameter."""
-    shape = p.shape
-    data = p.detach()
+def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: torch.device,
+                tp: Optional[TPSpec] = None, what: str = "") -> nn.Parameter:
+    """This rank's torch.chunk rows of `p` (or all of it, replicated) as a DTensor Parameter; of
+    its TP shard for a TP parameter, on the (data-parallel..., tp) mesh ([Note: tensor parallelism])."""
+    data = (p._local_tensor if tp is not None else p).detach()
+    shape = data.shape
     if not data.is_meta and data.device != device:
         data = data.to(device)
     if replicated:
@@ -265,7 +278,11 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: tor
         placement = Shard(0)
         local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=data.dtype, device="meta") if data.is_meta \
             else data[lo:hi].clone()
-    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape, stride=contiguous_stride(shape))
+    mesh, placements = ctx.mesh, ctx.placements(placement)
+    if tp is not None:
+        mesh, placements = spmd_layout(tp, mesh, placements, what)
+        shape = tp.shape
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
@@ -295,10 +312,11 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
     # in two groups (tied weights split across fully_shard calls) becomes two DTensors with one
     # Origin, refused at the lazy init as FSDP2 refuses it (check_origins).
     converted = {}  # id(original) -> DTensor Parameter (a parameter tied within the group stays tied)
+    tp_of = {}      # id(original) -> its TPSpec (a DTensor parameter from parallelize_module), or None
     for mod, attr, p in places:
-        if isinstance(p, DTensor):
-            raise ValueError(f"parameter '{attr}' of {type(mod).__name__} is already a DTensor: fully_shard takes "
-                             "plain parameters (tensor parallelism with the per-module API is not supported yet)")
+        what = f"parameter '{attr}' of {type(mod).__name__}"
+        if id(p) not in tp_of:
+            tp_of[id(p)] = dtensor_tp_spec(p, what, ctx.mesh) if isinstance(p, DTensor) else None
         if shard_placement_fn is not None:
             placement = shard_placement_fn(p)
             if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0
@@ -307,14 +325,14 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
                                  "megatron_fsdp_c shards dim 0 only; return None or Shard(0)")
         if id(p) not in converted:
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
-            dt = converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device)
+            dt = converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device, tp_of[id(p)], what)
             origin = getattr(p, "_mfsdp_origin", None)  # an attribute, not a dict: tensors compare by value
             if origin is None:
                 origin = p._mfsdp_origin = Origin()
             dt._mfsdp_origin = origin
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
-                       mp_policy, reshard_after_forward)
+                       mp_policy, reshard_after_forward, tp_specs=[tp_of[id(p)] for _, _, p in places])
     for m in modules:
         m._mfsdp_group = group
     for child in children:
