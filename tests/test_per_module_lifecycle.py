@@ -16,7 +16,7 @@ Behaviours (cell names):
   root; unshard() registers the gathered Parameter until reshard(): child_first
 - a parameter replaced after fully_shard, before the first forward, is picked up at the lazy
   init: reset_param_in_lazy_init; so is load_state_dict(sharded_sd, assign=True) on a
-  meta-device model: load_assign_on_meta
+  meta-device model, a tied weight staying tied: load_assign_on_meta
 - the first forward inside torch.func.jvp after meta-device init (no warm-up): no_warmup_jvp
 - torch.compile of the model: compiled
 - .to(dtype) after the first forward (and between steps, the optimizer kept): to_after_first_forward
