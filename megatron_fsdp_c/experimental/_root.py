@@ -8,7 +8,7 @@ from typing import List
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C
 from .._common import in_backward
@@ -56,7 +56,7 @@ class RootState(EngineOwner):
             g = getattr(mod, "_mfsdp_group", None)
             if g is not None:
                 ends[groups.index(g)] = k
-        records, by_param = [], {}
+        records, by_param, spmd_specs = [], {}, {}
         for u, g in enumerate(groups):
             for mod, attr, dp in g.places:
                 name = f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr
@@ -71,6 +71,8 @@ class RootState(EngineOwner):
                     r.strategy, r.policy, r.dist_param = g.strategy, policy, dp
                     r.aliases.append(name)
                     records.append(r)
+                    if (id(mod), attr) in g.spmd_specs:
+                        spmd_specs[r.index] = g.spmd_specs[(id(mod), attr)]
                 else:
                     r.places.append((mod, attr))
                     r.aliases.append(name)
@@ -93,7 +95,45 @@ class RootState(EngineOwner):
             g.unit.members = len(g.modules)
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
+        self._spmd_params = {i: self._spmd_param(records[i], *spec) for i, spec in spmd_specs.items()}
         self._swap_params(dist=True)
+
+    # -- [Note: SPMD compute parameters] ------------------------------------------------------------
+    # With dp_mesh_dims, parameters that came as DTensors replicated over the full SPMD mesh
+    # (torchtitan's full_dtensor backend: parameters, buffers and inputs all DTensors there) compute
+    # as DTensors with that mesh and those placements, as FSDP2's unsharded parameters do
+    # (torch's _fsdp_param.py wraps the all-gather output in the parameter's original spec): a
+    # plain compute parameter would meet DTensor activations ("mixed torch.Tensor and DTensor").
+    # The DTensor Parameter's local tensor is the plain compute parameter's storage (the engine's
+    # full weights). Its gradient keeps the data-parallel placements autograd gave it (Partial: this
+    # rank's contribution), and its local tensor goes to the engine through the plain parameter's
+    # gradient hook, as torch reduce-scatters the local tensor of the Partial gradient; the other
+    # dims are of size 1 (model-parallel dims > 1 are refused in _group.py's dp_mesh_of), so no
+    # redistribution is needed. Parameters that came plain (torchtitan's spmd_types backend) compute
+    # plain.
+    def _spmd_param(self, r, mesh, placements) -> nn.Parameter:
+        sp = nn.Parameter(DTensor.from_local(r.param.detach(), mesh, placements, run_check=False),
+                          requires_grad=r.param.requires_grad)
+        if sp.requires_grad:
+            sp.register_post_accumulate_grad_hook(lambda sp, r=r: self._spmd_grad(r, sp))
+        return sp
+
+    def _spmd_grad(self, r, sp: nn.Parameter) -> None:
+        grad, sp.grad = sp.grad, None
+        r.param.grad = grad._local_tensor if isinstance(grad, DTensor) else grad
+        self.hooks.grad_hook(r.index, r.bucket, r.item, r.param)
+
+    def _swap_params(self, dist: bool) -> None:
+        """EngineOwner's, with the DTensor compute parameters of [Note: SPMD compute parameters]."""
+        if self._holds_dist_params == dist:
+            return
+        for r in self.param_buffer.records:
+            p = r.dist_param if dist else self._spmd_params.get(r.index, r.param)
+            if p is not r.param and not dist and p._local_tensor.data_ptr() != r.param.data_ptr():
+                p._local_tensor = r.param.detach()  # the compute parameter was pointed elsewhere
+            for mod, attr in r.places:
+                mod._parameters[attr] = p
+        self._holds_dist_params = dist
 
     # -- per-group settings, applied to the engine ------------------------------------------------
     def buckets_of(self, g: ShardGroup) -> List[int]:
