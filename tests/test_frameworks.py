@@ -31,12 +31,22 @@ GROUP = "frameworks"
 IMPLS = ("torch", "ours")
 
 
-def _missing(module: str):
+def missing(module: str):
+    """Why `module` cannot be imported on this rank (None: it can). The cells check on the ranks,
+    so that the pytest process does not pay the frameworks' imports (~5 s for Lightning)."""
     try:
         importlib.import_module(module)
         return None
-    except Exception as e:  # noqa: BLE001 - the reason the test skips
+    except ImportError as e:
         return f"{module} is not importable ({type(e).__name__}: {e}); `make setup` installs it"
+
+
+def results(key):
+    """Every rank's value of the cell, or the test skips when the framework is not installed."""
+    values = CELLS.result(key, 2)
+    if "missing" in values[0]:
+        pytest.skip(values[0]["missing"])
+    return values
 
 
 @contextlib.contextmanager
@@ -133,6 +143,8 @@ def accelerate_run(rank, world, impl, steps=2, accum=2):
 
 @CELLS.cell("accelerate", group=GROUP, tests=["test_accelerate"])
 def accelerate_cell(rank, world):
+    if missing("accelerate"):
+        return {"missing": missing("accelerate")}
     with launcher_env(rank, world):
         return {impl: accelerate_run(rank, world, impl) for impl in IMPLS}
 
@@ -225,6 +237,8 @@ def trainer_run(rank, world, impl, steps=2, accum=2):
 
 @CELLS.cell("lightning", group=GROUP, tests=["test_lightning_fabric", "test_lightning_trainer"])
 def lightning_cell(rank, world):
+    if missing("lightning"):
+        return {"missing": missing("lightning")}
     with launcher_env(rank, world):
         return {"fabric": {impl: fabric_run(rank, world, impl) for impl in IMPLS},
                 "trainer": {impl: trainer_run(rank, world, impl) for impl in IMPLS}}
@@ -246,10 +260,7 @@ def test_accelerate():
     module, then the root) with gradient_accumulation_steps=2: accumulate() turns gradient sync off
     for the first microbatch (set_requires_gradient_sync), clip_grad_norm_ reads the DTensor
     gradients. Ours: one reduce-scatter per group and step (no sync, no reduction)."""
-    reason = _missing("accelerate")
-    if reason:
-        pytest.skip(reason)
-    for rank, runs in enumerate(CELLS.result("accelerate", 2)):
+    for rank, runs in enumerate(results("accelerate")):
         assert runs["torch"]["fsdp2"] and runs["ours"]["fsdp2"]
         assert runs["ours"]["sharded"] == runs["torch"]["sharded"]  # FSDPLinear x3, FSDPSequential
         same_run(runs["torch"], runs["ours"], rank)
@@ -260,10 +271,7 @@ def test_accelerate():
 def test_lightning_fabric():
     """Fabric's no_backward_sync reaches our set_requires_gradient_sync (Fabric checks isinstance of
     torch's FSDPModule): one reduce-scatter per group and step."""
-    reason = _missing("lightning")
-    if reason:
-        pytest.skip(reason)
-    for rank, runs in enumerate(CELLS.result("lightning", 2)):
+    for rank, runs in enumerate(results("lightning")):
         same_run(runs["fabric"]["torch"], runs["fabric"]["ours"], rank, rtol=0)
         assert runs["fabric"]["ours"]["reduce_scatters"] == 2 * 2  # 2 steps x the 2 Linear groups
 
@@ -271,9 +279,6 @@ def test_lightning_fabric():
 def test_lightning_trainer():
     """The Trainer with accumulate_grad_batches=2: every microbatch's backward reduces (the Trainer
     skips sync for DDP only), in both."""
-    reason = _missing("lightning")
-    if reason:
-        pytest.skip(reason)
-    for rank, runs in enumerate(CELLS.result("lightning", 2)):
+    for rank, runs in enumerate(results("lightning")):
         same_run(runs["trainer"]["torch"], runs["trainer"]["ours"], rank, rtol=0)
         assert runs["trainer"]["ours"]["reduce_scatters"] == 4 * 2  # 4 microbatches x 2 groups
