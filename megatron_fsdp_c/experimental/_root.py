@@ -1,6 +1,7 @@
 """The root state of the per-module API: at the first forward of a root, one engine for every
 group under it (the lazy init, see [Note: per-module groups] in _fully_shard.py); the owner its
-HookManager sees; and the forward hooks fully_shard registers on every sharded module.
+HookManager sees, with the DTensor compute parameters of dp_mesh_dims ([Note: SPMD compute
+parameters]); and the forward hooks fully_shard registers on every sharded module.
 """
 from __future__ import annotations
 
@@ -98,20 +99,22 @@ class RootState(EngineOwner):
         self._spmd_params = {i: self._spmd_param(records[i], *spec) for i, spec in spmd_specs.items()}
         self._swap_params(dist=True)
 
-    # -- [Note: SPMD compute parameters] ------------------------------------------------------------
-    # With dp_mesh_dims, parameters that came as DTensors replicated over the full SPMD mesh
-    # (torchtitan's full_dtensor backend: parameters, buffers and inputs all DTensors there) compute
-    # as DTensors with that mesh and those placements, as FSDP2's unsharded parameters do
-    # (torch's _fsdp_param.py wraps the all-gather output in the parameter's original spec): a
-    # plain compute parameter would meet DTensor activations ("mixed torch.Tensor and DTensor").
-    # The DTensor Parameter's local tensor is the plain compute parameter's storage (the engine's
-    # full weights). Its gradient keeps the data-parallel placements autograd gave it (Partial: this
-    # rank's contribution), and its local tensor goes to the engine through the plain parameter's
-    # gradient hook, as torch reduce-scatters the local tensor of the Partial gradient; the other
-    # dims are of size 1 (model-parallel dims > 1 are refused in _group.py's dp_mesh_of), so no
-    # redistribution is needed. Parameters that came plain (torchtitan's spmd_types backend) compute
-    # plain.
+    # -- compute parameters on the SPMD mesh of dp_mesh_dims ----------------------------------------
     def _spmd_param(self, r, mesh, placements) -> nn.Parameter:
+        """[Note: SPMD compute parameters]
+        With dp_mesh_dims, parameters that came as DTensors replicated over the full SPMD mesh
+        (torchtitan's full_dtensor backend: parameters, buffers and inputs all DTensors there)
+        compute as DTensors with that mesh and those placements, as FSDP2's unsharded parameters
+        do (torch's _fsdp_param.py wraps the all-gather output in the parameter's original spec):
+        a plain compute parameter would meet DTensor activations ("mixed torch.Tensor and
+        DTensor"). This DTensor Parameter's local tensor is the plain compute parameter's storage
+        (the engine's full weights; _swap_params re-aims it if that moved). Its gradient keeps the
+        placements autograd gave it over the data-parallel dims (Partial: this rank's
+        contribution), and its local tensor goes to the engine through the plain parameter's
+        gradient hook (_spmd_grad), as torch reduce-scatters the local tensor of the Partial
+        gradient; the other dims have size 1 (model-parallel dims > 1 are refused by _group.py's
+        dp_mesh_of), so nothing needs redistributing. Parameters that came plain (torchtitan's
+        spmd_types backend, which torch 2.13's FSDP2 refuses) compute plain."""
         sp = nn.Parameter(DTensor.from_local(r.param.detach(), mesh, placements, run_check=False),
                           requires_grad=r.param.requires_grad)
         if sp.requires_grad:
