@@ -156,7 +156,10 @@ def _hybrid_groups(device_mesh, dp_shard_dim, dp_outer_dim, hybrid_fsdp_group, d
     inner, outer = dist.get_world_size(shard_group), dist.get_world_size(outer_group)
     if hybrid_fsdp_group is None:  # the per-module API: a group over the mesh's ranks
         ranks = sorted(mesh2d.mesh.flatten().tolist())
-        hybrid_fsdp_group = dist.group.WORLD if ranks == list(range(dist.get_world_size())) else dist.new_group(ranks)
+        # made by its members only: under tensor parallelism each tp coordinate has its own
+        # (replicate, shard) mesh, so the ranks differ between callers
+        hybrid_fsdp_group = dist.group.WORLD if ranks == list(range(dist.get_world_size())) else \
+            dist.new_group(ranks, use_local_synchronization=True)
     if hybrid_fsdp_group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError("this rank is not a member of hybrid_fsdp_group: pass a group over all data-parallel "
                          "ranks of the mesh, this one included")

@@ -5,6 +5,7 @@ parameters]); and the forward hooks fully_shard registers on every sharded modul
 """
 from __future__ import annotations
 
+import functools
 from typing import List
 
 import torch
@@ -59,17 +60,22 @@ class RootState(EngineOwner):
                 ends[groups.index(g)] = k
         records, by_param, spmd_specs = [], {}, {}
         for u, g in enumerate(groups):
-            for mod, attr, dp in g.places:
+            for (mod, attr, dp), tp in zip(g.places, g.tp_specs):
                 name = f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr
                 r = by_param.get(id(dp))
                 if r is None:
                     compute, policy = engine_policy(g.mp_policy, dp.dtype)
-                    # the compute parameter: pointed at the full weights by load_locals
-                    placeholder = nn.Parameter(torch.empty(0, dtype=compute, device=ctx.device),
-                                               requires_grad=dp.requires_grad)
-                    r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, dp.shape, u, [(mod, attr)])
-                    r.replicated = isinstance(dp.placements[-1], Replicate)  # the shard dim is the last
-                    r.strategy, r.policy, r.dist_param = g.strategy, policy, dp
+                    # the compute parameter: pointed at the full weights by load_locals; a TP
+                    # parameter's is a DTensor on the TP mesh over its gathered TP shard
+                    empty = torch.empty(0, dtype=compute, device=ctx.device)
+                    placeholder = nn.Parameter(empty, requires_grad=dp.requires_grad) if tp is None \
+                        else tp.compute_param(empty, dp.requires_grad)
+                    shape = dp.shape if tp is None else tp.local_shape  # what the engine lays out
+                    r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, shape, u, [(mod, attr)])
+                    # the shard dim is the data-parallel mesh's last (a TP placement follows it)
+                    r.replicated = isinstance(dp.placements[ctx.mesh.ndim - 1], Replicate)
+                    r.strategy, r.policy, r.dist_param, r.tp = g.strategy, policy, dp, tp
+                    r.quant = g.quant_policy
                     r.aliases.append(name)
                     records.append(r)
                     if (id(mod), attr) in g.spmd_specs:
@@ -110,21 +116,17 @@ class RootState(EngineOwner):
         DTensor"). This DTensor Parameter's local tensor is the plain compute parameter's storage
         (the engine's full weights; _swap_params re-aims it if that moved). Its gradient keeps the
         placements autograd gave it over the data-parallel dims (Partial: this rank's
-        contribution), and its local tensor goes to the engine through the plain parameter's
-        gradient hook (_spmd_grad), as torch reduce-scatters the local tensor of the Partial
-        gradient; the other dims have size 1 (model-parallel dims > 1 are refused by _group.py's
-        dp_mesh_of), so nothing needs redistributing. Parameters that came plain (torchtitan's
+        contribution), and its local tensor goes to the engine through the hooks' gradient hook,
+        as torch reduce-scatters the local tensor of the Partial gradient; the other dims have
+        size 1 (model-parallel dims > 1 are refused by _group.py's dp_mesh_of), so nothing needs
+        redistributing. Parameters that came plain (torchtitan's
         spmd_types backend, which torch 2.13's FSDP2 refuses) compute plain."""
         sp = nn.Parameter(DTensor.from_local(r.param.detach(), mesh, placements, run_check=False),
                           requires_grad=r.param.requires_grad)
         if sp.requires_grad:
-            sp.register_post_accumulate_grad_hook(lambda sp, r=r: self._spmd_grad(r, sp))
+            sp.register_post_accumulate_grad_hook(functools.partial(self.hooks.grad_hook, r.index, r.bucket, r.item,
+                                                                    to_local=_local_of))
         return sp
-
-    def _spmd_grad(self, r, sp: nn.Parameter) -> None:
-        grad, sp.grad = sp.grad, None
-        r.param.grad = grad._local_tensor if isinstance(grad, DTensor) else grad
-        self.hooks.grad_hook(r.index, r.bucket, r.item, r.param)
 
     def _swap_params(self, dist: bool) -> None:
         """EngineOwner's, with the DTensor compute parameters of [Note: SPMD compute parameters]."""
@@ -292,6 +294,11 @@ class RootState(EngineOwner):
             u.members_left = u.members
         self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
         self._swap_params(dist=True)
+
+
+def _local_of(grad):
+    """The local tensor of an SPMD compute parameter's gradient ([Note: SPMD compute parameters])."""
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 def _post_order(root: nn.Module) -> List[nn.Module]:
