@@ -129,16 +129,19 @@ class RootState(EngineOwner):
         return sp
 
     def _swap_params(self, dist: bool) -> None:
-        """EngineOwner's, with the DTensor compute parameters of [Note: SPMD compute parameters]."""
-        if self._holds_dist_params == dist:
+        """EngineOwner's, then the DTensor compute parameters of [Note: SPMD compute parameters]
+        in place of their plain ones."""
+        swapping = self._holds_dist_params != dist
+        super()._swap_params(dist)
+        if not swapping or dist:
             return
-        for r in self.param_buffer.records:
-            p = r.dist_param if dist else self._spmd_params.get(r.index, r.param)
-            if p is not r.param and not dist and p._local_tensor.data_ptr() != r.param.data_ptr():
-                p._local_tensor = r.param.detach()  # the compute parameter was pointed elsewhere
+        records = self.param_buffer.records
+        for i, sp in self._spmd_params.items():
+            r = records[i]
+            if sp._local_tensor.data_ptr() != r.param.data_ptr():
+                sp._local_tensor = r.param.detach()  # the compute parameter was pointed elsewhere
             for mod, attr in r.places:
-                mod._parameters[attr] = p
-        self._holds_dist_params = dist
+                mod._parameters[attr] = sp
 
     # -- per-group settings, applied to the engine ------------------------------------------------
     def buckets_of(self, g: ShardGroup) -> List[int]:
