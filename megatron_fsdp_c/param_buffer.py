@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
 from ._common import contiguous_stride
-from ._distributed import DistContext
+from ._distributed import DistContext, check_quant_transport
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 from .no_shard import is_no_shard
 from ._tensor_parallel import TPSpec, spmd_layout
@@ -99,25 +99,6 @@ def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]
             rec.replicated = rec.replicated or is_no_shard(mod, attr) or p.dim() == 0
             rec.aliases.append(qualified)
     return list(records.values())
-
-
-# torch.distributed backends whose all_gather_into_tensor and all_to_all_single move uint8 tensors
-# (gloo, checked on CPU; NCCL), the quantized wires' element type
-QUANT_BACKENDS = ("gloo", "nccl")
-
-
-def check_quant_transport(ctx: DistContext) -> None:
-    """Quantized communication moves byte buffers: refused with the reason on a transport that
-    may not carry them (the native NCCL transport does: ncclUint8 all-gathers and send/recv)."""
-    if isinstance(ctx.transport, _C.TorchTransport):
-        for group in (ctx.group, ctx.gather_group):
-            backend = str(torch.distributed.get_backend(group))
-            names = [part.split(":")[-1] for part in backend.split(",")]
-            unknown = [n for n in names if n not in QUANT_BACKENDS]
-            if unknown:
-                raise ValueError(
-                    f"QuantizedCommPolicy: the process group's backend {backend!r} is not known to carry the "
-                    f"quantized wires (uint8 all-gathers and all-to-alls); supported: {', '.join(QUANT_BACKENDS)}")
 
 
 class StorageTally:
