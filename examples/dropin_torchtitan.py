@@ -27,7 +27,8 @@ rank's summed microbatch losses, grad norms torchtitan's clip_grad_norm_ over th
                                         megatron_fsdp_c/experimental/_root.py, ours raised "mixed torch.Tensor
                                         and DTensor" in the first RMSNorm)
     spmd_types       ours               the same; torch raises the ValueError above
-Each command took 25-27 s (2 ranks, both implementations, ~20 s of it imports); before the
+Each command took 25-27 s on an otherwise idle machine (2 ranks, both implementations, ~20 s of
+it imports); before the
 isinstance fix (our modules are torch FSDPModules) ours gave half these gradient norms: torchtitan's
 set_gradient_divide_factor(1.0) never reached us."""
 import sys

@@ -119,8 +119,8 @@ class RootState(EngineOwner):
         contribution), and its local tensor goes to the engine through the hooks' gradient hook,
         as torch reduce-scatters the local tensor of the Partial gradient; the other dims have
         size 1 (model-parallel dims > 1 are refused by _group.py's dp_mesh_of), so nothing needs
-        redistributing. Parameters that came plain (torchtitan's
-        spmd_types backend, which torch 2.13's FSDP2 refuses) compute plain."""
+        redistributing. Parameters that came plain (torchtitan's spmd_types backend, which torch
+        2.13's FSDP2 refuses) compute plain."""
         sp = nn.Parameter(DTensor.from_local(r.param.detach(), mesh, placements, run_check=False),
                           requires_grad=r.param.requires_grad)
         if sp.requires_grad:
