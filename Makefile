@@ -25,7 +25,7 @@ FUZZ_SECONDS ?= 20
 
 .PHONY: setup example test ctest cuda-check pytest bench bench-quant clean
 
-$(VENV)/.ready: pyproject.toml setup.py
+$(VENV)/.ready: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 numpy pytest matplotlib transformers==5.23.0
