@@ -85,7 +85,7 @@ class HookOwner(Protocol):
                              flags, whether or not its buckets are released: a unit whose weights
                              persist is resharded too). The per-module API registers the compute or
                              the sharded parameters there ([Note: per-group registration] in
-                             experimental/_root.py); MegatronFSDP swaps every parameter per pass.
+                             experimental/_registration.py); MegatronFSDP swaps every parameter per pass.
     """
 
     param_buffer: "ParamBuffer"

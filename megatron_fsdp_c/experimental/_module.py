@@ -56,7 +56,7 @@ class UnshardHandle(TorchUnshardHandle):
 
     def wait(self) -> None:
         """Waits for the gather and registers the group's unsharded parameters on its modules,
-        until reshard() ([Note: per-group registration] in _root.py)."""
+        until reshard() ([Note: per-group registration] in _registration.py)."""
         if self._group is not None:
             buckets = list(self._group.unit.buckets)
             if buckets:
@@ -274,7 +274,7 @@ class FSDPModule(TorchFSDPModule):
 
     def _apply(self, fn, *args, **kwargs):
         g = group_of(self)
-        if g.state is not None:  # see [Note: re-initialisation] in _root.py
+        if g.state is not None:  # see [Note: re-initialisation] in _registration.py
             g.state.release_engine(f"{type(self).__name__}: .to()/.to_empty()/.float() after the first forward")
         out = super(TorchFSDPModule, self)._apply(fn, *args, **kwargs)  # the original class's, not torch's FSDP
         for i, (mod, attr, _) in enumerate(g.places):  # to_empty() and friends may replace the parameters

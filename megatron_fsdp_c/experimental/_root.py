@@ -1,15 +1,17 @@
 """The root state of the per-module API: at the first forward of a root, one engine for every
 group under it (the lazy init, see [Note: per-module groups] in _fully_shard.py); the owner its
-HookManager sees; and the forward hooks fully_shard registers on every sharded module.
+HookManager sees, with the DTensor compute parameters of dp_mesh_dims ([Note: SPMD compute
+parameters]); and the forward hooks fully_shard registers on every sharded module.
 """
 from __future__ import annotations
 
+import functools
 from typing import List
 
 import torch
 import torch.nn as nn
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C
 from .._common import in_backward
@@ -19,11 +21,12 @@ from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
 from ._group import ShardGroup, check_origins, group_of, refresh_places, root_of
 from ._policy import cast_floats, engine_policy, is_torch_policy
+from ._registration import Registration, to_sharded_hook
 
 __all__ = ["RootState", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
 
 
-class RootState(EngineOwner):
+class RootState(Registration, EngineOwner):
     """The engine of one root's groups (see [Note: per-module groups] in _fully_shard.py); the
     HookOwner (hooks.py) of its HookManager."""
 
@@ -64,7 +67,7 @@ class RootState(EngineOwner):
             g = getattr(mod, "_mfsdp_group", None)
             if g is not None:
                 ends[groups.index(g)] = k
-        records, by_param = [], {}
+        records, by_param, spmd_specs = [], {}, {}
         for u, g in enumerate(groups):
             for (mod, attr, dp), tp in zip(g.places, g.tp_specs):
                 name = fqn(mod, attr)
@@ -84,6 +87,8 @@ class RootState(EngineOwner):
                     r.quant = g.quant_policy
                     r.aliases.append(name)
                     records.append(r)
+                    if (id(mod), attr) in g.spmd_specs:
+                        spmd_specs[r.index] = g.spmd_specs[(id(mod), attr)]
                 else:
                     r.places.append((mod, attr))
                     r.aliases.append(name)
@@ -94,9 +99,9 @@ class RootState(EngineOwner):
         self._used = bytearray(len(records))
         self._has_grad = bytearray(len(records))
         # [Note: per-group registration]: what each group's modules hold, by unit index
-        self._unit_params = [[] for _ in groups]
+        self._unit_records = [[] for _ in groups]
         for r in records:
-            self._unit_params[r.unit].append((r.param, r.dist_param, r.places))
+            self._unit_records[r.unit].append(r)
         self._unsharded = [False] * len(groups)  # fully_shard registered the sharded parameters
         self._seen = [r.dist_param._version for r in records]
         self.report_nan_in_param_grad = False
@@ -112,79 +117,30 @@ class RootState(EngineOwner):
                 self.hooks.grouped.append(g.unit)
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
+        self._spmd_params = {i: self._spmd_param(records[i], *spec) for i, spec in spmd_specs.items()}
 
-    # -- [Note: per-group registration] ------------------------------------------------------
-    def register(self, u: int, unsharded: bool) -> None:
-        """[Note: per-group registration]
-        As FSDP2 does, each group's modules hold its compute (unsharded) parameters only while
-        the group is gathered for its compute, and its sharded DTensor parameters otherwise:
-        the compute ones from the group's pre-forward (and pre-backward, and an explicit
-        unshard()) on, the sharded ones again when the group reshards -- after its forward if
-        reshard_after_forward, after its backward if reshard_after_backward, at reshard(), and
-        when a state dict is taken or loaded (FSDP2's state-dict pre-hooks; the gathered
-        weights stay, the group's next pre-backward registers the compute ones again). So a
-        forward without its backward leaves the resharding groups' DTensors on the modules (a
-        released compute parameter is never left registered), and a group that keeps its
-        weights (reshard_after_forward=False) holds plain tensors until it reshards, as under
-        FSDP2. The same applies to groups whose weights persist (ZeRO-1/2, one rank): they
-        reshard by the same flags, without releasing anything. Gradients do not depend on it:
-        autograd keeps the compute parameters it used, and the gradient hooks are on them."""
-        if self._unsharded[u] == unsharded:
-            return
-        self._unsharded[u] = unsharded
-        for compute, sharded, places in self._unit_params[u]:
-            p = compute if unsharded else sharded
-            for mod, attr in places:
-                mod._parameters[attr] = p
-
-    def _unit_unsharded(self, unit) -> None:  # HookOwner (hooks.py)
-        self.register(unit.index, True)
-
-    def _unit_resharded(self, unit) -> None:  # HookOwner (hooks.py)
-        self.register(unit.index, False)
-
-    def reshard_group(self, g: ShardGroup) -> None:
-        """FSDPModule.reshard(): releases the group's gathered weights (ZeRO-3) and registers
-        its sharded parameters."""
-        if g.unit.releasable:
-            self.param_buffer.engine.reshard(list(g.unit.releasable))
-        self.register(g.unit.index, False)
-
-    def release_engine(self, why: str) -> None:
-        """[Note: re-initialisation]
-        FSDP2 lets .to(dtype)/.float()/.to(device) run on a sharded model after its first
-        forward (its sharded parameters are plain DTensors it re-reads). Ours live in the
-        engine's buffers, planned for their dtype and device, so such a call first hands them
-        back: every group's sharded DTensor parameters are registered, their local shards are
-        copied out of the engine (the same Parameter objects, so optimizers built on them keep
-        working), the gradient hooks are removed and every group under the root forgets the
-        engine; the next forward (or unshard()) initialises a new one from the converted
-        parameters, as the first did. Refused inside a forward or backward, while gradients are
-        held back, or while a gradient is attached (the new engine starts from zero
-        gradients)."""
-        if self.hooks.in_backward or self.pass_root is not None or self.methods_running:
-            raise RuntimeError(f"{why} inside a forward or backward pass: call it between training steps")
-        if self.held:
-            raise RuntimeError(f"{why} while gradients are held back by set_requires_gradient_sync(False): finish the "
-                               "accumulation with a backward that syncs (and the optimizer step) first")
-        with_grad = [r.name for r in self.param_buffer.records if r.dist_param.grad is not None]
-        if with_grad:
-            raise RuntimeError(f"{why} while parameters hold gradients ({', '.join(with_grad[:4])}"
-                               f"{', ...' if len(with_grad) > 4 else ''}): the parameters are re-initialised from "
-                               "their shards, without the gradients; call optimizer.zero_grad(set_to_none=True) (or "
-                               "model.zero_grad()) first")
-        for u in range(len(self.groups)):
-            self.register(u, False)
-        self.hooks.remove()
-        with torch.no_grad():
-            for r in self.param_buffer.records:
-                dp = r.dist_param
-                dp._local_tensor = dp._local_tensor.detach().clone()  # out of the engine's buffer
-                origin = getattr(dp, "_mfsdp_origin", None)
-                if origin is not None:
-                    origin.state = None
-        for g in self.groups:
-            g.state = g.unit = None
+    # -- compute parameters on the SPMD mesh of dp_mesh_dims ----------------------------------------
+    def _spmd_param(self, r, mesh, placements) -> nn.Parameter:
+        """[Note: SPMD compute parameters]
+        With dp_mesh_dims, parameters that came as DTensors replicated over the full SPMD mesh
+        (torchtitan's full_dtensor backend: parameters, buffers and inputs all DTensors there)
+        compute as DTensors with that mesh and those placements, as FSDP2's unsharded parameters
+        do (torch's _fsdp_param.py wraps the all-gather output in the parameter's original spec):
+        a plain compute parameter would meet DTensor activations ("mixed torch.Tensor and
+        DTensor"). This DTensor Parameter's local tensor is the plain compute parameter's storage
+        (the engine's full weights; Registration.register re-aims it if that moved, _registration.py). Its gradient keeps the
+        placements autograd gave it over the data-parallel dims (Partial: this rank's
+        contribution), and its local tensor goes to the engine through the hooks' gradient hook,
+        as torch reduce-scatters the local tensor of the Partial gradient; the other dims have
+        size 1 (model-parallel dims > 1 are refused by _group.py's dp_mesh_of), so nothing needs
+        redistributing. Parameters that came plain (torchtitan's spmd_types backend, which torch
+        2.13's FSDP2 refuses) compute plain."""
+        sp = nn.Parameter(DTensor.from_local(r.param.detach(), mesh, placements, run_check=False),
+                          requires_grad=r.param.requires_grad)
+        if sp.requires_grad:
+            sp.register_post_accumulate_grad_hook(functools.partial(self.hooks.grad_hook, r.index, r.bucket, r.item,
+                                                                    to_local=_local_of))
+        return sp
 
     # -- per-group settings, applied to the engine ------------------------------------------------
     def buckets_of(self, g: ShardGroup) -> List[int]:
@@ -257,26 +213,6 @@ class RootState(EngineOwner):
                 self._run_all_reduce_hook(self.groups[u])
         self._run_post_accumulate_grad_hooks(synced_units)
         self._trim_host_heap()
-
-    def _run_post_accumulate_grad_hooks(self, units) -> None:
-        """[Note: post-accumulate-grad hooks]
-        A hook the user registered on a sharded (DTensor) parameter with
-        register_post_accumulate_grad_hook never fires by itself: autograd accumulates into the
-        compute parameter, never into the DTensor. FSDP2 calls those hooks itself, once per
-        parameter, after the group's reduce-scatter set the sharded .grad (foreach_reduce);
-        this calls them once per parameter that has a gradient, after the reduction of every
-        synced group is done (so an optimizer step inside a hook, torchtune's optimizer in
-        backward, changes no weight another group still computes with: the next forward picks
-        the new shards up, _refresh_changed_weights), groups in backward order (the last group
-        first), parameters in registration order. A backward with gradient sync off reduces
-        nothing and calls none, as FSDP2."""
-        pending = [r for r in self.param_buffer.records
-                   if r.unit in units and getattr(r.dist_param, "_post_accumulate_grad_hooks", None)]
-        for r in sorted(pending, key=lambda r: (-r.unit, r.index)):
-            dp = r.dist_param
-            if dp.grad is not None:
-                for hook in tuple(dp._post_accumulate_grad_hooks.values()):
-                    hook(dp)
 
     def _run_all_reduce_hook(self, g: ShardGroup) -> None:
         """set_all_reduce_hook's hook on each of the group's reduced gradient shards: this rank's
@@ -377,6 +313,11 @@ def _check_materialised(groups: List[ShardGroup], fqn) -> None:
                 "then reset_parameters() / init_weights() on each module (or load_state_dict(sharded_sd, assign=True))")
 
 
+def _local_of(grad):
+    """The local tensor of an SPMD compute parameter's gradient ([Note: SPMD compute parameters])."""
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
 def _post_order(root: nn.Module) -> List[nn.Module]:
     """The modules under `root` in the order their forwards end (children first), each once."""
     out, stack, seen = [], [(root, False)], set()
@@ -406,15 +347,6 @@ def state_of(module) -> RootState:
         with temporarily_clear_interpreter_stack():
             RootState(root_of(g))
     return g.state
-
-
-def to_sharded_hook(group: ShardGroup, *args, **kwargs) -> None:
-    """The state-dict (save and load) pre-hook fully_shard puts on each module holding a
-    parameter of `group`: its sharded parameters are registered, so a state dict taken or
-    loaded between a forward and its backward sees the DTensors ([Note: per-group
-    registration]; FSDP2's to_sharded_hook)."""
-    if group.state is not None:
-        group.state.register(group.unit.index, False)
 
 
 @torch.compiler.disable(recursive=True)

@@ -111,7 +111,7 @@ class TorchState(_State):
             # FSDP2's wrapper runs the group's post-forward once more at the method's end, after
             # the inner forwards left the FORWARD state, so the group reshards there whatever its
             # reshard_after_forward: its sharded parameters are registered ([Note: per-group
-            # registration] in _root.py; the engine keeps the gathered weights for a backward).
+            # registration] in _registration.py; the engine keeps the gathered weights for a backward).
             state.register(self._group.unit.index, False)
         return output
 

@@ -1,0 +1,126 @@
+"""How the per-module API's root state registers each group's parameters on its modules, as FSDP2
+does ([Note: per-group registration]), hands them back from the engine for a .to() after the
+first forward ([Note: re-initialisation]), and runs the post-accumulate-grad hooks of the sharded
+parameters ([Note: post-accumulate-grad hooks]): a base class of RootState (_root.py), which
+owns the engine, the records and the hooks these read.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._group import ShardGroup
+
+__all__ = ["Registration", "to_sharded_hook"]
+
+
+class Registration:
+    """RootState's parameter registration (see the module docstring). RootState sets
+    `_unit_records` (the records of each unit), `_unsharded` (a flag per unit: the compute
+    parameters are registered) and `_spmd_params` in its __init__."""
+
+    # -- [Note: per-group registration] ------------------------------------------------------
+    def register(self, u: int, unsharded: bool) -> None:
+        """[Note: per-group registration]
+        As FSDP2 does, each group's modules hold its compute (unsharded) parameters only while
+        the group is gathered for its compute, and its sharded DTensor parameters otherwise:
+        the compute ones from the group's pre-forward (and pre-backward, and an explicit
+        unshard()) on, the sharded ones again when the group reshards -- after its forward if
+        reshard_after_forward, after its backward if reshard_after_backward, at reshard(), and
+        when a state dict is taken or loaded (FSDP2's state-dict pre-hooks; the gathered
+        weights stay, the group's next pre-backward registers the compute ones again). So a
+        forward without its backward leaves the resharding groups' DTensors on the modules (a
+        released compute parameter is never left registered), and a group that keeps its
+        weights (reshard_after_forward=False) holds plain tensors until it reshards, as under
+        FSDP2. The same applies to groups whose weights persist (ZeRO-1/2, one rank): they
+        reshard by the same flags, without releasing anything. Gradients do not depend on it:
+        autograd keeps the compute parameters it used, and the gradient hooks are on them."""
+        if self._unsharded[u] == unsharded:
+            return
+        self._unsharded[u] = unsharded
+        for r in self._unit_records[u]:
+            p = r.param if unsharded else r.dist_param
+            sp = self._spmd_params.get(r.index) if unsharded else None
+            if sp is not None:  # [Note: SPMD compute parameters]
+                if sp._local_tensor.data_ptr() != r.param.data_ptr():
+                    sp._local_tensor = r.param.detach()  # the compute parameter was pointed elsewhere
+                p = sp
+            for mod, attr in r.places:
+                mod._parameters[attr] = p
+
+    def _unit_unsharded(self, unit) -> None:  # HookOwner (hooks.py)
+        self.register(unit.index, True)
+
+    def _unit_resharded(self, unit) -> None:  # HookOwner (hooks.py)
+        self.register(unit.index, False)
+
+    def reshard_group(self, g: ShardGroup) -> None:
+        """FSDPModule.reshard(): releases the group's gathered weights (ZeRO-3) and registers
+        its sharded parameters."""
+        if g.unit.releasable:
+            self.param_buffer.engine.reshard(list(g.unit.releasable))
+        self.register(g.unit.index, False)
+
+    def release_engine(self, why: str) -> None:
+        """[Note: re-initialisation]
+        FSDP2 lets .to(dtype)/.float()/.to(device) run on a sharded model after its first
+        forward (its sharded parameters are plain DTensors it re-reads). Ours live in the
+        engine's buffers, planned for their dtype and device, so such a call first hands them
+        back: every group's sharded DTensor parameters are registered, their local shards are
+        copied out of the engine (the same Parameter objects, so optimizers built on them keep
+        working), the gradient hooks are removed and every group under the root forgets the
+        engine; the next forward (or unshard()) initialises a new one from the converted
+        parameters, as the first did. Refused inside a forward or backward, while gradients are
+        held back, or while a gradient is attached (the new engine starts from zero
+        gradients)."""
+        if self.hooks.in_backward or self.pass_root is not None or self.methods_running:
+            raise RuntimeError(f"{why} inside a forward or backward pass: call it between training steps")
+        if self.held:
+            raise RuntimeError(f"{why} while gradients are held back by set_requires_gradient_sync(False): finish the "
+                               "accumulation with a backward that syncs (and the optimizer step) first")
+        with_grad = [r.name for r in self.param_buffer.records if r.dist_param.grad is not None]
+        if with_grad:
+            raise RuntimeError(f"{why} while parameters hold gradients ({', '.join(with_grad[:4])}"
+                               f"{', ...' if len(with_grad) > 4 else ''}): the parameters are re-initialised from "
+                               "their shards, without the gradients; call optimizer.zero_grad(set_to_none=True) (or "
+                               "model.zero_grad()) first")
+        for u in range(len(self.groups)):
+            self.register(u, False)
+        self.hooks.remove()
+        with torch.no_grad():
+            for r in self.param_buffer.records:
+                dp = r.dist_param
+                dp._local_tensor = dp._local_tensor.detach().clone()  # out of the engine's buffer
+                origin = getattr(dp, "_mfsdp_origin", None)
+                if origin is not None:
+                    origin.state = None
+        for g in self.groups:
+            g.state = g.unit = None
+
+    def _run_post_accumulate_grad_hooks(self, units) -> None:
+        """[Note: post-accumulate-grad hooks]
+        A hook the user registered on a sharded (DTensor) parameter with
+        register_post_accumulate_grad_hook never fires by itself: autograd accumulates into the
+        compute parameter, never into the DTensor. FSDP2 calls those hooks itself, once per
+        parameter, after the group's reduce-scatter set the sharded .grad (foreach_reduce);
+        this calls them once per parameter that has a gradient, after the reduction of every
+        synced group is done (so an optimizer step inside a hook, torchtune's optimizer in
+        backward, changes no weight another group still computes with: the next forward picks
+        the new shards up, _refresh_changed_weights), groups in backward order (the last group
+        first), parameters in registration order. A backward with gradient sync off reduces
+        nothing and calls none, as FSDP2."""
+        pending = [r for r in self.param_buffer.records
+                   if r.unit in units and getattr(r.dist_param, "_post_accumulate_grad_hooks", None)]
+        for r in sorted(pending, key=lambda r: (-r.unit, r.index)):
+            dp = r.dist_param
+            if dp.grad is not None:
+                for hook in tuple(dp._post_accumulate_grad_hooks.values()):
+                    hook(dp)
+
+
+def to_sharded_hook(group: ShardGroup, *args, **kwargs) -> None:
+    """The state-dict (save and load) pre-hook fully_shard puts on each module holding a
+    parameter of `group`: its sharded parameters are registered, so a state dict taken or
+    loaded between a forward and its backward sees the DTensors ([Note: per-group
+    registration]; FSDP2's to_sharded_hook)."""
+    if group.state is not None:
+        group.state.register(group.unit.index, False)
