@@ -157,8 +157,8 @@ def child_first(rank, world, ck, how):
     else:
         model[1].unshard()
         w = model[1].up.weight
-        ck.true("unshard() registers the gathered Parameter", type(w) is nn.Parameter and w.shape == ref[1].up.weight.shape,
-                f"{type(w).__name__} {tuple(w.shape)}")
+        ck.true("unshard() registers the gathered Parameter",
+                type(w) is nn.Parameter and w.shape == ref[1].up.weight.shape, f"{type(w).__name__} {tuple(w.shape)}")
         ck.close("its value", w, ref[1].up.weight)
         ck.true("a group not unsharded keeps its DTensors", isinstance(model[0].up.weight, DTensor))
         model[1].reshard()

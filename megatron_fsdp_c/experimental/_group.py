@@ -209,10 +209,10 @@ def _mesh_and_context(mesh, device_type: str) -> DistContext:
                            "(launch with torchrun; backend 'gloo' on CPU, 'nccl' on GPU)")
     world = dist.distributed_c10d._get_default_group()  # see [Note: per-world caches]
     if mesh is None:
-        entry = _DEFAULT_MESH.get((id(world), device_type))
-        if entry is None:
-            entry = _DEFAULT_MESH[(id(world), device_type)] = (world, init_device_mesh(device_type, (dist.get_world_size(),)))
-        mesh = entry[1]
+        key = (id(world), device_type)
+        if key not in _DEFAULT_MESH:
+            _DEFAULT_MESH[key] = (world, init_device_mesh(device_type, (dist.get_world_size(),)))
+        mesh = _DEFAULT_MESH[key][1]
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):

@@ -128,9 +128,10 @@ class RootState(Registration, EngineOwner):
         do (torch's _fsdp_param.py wraps the all-gather output in the parameter's original spec):
         a plain compute parameter would meet DTensor activations ("mixed torch.Tensor and
         DTensor"). This DTensor Parameter's local tensor is the plain compute parameter's storage
-        (the engine's full weights; Registration.register re-aims it if that moved, _registration.py). Its gradient keeps the
-        placements autograd gave it over the data-parallel dims (Partial: this rank's
-        contribution), and its local tensor goes to the engine through the hooks' gradient hook,
+        (the engine's full weights; Registration.register in _registration.py re-aims it if that
+        moved). Its gradient keeps the placements autograd gave it over the data-parallel dims
+        (Partial: this rank's contribution), and its local tensor goes to the engine through the
+        hooks' gradient hook,
         as torch reduce-scatters the local tensor of the Partial gradient; the other dims have
         size 1 (model-parallel dims > 1 are refused by _group.py's dp_mesh_of), so nothing needs
         redistributing. Parameters that came plain (torchtitan's spmd_types backend, which torch
