@@ -419,8 +419,7 @@ BAD_INPUT = {
     "a child's forward ran first as its own root": (RuntimeError, r"already been lazily initialized for 0\nFSDP "
                                                                   r"requires running forward through the root.*"
                                                                   r"outermost sharded module"),
-    "a DTensor parameter": (ValueError, r"is a DTensor on the mesh .*not a sub-mesh of the same device mesh as the "
-                                        r"data-parallel mesh.*Slice both from one init_device_mesh"),
+    "a DTensor parameter": (ValueError, r"already a DTensor"),
     "mp_policy of another type": (TypeError, r"torch.distributed.fsdp.MixedPrecisionPolicy"),
     "a model sharded by the Megatron-FSDP API": (RuntimeError, r"one API per model"),
 }
