@@ -36,6 +36,34 @@ __all__ = ["ParamRecord", "ParamBuffer", "collect_params"]
 
 ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
 
+# [Note: opaque parameter dtypes]
+# A frozen parameter of a dtype the engine has no code for (float8_e4m3fn, complex, uint16, ...)
+# is carried as the opaque integer type of its element size: its buckets are never cast or
+# reduced, only copied and gathered (csrc/core/mfsdp_dtype.h), so its bits travel unchanged.
+# Tensors going into the engine are viewed as that type, and the engine's memory is viewed back
+# as the parameter's dtype wherever a compute parameter or a DTensor shard is made of it.
+_OPAQUE_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def engine_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The engine's element type for parameters of `dtype` (see [Note: opaque parameter dtypes])."""
+    if dtype in _C.DTYPE_CODES:
+        return dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in _OPAQUE_BY_SIZE:
+        raise TypeError(f"parameters of dtype {dtype} ({size}-byte elements) cannot be sharded by megatron_fsdp_c")
+    return _OPAQUE_BY_SIZE[size]
+
+
+def _into_engine(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the engine takes it: contiguous, in the engine's element type."""
+    t = t.contiguous()
+    return t if t.dtype in _C.DTYPE_CODES else t.view(engine_dtype(t.dtype))
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.view(dtype)
+
 
 @dataclasses.dataclass(eq=False)
 class ParamRecord:
@@ -135,7 +163,7 @@ class ParamBuffer:
         codes = _C.DTYPE_CODES
         plan_input = []
         for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
-            plan_input.append((math.prod(r.shape), _row_size(r.shape), codes[r.param.dtype], r.unit,
+            plan_input.append((math.prod(r.shape), _row_size(r.shape), codes[engine_dtype(r.param.dtype)], r.unit,
                                int(r.param.requires_grad), int(r.replicated)))
         shard_world = 1 if strategy == 0 else ctx.pieces
         self.plan = _C.plan(plan_input, shard_world, ctx.piece_rank if shard_world > 1 else 0, bucket_cap,
@@ -202,7 +230,7 @@ class ParamBuffer:
         for b in (range(len(self.plan)) if bucket_ids is None else bucket_ids):
             self.engine.init_begin(b)
             for r in by_bucket.get(b, []):
-                self.engine.set_item(b, r.item, r.param.detach().contiguous())
+                self.engine.set_item(b, r.item, _into_engine(r.param.detach()))
             self.point_compute_params(by_bucket.get(b, []))  # while the full weights exist
             self.engine.init_end(b)
 
@@ -219,7 +247,7 @@ class ParamBuffer:
                     raise RuntimeError(
                         f"parameter '{r.name}' is still on the meta device at the first forward: materialise the "
                         "model after fully_shard (model.to_empty(device=...) and reset_parameters() / init_weights())")
-                self.engine.set_local(b, r.item, local.to(self.ctx.device).contiguous())
+                self.engine.set_local(b, r.item, _into_engine(local.to(self.ctx.device)))
             self.engine.init_end(b)
         self.engine.install_main_weights(True)  # persistent full weights: this rank's rows in, a gather brings the rest
         self.point_all_compute_params()
@@ -245,7 +273,7 @@ class ParamBuffer:
         for r in records:
             full = self.engine.tensor(r.bucket, _C.BUF_WEIGHT)
             offset = self.plan[r.bucket]["param_offsets"][r.item]
-            r.param.data = full.narrow(0, offset, math.prod(r.shape)).view(r.shape)
+            r.param.data = _as(full.narrow(0, offset, math.prod(r.shape)), r.param.dtype).view(r.shape)
 
     def load_from_meta(self, root: nn.Module, device: torch.device) -> dict:
         """Materialises a meta-device model one module at a time, in module (construction) order
@@ -284,7 +312,7 @@ class ParamBuffer:
                 if id(rec) in done:  # tied: the first module's initialisation wins, as when built eagerly
                     mod._parameters[attr] = rec.param
                     continue
-                self.engine.set_item(rec.bucket, rec.item, fresh.detach().contiguous())
+                self.engine.set_item(rec.bucket, rec.item, _into_engine(fresh.detach()))
                 fresh.requires_grad_(meta_param.requires_grad)
                 fresh.data = torch.empty(0, dtype=fresh.dtype, device=device)  # drop the full copy
                 rec.param = fresh
@@ -380,6 +408,8 @@ class ParamBuffer:
         # torch pickles a DTensor whose local tensor sits at a storage offset through the
         # wrapper's own (empty) storage and fails, so torch.save(model.state_dict()) would.
         flat = torch.from_dlpack(self.engine.tensor(r.bucket, where).narrow(0, offset, n))
+        if r.param.dtype not in _C.DTYPE_CODES:  # frozen, carried opaque: [Note: opaque parameter dtypes]
+            flat = flat.view(r.param.dtype)
         if self.plan[r.bucket]["shards"] == 1 or r.replicated:
             return flat.view(r.shape)
         return flat.view(-1, *r.shape[1:]) if len(r.shape) > 1 else flat

@@ -5,6 +5,7 @@ data-parallel dims are named)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import List, Optional
 
 import torch
@@ -16,8 +17,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .._common import contiguous_stride
 from .._distributed import DistContext, make_dist_context
 from ..no_shard import is_no_shard
+from ._policy import check_param_dtype
 
-__all__ = ["ShardGroup", "dp_mesh_of", "form_group", "group_of"]
+__all__ = ["ShardGroup", "dp_mesh_of", "form_group", "group_of", "post_forward_world"]
 
 _CONTEXTS = {}      # (mesh's ranks, device) -> DistContext: one gather communicator per mesh, not per call
 _DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
@@ -88,6 +90,58 @@ def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
         _DP_MESHES[key] = (dp, not shard, mesh)  # the SPMD mesh kept alive with its key
     dp, no_shard, _ = _DP_MESHES[key]
     return dp, no_shard
+
+
+def post_forward_world(n: int, mesh: Optional[DeviceMesh]) -> bool:
+    """[Note: reshard to a smaller world]
+    FSDP2's reshard_after_forward=n (an int) keeps, after forward, the weights sharded over groups
+    of n ranks (e.g. a node) and gathers them over those groups in backward: less memory than
+    False, less traffic across nodes than True. It is checked as torch checks it (n must divide
+    the shard group's size); n == 1 is False and n == that size is True, as in torch. Any other n
+    behaves as True: the weights go back to 1/world after forward and backward gathers over the
+    whole shard group. The numbers are the same (a gather moves values, it does not change them),
+    the collectives are the same ones FSDP2 issues (one all-gather per group in backward; torch's
+    CommDebugMode counts the same), and the memory between forward and backward is never more than
+    FSDP2's (1/world of the weights instead of 1/n); what differs is that the backward gather spans
+    every rank of the shard group instead of n of them. Resharding to sub-groups needs a second
+    gather buffer and communicator per sub-group in the engine, which it does not have yet."""
+    if isinstance(mesh, DeviceMesh):
+        size = mesh.size(mesh.ndim - 1)
+    elif mesh is None and dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size()
+    else:
+        return True  # form_group raises the mesh's (or torch.distributed's) error
+    if n < 1 or n > size or size % n != 0:
+        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {size}, but got {n}")
+    if n == 1:
+        warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
+                      "reshard_after_forward=True (bool)", stacklevel=3)
+        return False
+    if n < size:
+        warnings.warn(f"reshard_after_forward={n}: megatron_fsdp_c reshards to all {size} ranks of the shard group "
+                      f"after forward (as reshard_after_forward=True), not to groups of {n}: the same gradients and "
+                      f"collectives, 1/{size} of the weights held between forward and backward instead of 1/{n}, and "
+                      f"the backward's all-gather spans all {size} ranks ([Note: reshard to a smaller world] in "
+                      "megatron_fsdp_c/experimental/_group.py)", stacklevel=3)
+    return True
+
+
+def check_plain_tensor(t: torch.Tensor, what: str) -> None:
+    """A tensor subclass (TwoTensor, Float8Tensor, ...) or a tensor with FSDP2's all-gather extension
+    hooks (fsdp_pre_all_gather / fsdp_post_all_gather) is refused where it is found, naming the
+    limitation: the engine moves plain elements between its own buffers, so it can neither keep the
+    subclass nor call the hooks around its all-gathers (it would fail later, inside the engine)."""
+    if hasattr(t, "fsdp_pre_all_gather") or hasattr(t, "fsdp_post_all_gather"):
+        raise NotImplementedError(
+            f"{what} defines fsdp_pre_all_gather/fsdp_post_all_gather (FSDP2's all-gather extensions): "
+            "megatron_fsdp_c's all-gathers run in its C engine and cannot call them. Use "
+            "torch.distributed.fsdp.fully_shard for this model, or plain parameters")
+    data = t.data if isinstance(t, nn.Parameter) else t
+    if type(data) is not torch.Tensor:
+        raise NotImplementedError(
+            f"{what} is a tensor subclass ({type(data).__name__}): megatron_fsdp_c shards plain tensors only (its C "
+            "engine moves their elements, not a subclass's inner tensors). Use torch.distributed.fsdp.fully_shard "
+            "for this model, or plain parameters")
 
 
 def _plain(p: nn.Parameter, spmd_mesh: Optional[DeviceMesh]):
@@ -201,6 +255,8 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
         if isinstance(p, DTensor):
             raise ValueError(f"parameter '{attr}' of {type(mod).__name__} is already a DTensor: fully_shard takes "
                              "plain parameters (tensor parallelism with the per-module API is not supported yet)")
+        check_plain_tensor(p, f"parameter '{attr}' of {type(mod).__name__}")
+        check_param_dtype(p, f"parameter '{attr}' of {type(mod).__name__}", mp_policy)
         other = getattr(p, "_mfsdp_sharded_by", None)  # not a weak dict: tensors compare by value
         if other is not None and id(p) not in converted:
             raise ValueError(

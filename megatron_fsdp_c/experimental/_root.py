@@ -16,7 +16,7 @@ from .._sharded import EngineOwner
 from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
-from ._group import ShardGroup, group_of
+from ._group import ShardGroup, check_plain_tensor, group_of
 from ._policy import cast_floats, engine_policy, is_torch_policy
 
 __all__ = ["RootState", "post_forward", "pre_forward", "state_of"]
@@ -62,6 +62,8 @@ class RootState(EngineOwner):
                 name = f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr
                 r = by_param.get(id(dp))
                 if r is None:
+                    # hooks set on the local shard after fully_shard (FSDP2 finds them there)
+                    check_plain_tensor(dp._local_tensor, f"the local shard of parameter '{name}'")
                     compute, policy = engine_policy(g.mp_policy, dp.dtype)
                     # the compute parameter: pointed at the full weights by load_locals
                     placeholder = nn.Parameter(torch.empty(0, dtype=compute, device=ctx.device),
