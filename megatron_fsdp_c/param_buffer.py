@@ -83,6 +83,7 @@ class ParamRecord:
     aliases: list = dataclasses.field(default_factory=list)  # every qualified name it is registered under
     strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
     policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
+    shard_dim: int = 0              # torch's Shard(shard_dim) when sharded ([Note: chunked layout])
 
     def __post_init__(self):
         self.origin = self.param
@@ -150,6 +151,26 @@ def _row_size(shape: torch.Size) -> int:
     return max(1, math.prod(shape[1:]))
 
 
+def _rows_of(r: ParamRecord) -> tuple:
+    """(row, outer) of `r` for the planner: a row is the elements of one index of the sharded dim,
+    outer the blocks before it ([Note: chunked layout] in csrc/core/mfsdp_layout.h)."""
+    d = r.shard_dim
+    if d == 0 or r.replicated or math.prod(r.shape) == 0:
+        return _row_size(r.shape), 1
+    return math.prod(r.shape[d + 1:]), math.prod(r.shape[:d])
+
+
+def local_shape(shape: torch.Size, dim: int, world: int, rank: int) -> tuple:
+    """The shape of rank `rank`'s Shard(dim) local tensor of a parameter of `shape` over `world`
+    ranks: torch.chunk's piece, so the last ranks may hold fewer rows, or none."""
+    if not shape:
+        return ()
+    rows = shape[dim]
+    chunk = -(-rows // world)
+    lo = min(rank * chunk, rows)
+    return (*shape[:dim], min(lo + chunk, rows) - lo, *shape[dim + 1:])
+
+
 class ParamBuffer:
     """Builds the plan and the engine for one model and keeps the parameter records."""
 
@@ -163,8 +184,9 @@ class ParamBuffer:
         codes = _C.DTYPE_CODES
         plan_input = []
         for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
-            plan_input.append((math.prod(r.shape), _row_size(r.shape), codes[engine_dtype(r.param.dtype)], r.unit,
-                               int(r.param.requires_grad), int(r.replicated)))
+            row, outer = _rows_of(r)
+            plan_input.append((math.prod(r.shape), row, codes[engine_dtype(r.param.dtype)], r.unit,
+                               int(r.param.requires_grad), int(r.replicated), outer))
         shard_world = 1 if strategy == 0 else ctx.pieces
         self.plan = _C.plan(plan_input, shard_world, ctx.piece_rank if shard_world > 1 else 0, bucket_cap,
                             ALIGN_BYTES)
@@ -212,7 +234,7 @@ class ParamBuffer:
         return dict(
             shards=bp["shards"], shard_rank=bp["shard_rank"], shard_size=bp["shard_size"],
             weight_size=bp["weight_size"], numels=bp["numels"], pieces=bp["pieces"],
-            param_offsets=bp["param_offsets"], shard_offsets=bp["shard_offsets"],
+            param_offsets=bp["param_offsets"], shard_offsets=bp["shard_offsets"], outers=bp["outers"],
             param_dtype=codes[dtype], main_dtype=codes[main], grad_dtype=codes[grad], comm_dtype=codes[comm],
             weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
                                 and strategy == 3),
@@ -376,7 +398,7 @@ class ParamBuffer:
         return report
 
     def placement(self, r: ParamRecord):
-        return Shard(0) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
+        return Shard(r.shard_dim) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
 
     def dtensor(self, r: ParamRecord, kind: int) -> DTensor:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD, OPT_GRAD) as a DTensor."""
@@ -402,7 +424,7 @@ class ParamBuffer:
 
     def local_view(self, r: ParamRecord, kind: int) -> torch.Tensor:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD or OPT_GRAD): a view shaped as
-        torch's Shard(0) local tensor (the whole parameter when the bucket is not sharded)."""
+        torch's Shard(d) local tensor (the whole parameter when the bucket is not sharded)."""
         where, offset, n = self.engine.local_piece(r.bucket, r.item, kind)
         # A tensor of its own over the same memory (storage offset 0, keeping the buffer alive):
         # torch pickles a DTensor whose local tensor sits at a storage offset through the
@@ -412,7 +434,8 @@ class ParamBuffer:
             flat = flat.view(r.param.dtype)
         if self.plan[r.bucket]["shards"] == 1 or r.replicated:
             return flat.view(r.shape)
-        return flat.view(-1, *r.shape[1:]) if len(r.shape) > 1 else flat
+        bp = self.plan[r.bucket]  # rank-major: torch.chunk's piece, contiguous
+        return flat.view(local_shape(r.shape, r.shard_dim, bp["shards"], bp["shard_rank"]))
 
     # -- views used by the wrapper --------------------------------------------------------
     def buckets_of_unit(self, unit: int) -> tuple:

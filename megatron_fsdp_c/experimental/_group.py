@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._common import contiguous_stride
 from .._distributed import DistContext, make_dist_context
+from ..param_buffer import local_shape
 from ..no_shard import is_no_shard
 from ._policy import check_param_dtype
 
@@ -208,24 +209,45 @@ def _group_params(modules, ignored) -> List[tuple]:
     return places
 
 
-def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: torch.device) -> nn.Parameter:
-    """This rank's torch.chunk rows of `p` (or all of it, replicated) as a DTensor Parameter."""
+def _to_dtensor(p: nn.Parameter, ctx: DistContext, dim: Optional[int], device: torch.device) -> nn.Parameter:
+    """This rank's torch.chunk piece of `p` along `dim` (None: all of it, replicated) as a DTensor
+    Parameter; its local tensor is contiguous, as FSDP2's is."""
     shape = p.shape
     data = p.detach()
     if not data.is_meta and data.device != device:
         data = data.to(device)
-    if replicated:
+    if dim is None:
         placement, local = Replicate(), data
     else:
-        rows = shape[0]
-        chunk = -(-rows // ctx.world)
-        lo = min(ctx.rank * chunk, rows)
-        hi = min(lo + chunk, rows)
-        placement = Shard(0)
-        local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=data.dtype, device="meta") if data.is_meta \
-            else data[lo:hi].clone()
-    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape, stride=contiguous_stride(shape))
+        placement = Shard(dim)
+        lshape = local_shape(shape, dim, ctx.world, ctx.rank)
+        lo = min(ctx.rank * -(-shape[dim] // ctx.world), shape[dim])
+        local = torch.empty(lshape, dtype=data.dtype, device="meta") if data.is_meta \
+            else data.narrow(dim, lo, lshape[dim]).clone(memory_format=torch.contiguous_format)
+    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape,
+                            stride=contiguous_stride(shape))
     return nn.Parameter(dt, requires_grad=p.requires_grad)
+
+
+def _shard_dim(p: nn.Parameter, placement, what: str, world: int, sharded: bool) -> int:
+    """The dim shard_placement_fn chose for `p` (None: 0), checked as FSDP2 checks it: Shard(-1) is
+    the last dim, a dim past the last is an AssertionError, and a dim other than 0 must split
+    evenly over the shard group (NotImplementedError), with torch's messages."""
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard) or type(placement) is not Shard:
+        raise ValueError(f"shard_placement_fn returned {placement!r} for {what}: megatron_fsdp_c takes None or "
+                         "Shard(dim) (a per-parameter mesh, ShardPlacementResult, or a Shard subclass is not "
+                         "supported)")
+    dim = placement.dim + p.ndim if placement.dim < 0 else placement.dim
+    if p.ndim == 0:
+        return 0  # a 0-d parameter is replicated (no dim to shard)
+    if dim >= p.ndim:
+        raise AssertionError(f"Shard dim {dim} is invalid for {p.ndim}D tensor: {p.shape}")
+    if sharded and dim > 0 and p.shape[dim] % world != 0:
+        raise NotImplementedError(f"FSDP does not support uneven sharding on dim {dim}: {p.shape} (world size: "
+                                  f"{world})")
+    return dim
 
 
 def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: int, mp_policy,
@@ -233,7 +255,8 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
                spmd_mesh: Optional[DeviceMesh] = None) -> ShardGroup:
     """One fully_shard call's group: its parameters become DTensor Parameters on the modules, and
     each module points at the group (`_mfsdp_group`). The arguments are checked already; `mesh` is
-    the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims)."""
+    the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims). Every parameter
+    is checked before any is converted, so a refusal leaves the modules as they were."""
     plain = {}  # a DTensor parameter tied within the group stays tied as a plain one
     places = [(mod, attr, plain.setdefault(id(p), _plain(p, spmd_mesh))) for mod, attr, p in _group_params(modules, ignored)]
     devices = {p.device.type for _, _, p in places if not p.is_meta}
@@ -250,28 +273,29 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
 
     # A parameter a group has sharded carries `_mfsdp_sharded_by`: one registered in two groups (tied
     # weights split across fully_shard calls) is caught instead of silently untied.
-    converted = {}  # id(original) -> DTensor Parameter (a parameter tied within the group stays tied)
+    dims = {}  # id(original) -> its shard dim, None when replicated (a parameter tied within the group once)
     for mod, attr, p in places:
+        what = f"parameter '{attr}' of {type(mod).__name__}"
         if isinstance(p, DTensor):
-            raise ValueError(f"parameter '{attr}' of {type(mod).__name__} is already a DTensor: fully_shard takes "
-                             "plain parameters (tensor parallelism with the per-module API is not supported yet)")
-        check_plain_tensor(p, f"parameter '{attr}' of {type(mod).__name__}")
-        check_param_dtype(p, f"parameter '{attr}' of {type(mod).__name__}", mp_policy)
+            raise ValueError(f"{what} is already a DTensor: fully_shard takes plain parameters (tensor parallelism "
+                             "with the per-module API is not supported yet)")
+        check_plain_tensor(p, what)
+        check_param_dtype(p, what, mp_policy)
         other = getattr(p, "_mfsdp_sharded_by", None)  # not a weak dict: tensors compare by value
-        if other is not None and id(p) not in converted:
+        if other is not None and id(p) not in dims:
             raise ValueError(
-                f"parameter '{attr}' of {type(mod).__name__} is shared with {other}, which fully_shard already "
-                "sharded in another group: a parameter can belong to one group only. Shard a module containing "
-                "every place it is registered (their common parent), or untie it")
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0
-                                              and type(placement) is Shard):
-                raise ValueError(f"shard_placement_fn returned {placement!r} for '{attr}' of {type(mod).__name__}: "
-                                 "megatron_fsdp_c shards dim 0 only; return None or Shard(0)")
-        if id(p) not in converted:
+                f"{what} is shared with {other}, which fully_shard already sharded in another group: a parameter "
+                "can belong to one group only. Shard a module containing every place it is registered (their "
+                "common parent), or untie it")
+        if id(p) not in dims:
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
-            converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device)
+            placement = shard_placement_fn(p) if shard_placement_fn is not None else None
+            dim = _shard_dim(p, placement, what, ctx.world, not replicated)
+            dims[id(p)] = None if replicated else dim
+    converted = {}  # id(original) -> DTensor Parameter
+    for mod, attr, p in places:
+        if id(p) not in converted:
+            converted[id(p)] = _to_dtensor(p, ctx, dims[id(p)], ctx.device)
             p._mfsdp_sharded_by = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,

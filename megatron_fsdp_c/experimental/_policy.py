@@ -67,4 +67,4 @@ def check_policies(mp_policy, offload_policy, shard_placement_fn) -> None:
         if type(offload_policy).__name__ != "OffloadPolicy":
             raise TypeError(f"offload_policy must be torch's OffloadPolicy() or None, got {type(offload_policy).__name__}")
     if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError("shard_placement_fn must be a callable (parameter -> None or Shard(0))")
+        raise TypeError("shard_placement_fn must be a callable (parameter -> None or Shard(dim))")

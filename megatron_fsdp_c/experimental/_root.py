@@ -70,6 +70,7 @@ class RootState(EngineOwner):
                                                requires_grad=dp.requires_grad)
                     r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, dp.shape, u, [(mod, attr)])
                     r.replicated = isinstance(dp.placements[-1], Replicate)  # the shard dim is the last
+                    r.shard_dim = 0 if r.replicated else dp.placements[-1].dim
                     r.strategy, r.policy, r.dist_param = g.strategy, policy, dp
                     r.aliases.append(name)
                     records.append(r)
