@@ -5,7 +5,8 @@
    the unit runs; the view stays valid (see [Note: storage resize] in csrc/comm/buffers.c).
 2. The distributed parameter: an nn.Parameter holding a DTensor whose local tensor is a view
    of this rank's rows of the main weights: torch's own Shard(0) (rank r holds the torch.chunk
-   rows [r*ceil(R/W), ...), see [Note: chunked layout] in csrc/core/mfsdp_layout.h), or
+   rows [r*ceil(R/W), ...), see [Note: chunked layout] in csrc/core/mfsdp_layout.h) or Shard(d)
+   of the per-module API's shard_placement_fn (torch.chunk along d, made contiguous), or
    Replicate() for no_shard and replicated parameters. The optimizer steps it in place.
 3. The gradient DTensor: same placement, a view of the optimizer-gradient buffer (OPT_GRAD).
 

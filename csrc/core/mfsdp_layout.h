@@ -26,7 +26,7 @@
  * elements); every block is split by the same torch.chunk rule, and a rank's piece is its rows
  * of every block, block after block: rank r's piece is exactly torch.chunk(w, world, dim=d)[r]
  * made contiguous, the local tensor of torch's Shard(d) DTensor. In the parameter-major layout
- * its rows of block j start at j * (rows * row) + r * c * row (mfsdp_piece_blocks), so a copy
+ * its rows of block j start at j * (rows * row) + r * c * row (mfsdp_piece_runs), so a copy
  * between the layouts moves `outer` runs per rank instead of one; dim 0 is outer = 1.
  *
  * Grouping: parameters are grouped by the key (unit, dtype, requires_grad, replicated), groups
@@ -71,7 +71,7 @@ typedef struct mfsdp_bucket_layout {
 typedef struct mfsdp_bucket_plan {
   int32_t unit, dtype, requires_grad, replicated;
   int32_t* params;     /* caller's parameter indices, in layout order */
-  int64_t* row_sizes;  /* elements per dim-0 row of each item */
+  int64_t* row_sizes;  /* elements per row (one index of the sharded dim) of each item */
   mfsdp_bucket_layout layout; /* its arrays are owned by the plan */
 } mfsdp_bucket_plan;
 

@@ -44,6 +44,7 @@ typedef struct pipe_case {
   int per_token;     /* prescale 1 (sum) instead of 1/world */
   int fail_after;    /* inject a collective failure; -1: none */
   int direct_init;   /* initialise shards directly (meta-device path) */
+  int blocked;       /* items sharded on an inner dim: BLOCKED's outers ([Note: chunked layout]) */
 } pipe_case;
 
 typedef struct pipe_thread {
@@ -57,6 +58,9 @@ typedef struct pipe_thread {
 
 static const int64_t SHAPES[][2] = {{12, 4}, {5, 1}, {6, 2}, {3, 1}, {8, 8}};
 #define N_ITEMS 5
+/* (numel, row, outer) for the blocked cases: torch's Shard(1) of shapes (3, 4, 2), (5,), (2, 6, 3),
+ * (8, 1) -- one row per block, so every rank but the first holds nothing -- and Shard(0) of (1, 8). */
+static const int64_t BLOCKED[N_ITEMS][3] = {{24, 2, 3}, {5, 1, 1}, {36, 3, 2}, {8, 1, 8}, {8, 8, 1}};
 
 static double init_value(int item, int64_t j) { return 0.25 * item + 0.001 * (double)j; }
 static double grad_value(int rank, int mb, int item, int64_t j) {
@@ -72,7 +76,8 @@ static void* pipe_worker(void* arg) {
   int W = c->world, r = t->rank;
   mfsdp_param_info infos[N_ITEMS];
   for (int i = 0; i < N_ITEMS; ++i)
-    infos[i] = (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0};
+    infos[i] = c->blocked ? (mfsdp_param_info){BLOCKED[i][0], BLOCKED[i][1], c->param_dtype, 0, 1, 0, BLOCKED[i][2]}
+                          : (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0, 1};
   int shard_world = c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
   mfsdp_plan plan;
   CHECK_OK(mfsdp_plan_build(infos, N_ITEMS, shard_world, 0, 16, &plan));
@@ -172,16 +177,20 @@ static void* pipe_worker(void* arg) {
   double scale = c->op == MFSDP_REDUCE_AVG ? 1.0 / W : prescale;
   double tol = tolerance(c->comm_dtype) + tolerance(c->grad_dtype);
   wrong = 0;
-  for (int i = 0; i < L->n_items; ++i) { /* this rank's rows of each item: its Shard(0) piece */
+  for (int i = 0; i < L->n_items; ++i) { /* this rank's rows of each item: its Shard(d) piece, run after run */
     int32_t where;
-    int64_t at_off, first, n;
+    int64_t at_off, n;
     CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_OPT_GRAD, &where, &at_off, &n));
-    mfsdp_piece_of(L->numels[i], L->pieces[i], spec.shard_rank, &first, &n);
-    for (int64_t j = first; j < first + n; ++j) {
+    mfsdp_runs ru;
+    mfsdp_piece_runs(L->numels[i], L->pieces[i], mfsdp_layout_outer(L, i), spec.shard_rank, &ru);
+    CHECK(n == ru.count * ru.len, "%s rank %d item %d: local piece of %lld elements, runs of %lld", c->name, r, i,
+          (long long)n, (long long)(ru.count * ru.len));
+    for (int64_t at = 0; at < ru.count * ru.len; ++at) {
+      int64_t j = ru.first + (at / (ru.len ? ru.len : 1)) * ru.stride + at % (ru.len ? ru.len : 1); /* in the item */
       double want = 0;
       for (int mb = 0; mb < c->micro; ++mb)
         for (int k = 0; k < W; ++k) want += grad_value(k, mb, bp->params[i], j) * scale;
-      double got = load_as_double(og->data, c->main_dtype, at_off + j - first);
+      double got = load_as_double(og->data, c->main_dtype, at_off + at);
       if (fabs(got - want) > tol * (fabs(want) + 1e-3)) {
         if (wrong < 3) fprintf(stderr, "  %s rank %d item %d elem %lld: got %g want %g\n", c->name, r, i, (long long)j, got, want);
         wrong++;
@@ -273,6 +282,12 @@ void run_pipeline_cases(const pipe_rig* rig, int max_world, int force_comm) {
         {"zero3 direct init", world, RSA, 1, 0, 1, 0, F, F, F, F, SUM, 0, -1, 1},
         {"zero3 direct init bf16 + fp32 main", world, RSA, 1, 0, 1, 0, B, F, F, F, SUM, 0, -1, 1},
         {"zero1 direct init", world, RSI, 0, 1, 1, 0, F, F, F, F, SUM, 0, -1, 1},
+        /* items sharded on an inner dim: every copy between the layouts moves one run per block */
+        {"zero3 blocked", world, RSA, 1, 0, 2, 0, F, F, F, F, SUM, 0, -1, 0, 1},
+        {"zero3 blocked direct init bf16 + fp32 main", world, RSA, 1, 0, 1, 0, B, F, F, F, SUM, 0, -1, 1, 1},
+        {"zero2 blocked", world, RSA, 0, 1, 2, 0, F, F, F, F, SUM, 0, -1, 0, 1},
+        {"zero1 blocked direct init", world, RSI, 0, 1, 3, 1, F, F, F, F, SUM, 0, -1, 1, 1},
+        {"no_shard blocked", world, AR, 0, 0, 2, 1, F, F, F, F, SUM, 0, -1, 0, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) run_pipe_case(&cases[k], rig, force_comm);
   }

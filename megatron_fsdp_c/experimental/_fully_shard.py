@@ -3,7 +3,8 @@
 [Note: per-module groups]
 Each fully_shard call forms one group: the parameters of its module(s) that are not already in
 the group of a submodule (fully_shard is applied bottom-up, as with FSDP2). The call turns them
-into DTensor parameters at once -- torch's Shard(0) rows, or Replicate() for no_shard groups,
+into DTensor parameters at once -- torch's Shard(0) rows (Shard(d) where shard_placement_fn
+says so), or Replicate() for no_shard groups,
 fsdp_no_shard marks and 0-d parameters -- so an optimizer built afterwards holds them, and it
 swaps the module's class to FSDP<Class>. Nothing is communicated yet.
 
@@ -61,7 +62,10 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     parameters may be DTensors replicated over it. Other dims of size > 1 (tensor parallelism)
     raise NotImplementedError. mp_policy takes torch's MixedPrecisionPolicy (param_dtype,
     reduce_dtype, output_dtype, cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may
-    return None or Shard(0); offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy
+    return None or Shard(dim) for any dim of the parameter, as FSDP2 checks it (a negative dim counts
+    from the last; a dim other than 0 must split evenly over the shard group: NotImplementedError
+    otherwise; laid out as [Note: chunked layout] in csrc/core/mfsdp_layout.h says, one all-gather
+    and one reduce-scatter per bucket as for Shard(0)); offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy
     is not supported yet).
 
     Beyond torch's arguments: zero_dp_strategy (default "optim_grads_params") gives the group

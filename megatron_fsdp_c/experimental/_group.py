@@ -242,7 +242,7 @@ def _shard_dim(p: nn.Parameter, placement, what: str, world: int, sharded: bool)
     dim = placement.dim + p.ndim if placement.dim < 0 else placement.dim
     if p.ndim == 0:
         return 0  # a 0-d parameter is replicated (no dim to shard)
-    if dim >= p.ndim:
+    if not 0 <= dim < p.ndim:  # (FSDP2 lets a dim still negative once normalised through; we refuse it too)
         raise AssertionError(f"Shard dim {dim} is invalid for {p.ndim}D tensor: {p.shape}")
     if sharded and dim > 0 and p.shape[dim] % world != 0:
         raise NotImplementedError(f"FSDP does not support uneven sharding on dim {dim}: {p.shape} (world size: "
