@@ -188,8 +188,10 @@ class HookManager:
                 functools.partial(post_forward, unit), always_call=False))
         for rec in self.owner.param_buffer.records:
             if rec.requires_grad:
+                # a TP parameter's gradient: its TP shard ([Note: tensor parallelism] in _tensor_parallel.py)
+                to_local = None if rec.tp is None else rec.tp.local_grad
                 self.handles.append(rec.param.register_post_accumulate_grad_hook(
-                    functools.partial(self.grad_hook, rec.index, rec.bucket, rec.item)))
+                    functools.partial(self.grad_hook, rec.index, rec.bucket, rec.item, to_local=to_local)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -352,12 +354,14 @@ class HookManager:
         if unit.releasable and unit.reshard_after_backward:
             self.engine.reshard(unit.releasable)
 
-    def grad_hook(self, index: int, bucket: int, item: int, param: torch.Tensor) -> None:
+    def grad_hook(self, index: int, bucket: int, item: int, param: torch.Tensor, *, to_local=None) -> None:
         self.start_backward()
         grad = param.grad
         if grad is None:
             return
         param.grad = None
+        if to_local is not None:
+            grad = to_local(grad)
         self.used[index] = 1
         self.engine.grad_ready(bucket, item, grad if grad.is_contiguous() else grad.contiguous())
 

@@ -29,9 +29,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
 from ._common import contiguous_stride
-from ._distributed import DistContext
-from .mixed_precision import MixedPrecisionPolicy
+from ._distributed import DistContext, check_quant_transport
+from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 from .no_shard import is_no_shard
+from ._tensor_parallel import TPSpec, spmd_layout
 
 __all__ = ["ParamRecord", "ParamBuffer", "collect_params"]
 
@@ -85,6 +86,8 @@ class ParamRecord:
     strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
     policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
     shard_dim: int = 0              # torch's Shard(shard_dim) when sharded ([Note: chunked layout])
+    tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
+    quant: Optional[QuantizedCommPolicy] = None  # and its quantized communication (None: the model's)
 
     def __post_init__(self):
         self.origin = self.param
@@ -177,7 +180,7 @@ class ParamBuffer:
 
     def __init__(self, records: List[ParamRecord], strategy: int, policy: MixedPrecisionPolicy, ctx: DistContext,
                  *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str,
-                 single_rank_collectives: bool = False):
+                 single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None):
         self.single_rank_collectives = single_rank_collectives
         self.records = records
         self.strategy = strategy
@@ -197,7 +200,9 @@ class ParamBuffer:
         for b, bp in enumerate(self.plan):
             first = records[bp["params"][0]] if bp["params"] else None
             spec = self._bucket_spec(bp, dtype_of[bp["dtype"]], self.strategy_of(first),
-                                     (first.policy if first is not None and first.policy else policy))
+                                     (first.policy if first is not None and first.policy else policy),
+                                     (first.quant if first is not None and first.quant else quant_policy),
+                                     first.name if first is not None else "")
             specs.append(spec)
             for i, (pi, local) in enumerate(zip(bp["params"], bp["local"])):
                 rec = records[pi]
@@ -208,6 +213,8 @@ class ParamBuffer:
         if reduce_queue_bytes is None:
             reduce_queue_bytes = 4 * max_grad_bytes  # a few reductions in flight, never the whole model
         self.specs = specs
+        if any(s.get("wire_weights") or s.get("wire_grads") or s.get("wire_outer_weights") for s in specs):
+            check_quant_transport(ctx)
         self.engine = _C.Engine(specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
                                 ctx.device, ctx.transport, single_rank_collectives,
                                 outer_transport=ctx.outer_transport, outer_world=ctx.outer_world,
@@ -217,11 +224,25 @@ class ParamBuffer:
     def strategy_of(self, record: Optional[ParamRecord]) -> int:
         return self.strategy if record is None or record.strategy is None else record.strategy
 
-    def _bucket_spec(self, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy) -> dict:
+    def _bucket_spec(self, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy,
+                     quant: Optional[QuantizedCommPolicy], name: str) -> dict:
         trainable = bp["requires_grad"] and dtype.is_floating_point
         main = grad = comm = dtype
         if trainable:
             main, grad, comm = policy.resolve(dtype)
+        wire = {}
+        if quant is not None and quant.enabled:
+            wire = quant.wire_spec()
+            if trainable and quant.grads is not None:
+                # [Note: quantized communication] in csrc/comm/wire.c: the pieces are quantized from, and
+                # summed in, the main gradients; the wire format replaces the communication dtype
+                if grad not in (torch.float32, torch.float64):
+                    raise ValueError(
+                        f"QuantizedCommPolicy(grads={quant.grads!r}) sums the dequantized gradients in the main "
+                        f"gradient dtype, which is {grad} for parameter '{name}': use float32 main gradients "
+                        "(MixedPrecisionPolicy(main_grads_dtype=torch.float32), or float32 parameters under "
+                        "torch's MixedPrecisionPolicy)")
+                comm = grad
         codes = _C.DTYPE_CODES
         sharded = bp["shards"] > 1
         if not trainable:
@@ -241,6 +262,7 @@ class ParamBuffer:
                                 and strategy == 3),
             weights_regather=int(sharded and strategy in (1, 2)),
             grad_mode=grad_mode,
+            **wire,
         )
 
     # -- initialisation -------------------------------------------------------------------
@@ -253,7 +275,8 @@ class ParamBuffer:
         for b in (range(len(self.plan)) if bucket_ids is None else bucket_ids):
             self.engine.init_begin(b)
             for r in by_bucket.get(b, []):
-                self.engine.set_item(b, r.item, _into_engine(r.param.detach()))
+                data = r.param._local_tensor if r.tp is not None and r.tp.dtensor_compute else r.param
+                self.engine.set_item(b, r.item, _into_engine(data.detach()))
             self.point_compute_params(by_bucket.get(b, []))  # while the full weights exist
             self.engine.init_end(b)
 
@@ -296,7 +319,11 @@ class ParamBuffer:
         for r in records:
             full = self.engine.tensor(r.bucket, _C.BUF_WEIGHT)
             offset = self.plan[r.bucket]["param_offsets"][r.item]
-            r.param.data = _as(full.narrow(0, offset, math.prod(r.shape)), r.param.dtype).view(r.shape)
+            view = _as(full.narrow(0, offset, math.prod(r.shape)), r.param.dtype).view(r.shape)
+            if r.tp is not None and r.tp.dtensor_compute:
+                r.param._local_tensor = view  # a DTensor on the TP mesh over the TP shard
+            else:
+                r.param.data = view
 
     def load_from_meta(self, root: nn.Module, device: torch.device) -> dict:
         """Materialises a meta-device model one module at a time, in module (construction) order
@@ -387,6 +414,7 @@ class ParamBuffer:
                 persistent["grad"] += nbytes(grad_full)
             persistent["grad"] += nbytes(t(_C.BUF_GRAD_SHARD)) + nbytes(t(_C.BUF_OPT_GRAD))
             temporary += nbytes(t(_C.BUF_COMM)) + nbytes(t(_C.BUF_EXCHANGE))
+            temporary += sum(nbytes(t(kind)) for kind in (_C.BUF_GATHER_WIRE, _C.BUF_GRAD_WIRE, _C.BUF_OUTER_WIRE))
         optim = 0
         if optimizer is not None:
             for state in optimizer.state.values():
@@ -401,11 +429,20 @@ class ParamBuffer:
     def placement(self, r: ParamRecord):
         return Shard(r.shard_dim) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
 
+    def layout(self, r: ParamRecord) -> tuple:
+        """(mesh, placements, global shape) of `r`'s DTensors: the data-parallel mesh, or with TP
+        the (data-parallel..., tp) mesh (see [Note: tensor parallelism] in _tensor_parallel.py)."""
+        placements = self.ctx.placements(self.placement(r))
+        if r.tp is None:
+            return self.ctx.mesh, placements, r.shape
+        mesh, placements = spmd_layout(r.tp, self.ctx.mesh, placements, f"parameter '{r.name}'")
+        return mesh, placements, r.tp.shape
+
     def dtensor(self, r: ParamRecord, kind: int) -> DTensor:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD, OPT_GRAD) as a DTensor."""
-        return DTensor.from_local(self.local_view(r, kind), self.ctx.mesh, self.ctx.placements(self.placement(r)),
-                                  run_check=False,
-                                  shape=r.shape, stride=contiguous_stride(r.shape))
+        mesh, placements, shape = self.layout(r)
+        return DTensor.from_local(self.local_view(r, kind), mesh, placements, run_check=False,
+                                  shape=shape, stride=contiguous_stride(shape))
 
     def build_dist_params(self, owner, existing: bool = False) -> None:
         """The distributed parameters (and gradient DTensors) over the engine's buffers. With

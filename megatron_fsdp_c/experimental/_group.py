@@ -19,6 +19,7 @@ from .._distributed import DistContext, make_dist_context
 from ..param_buffer import local_shape
 from ..no_shard import is_no_shard
 from ._policy import check_param_dtype
+from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
 __all__ = ["ShardGroup", "dp_mesh_of", "form_group", "group_of", "post_forward_world"]
 
@@ -50,6 +51,9 @@ class ShardGroup:
     unshard_in_backward: bool = True       # accepted settings with no effect here ([Note: torch's FSDPModule])
     force_sum_reduction: bool = False
     torch_state: Optional[object] = None   # what torch's code finds under its state key (_torch_state.py)
+    tp_specs: List[Optional[TPSpec]] = dataclasses.field(default_factory=list)  # per place: a TP parameter's
+                                           # spec ([Note: tensor parallelism] in ../_tensor_parallel.py), or None
+    quant_policy: Optional[object] = None  # its QuantizedCommPolicy (fully_shard's quantized_comm_policy)
 
 
 def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:
@@ -77,11 +81,13 @@ def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
     model_parallel = [n for n in names if n not in shard + replicate and mesh.size(names.index(n)) > 1]
     if model_parallel:
+        # torch computes with DTensors on the whole SPMD mesh here (the batch a DTensor too); ours
+        # composes TP through the data-parallel sub-mesh instead ([Note: tensor parallelism])
         raise NotImplementedError(
             f"fully_shard(dp_mesh_dims=...) on a mesh with the model-parallel dims {model_parallel} (tensor, "
-            "context or expert parallelism): megatron_fsdp_c's per-module API shards plain data parallelism "
-            "only so far (tensor parallelism is a later issue). Use torch.distributed.fsdp.fully_shard for "
-            "this model, or a mesh whose dims are all data-parallel")
+            "context or expert parallelism) is not supported by megatron_fsdp_c's per-module API (a later issue "
+            "for tensor parallelism in this form). For tensor parallelism use torchtitan's recipe: "
+            "parallelize_module(model, mesh['tp'], plan), then fully_shard(module, mesh=mesh['dp'])")
     key = (id(mesh), shard, replicate)
     if key not in _DP_MESHES:
         if shard and replicate:
@@ -209,11 +215,13 @@ def _group_params(modules, ignored) -> List[tuple]:
     return places
 
 
-def _to_dtensor(p: nn.Parameter, ctx: DistContext, dim: Optional[int], device: torch.device) -> nn.Parameter:
+def _to_dtensor(p: nn.Parameter, ctx: DistContext, dim: Optional[int], device: torch.device,
+                tp: Optional[TPSpec] = None, what: str = "") -> nn.Parameter:
     """This rank's torch.chunk piece of `p` along `dim` (None: all of it, replicated) as a DTensor
-    Parameter; its local tensor is contiguous, as FSDP2's is."""
-    shape = p.shape
-    data = p.detach()
+    Parameter, its local tensor contiguous as FSDP2's is; of its TP shard for a TP parameter, on the
+    (data-parallel..., tp) mesh ([Note: tensor parallelism])."""
+    data = (p._local_tensor if tp is not None else p).detach()
+    shape = data.shape
     if not data.is_meta and data.device != device:
         data = data.to(device)
     if dim is None:
@@ -224,8 +232,11 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, dim: Optional[int], device: t
         lo = min(ctx.rank * -(-shape[dim] // ctx.world), shape[dim])
         local = torch.empty(lshape, dtype=data.dtype, device="meta") if data.is_meta \
             else data.narrow(dim, lo, lshape[dim]).clone(memory_format=torch.contiguous_format)
-    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape,
-                            stride=contiguous_stride(shape))
+    mesh, placements = ctx.mesh, ctx.placements(placement)
+    if tp is not None:
+        mesh, placements = spmd_layout(tp, mesh, placements, what)
+        shape = tp.shape
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
@@ -273,13 +284,13 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
 
     # A parameter a group has sharded carries `_mfsdp_sharded_by`: one registered in two groups (tied
     # weights split across fully_shard calls) is caught instead of silently untied.
-    dims = {}  # id(original) -> its shard dim, None when replicated (a parameter tied within the group once)
+    dims = {}   # id(original) -> its shard dim, None when replicated (a parameter tied within the group once)
+    tp_of = {}  # id(original) -> its TPSpec (a DTensor parameter from parallelize_module), or None
     for mod, attr, p in places:
         what = f"parameter '{attr}' of {type(mod).__name__}"
-        if isinstance(p, DTensor):
-            raise ValueError(f"{what} is already a DTensor: fully_shard takes plain parameters (tensor parallelism "
-                             "with the per-module API is not supported yet)")
-        check_plain_tensor(p, what)
+        if id(p) not in tp_of:
+            tp_of[id(p)] = dtensor_tp_spec(p, what, ctx.mesh) if isinstance(p, DTensor) else None
+        check_plain_tensor(p._local_tensor if tp_of[id(p)] is not None else p, what)
         check_param_dtype(p, what, mp_policy)
         other = getattr(p, "_mfsdp_sharded_by", None)  # not a weak dict: tensors compare by value
         if other is not None and id(p) not in dims:
@@ -291,15 +302,20 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
             placement = shard_placement_fn(p) if shard_placement_fn is not None else None
             dim = _shard_dim(p, placement, what, ctx.world, not replicated)
+            if tp_of[id(p)] is not None and dim != 0 and not replicated:
+                raise NotImplementedError(f"shard_placement_fn returned Shard({dim}) for {what}, a tensor-parallel "
+                                          "DTensor: megatron_fsdp_c shards tensor-parallel parameters on dim 0 only "
+                                          "(return None or Shard(0) for them)")
             dims[id(p)] = None if replicated else dim
     converted = {}  # id(original) -> DTensor Parameter
     for mod, attr, p in places:
         if id(p) not in converted:
-            converted[id(p)] = _to_dtensor(p, ctx, dims[id(p)], ctx.device)
+            converted[id(p)] = _to_dtensor(p, ctx, dims[id(p)], ctx.device, tp_of[id(p)],
+                                           f"parameter '{attr}' of {type(mod).__name__}")
             p._mfsdp_sharded_by = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
-                       mp_policy, reshard_after_forward)
+                       mp_policy, reshard_after_forward, tp_specs=[tp_of[id(p)] for _, _, p in places])
     for m in modules:
         m._mfsdp_group = group
     return group
