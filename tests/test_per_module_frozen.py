@@ -170,8 +170,6 @@ KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict x
         'gradient buffers are planned at the first forward from requires_grad: unfreezing later gives no gradients',
     'unfreeze_after_first_forward':
         'gradient buffers are planned at the first forward from requires_grad: unfreezing later gives no gradients',
-    'integer_parameter':
-        "integer parameters are refused by the engine's dtype check (FSDP2 shards them as they are)",
 }
 
 

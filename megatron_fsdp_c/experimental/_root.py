@@ -19,7 +19,7 @@ from .._sharded import EngineOwner
 from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
-from ._group import ShardGroup, check_origins, group_of, refresh_places, root_of
+from ._group import ShardGroup, check_origins, check_plain_tensor, group_of, refresh_places
 from ._policy import cast_floats, engine_policy, is_torch_policy
 from ._registration import Registration, to_sharded_hook
 
@@ -73,6 +73,8 @@ class RootState(Registration, EngineOwner):
                 name = fqn(mod, attr)
                 r = by_param.get(id(dp))
                 if r is None:
+                    # hooks set on the local shard after fully_shard (FSDP2 finds them there)
+                    check_plain_tensor(dp._local_tensor, f"the local shard of parameter '{name}'")
                     compute, policy = engine_policy(g.mp_policy, dp.dtype)
                     # the compute parameter: pointed at the full weights by load_locals; a TP
                     # parameter's is a DTensor on the TP mesh over its gathered TP shard
@@ -83,6 +85,7 @@ class RootState(Registration, EngineOwner):
                     r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, shape, u, [(mod, attr)])
                     # the shard dim is the data-parallel mesh's last (a TP placement follows it)
                     r.replicated = isinstance(dp.placements[ctx.mesh.ndim - 1], Replicate)
+                    r.shard_dim = 0 if r.replicated else dp.placements[ctx.mesh.ndim - 1].dim
                     r.strategy, r.policy, r.dist_param, r.tp = g.strategy, policy, dp, tp
                     r.quant = g.quant_policy
                     r.aliases.append(name)
@@ -335,9 +338,17 @@ def _post_order(root: nn.Module) -> List[nn.Module]:
     return out
 
 
+def root_of(g: ShardGroup) -> nn.Module:
+    """The module whose first forward (or unshard()) initialises `g`'s engine: the outermost
+    sharded module above g (FSDP2's root: the model), found through the groups' parents."""
+    while g.parent is not None:
+        g = g.parent
+    return g.modules[0]
+
+
 def state_of(module) -> RootState:
     """The root state of `module`'s group. The first call for any group of a model is the lazy
-    init, through the model's root (root_of in _group.py): a first forward or unshard() of a
+    init, through the model's root (root_of): a first forward or unshard() of a
     child initialises every group under the root, as the root's first forward would."""
     g = group_of(module)
     if g.state is None:
