@@ -48,7 +48,8 @@ static void free_spec(mfsdp_bucket_spec* s) {
   memset(&s->layout, 0, sizeof s->layout);
 }
 
-/* A bucket dict as _C.plan makes it (plus the dtypes and modes the wrapper adds). */
+/* A bucket dict as _C.plan makes it (plus the dtypes and modes the wrapper adds; "frozen" is
+ * optional, default 0: [Note: requires_grad changes] in csrc/comm/trainable.c). */
 static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
   if (!PyDict_Check(d)) {
     PyErr_SetString(PyExc_TypeError, "bucket spec must be a dict");
@@ -68,7 +69,9 @@ static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
   *s = (mfsdp_bucket_spec){{(int32_t)v[0], n[0], a[0], a[1], a[2], a[3], v[10], v[2]}, (int32_t)v[1],
                            (int32_t)v[3], (int32_t)v[4], (int32_t)v[5], (int32_t)v[6], (int32_t)v[7], (int32_t)v[8],
                            (int32_t)v[9]};
-  if (!a[0] || !a[1] || !a[2] || !a[3] || n[1] != n[0] || n[2] != n[0] || n[3] != n[0]) {
+  PyObject* frozen = PyDict_GetItemString(d, "frozen");
+  int bad_flag = frozen != NULL && (s->frozen = PyObject_IsTrue(frozen)) < 0; /* the error is set */
+  if (bad_flag || !a[0] || !a[1] || !a[2] || !a[3] || n[1] != n[0] || n[2] != n[0] || n[3] != n[0]) {
     free_spec(s);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bucket spec: item tables of different lengths");
     return -1;
