@@ -55,6 +55,7 @@ class ParamRecord:
     aliases: list = dataclasses.field(default_factory=list)  # every qualified name it is registered under
     strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
     policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
+    trains_later: bool = False      # frozen at sharding but expected to train: its main weights are planned wide
 
     def __post_init__(self):
         self.origin = self.param
@@ -133,6 +134,9 @@ class ParamBuffer:
         self.strategy = strategy
         self.ctx = ctx
         codes = _C.DTYPE_CODES
+        trains_later = {id(r.origin) for r in records if getattr(r.origin, "_mfsdp_trains_later", False)}
+        for r in records:
+            r.trains_later = r.trains_later or id(r.origin) in trains_later
         plan_input = []
         for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
             plan_input.append((math.prod(r.shape), _row_size(r.shape), codes[r.param.dtype], r.unit,
@@ -143,21 +147,26 @@ class ParamBuffer:
         dtype_of = {code: dt for dt, code in codes.items()}
         specs = []
         max_grad_bytes = 0
+        self.train_error: Dict[int, str] = {}  # bucket -> why its parameters cannot start training
         for b, bp in enumerate(self.plan):
             first = records[bp["params"][0]] if bp["params"] else None
-            spec = self._bucket_spec(bp, dtype_of[bp["dtype"]], self.strategy_of(first),
-                                     (first.policy if first is not None and first.policy else policy))
+            spec = self._bucket_spec(b, bp, dtype_of[bp["dtype"]], self.strategy_of(first),
+                                     (first.policy if first is not None and first.policy else policy),
+                                     any(records[pi].trains_later for pi in bp["params"]))
             specs.append(spec)
             for i, (pi, local) in enumerate(zip(bp["params"], bp["local"])):
                 rec = records[pi]
                 rec.bucket, rec.item, rec.local = b, i, local
-            if spec["grad_mode"] != _C.GRAD_NONE:
+            if spec["trainable_mode"] != _C.GRAD_NONE:
                 width = torch.empty((), dtype=dtype_of[spec["comm_dtype"]]).element_size()
                 max_grad_bytes = max(max_grad_bytes, bp["bucket_size"] * width)
         if reduce_queue_bytes is None:
             reduce_queue_bytes = 4 * max_grad_bytes  # a few reductions in flight, never the whole model
-        self.specs = specs
-        self.engine = _C.Engine(specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
+        self.specs = specs  # "grad_mode" follows the engine: GRAD_NONE while the bucket has no gradient buffers
+        self.trainable_items = [int(bp["requires_grad"]) * bp["n_items"] if s["trainable_mode"] else 0
+                                for bp, s in zip(self.plan, specs)]
+        engine_specs = [dict(s, grad_mode=s["trainable_mode"]) for s in specs]
+        self.engine = _C.Engine(engine_specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
                                 ctx.device, ctx.transport, single_rank_collectives,
                                 outer_transport=ctx.outer_transport, outer_world=ctx.outer_world,
                                 outer_sharded=ctx.outer_sharded)
@@ -166,14 +175,31 @@ class ParamBuffer:
     def strategy_of(self, record: Optional[ParamRecord]) -> int:
         return self.strategy if record is None or record.strategy is None else record.strategy
 
-    def _bucket_spec(self, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy) -> dict:
-        trainable = bp["requires_grad"] and dtype.is_floating_point
+    def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy,
+                     trains_later: bool) -> dict:
+        """The engine's spec of bucket `b`. Every floating bucket gets the gradient mode and dtypes it
+        trains with, a frozen one marked `frozen` (no gradient memory until a parameter of it starts
+        training, [Note: changing requires_grad] in _trainable.py). A frozen bucket keeps main weights
+        of the compute dtype unless `trains_later` (else a wider main dtype would be memory for
+        nothing while it stays frozen): its parameters cannot start training then (train_error)."""
         main = grad = comm = dtype
-        if trainable:
-            main, grad, comm = policy.resolve(dtype)
+        can_train = dtype.is_floating_point
+        if can_train:
+            try:
+                main, grad, comm = policy.resolve(dtype)
+            except ValueError as e:
+                if bp["requires_grad"]:
+                    raise
+                can_train, self.train_error[b] = False, str(e)
+        if can_train and not bp["requires_grad"] and main != dtype and not trains_later:
+            self.train_error[b] = (
+                f"its main weights were planned in {dtype} (it was frozen at sharding), but training it needs "
+                f"{main} main weights: make it trainable before sharding and freeze it afterwards, or (fully_shard) "
+                "give fully_shard an optimizer that holds it")
+            main = dtype
         codes = _C.DTYPE_CODES
         sharded = bp["shards"] > 1
-        if not trainable:
+        if not can_train:
             grad_mode = _C.GRAD_NONE
         elif bp["replicated"] or strategy == 0:
             grad_mode = _C.GRAD_ALL_REDUCE
@@ -189,7 +215,8 @@ class ParamBuffer:
             weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
                                 and strategy == 3),
             weights_regather=int(sharded and strategy in (1, 2)),
-            grad_mode=grad_mode,
+            trainable_mode=grad_mode, frozen=int(not bp["requires_grad"]),
+            grad_mode=grad_mode if bp["requires_grad"] else _C.GRAD_NONE,
         )
 
     # -- initialisation -------------------------------------------------------------------
@@ -392,8 +419,8 @@ class ParamBuffer:
         return tuple(b for b, s in enumerate(self.specs) if s["weights_sharded"])
 
     def grad_buckets(self) -> tuple:
-        """Buckets with trainable parameters (they reduce gradients)."""
-        return tuple(b for b, s in enumerate(self.specs) if s["grad_mode"] != _C.GRAD_NONE)
+        """Buckets with trainable parameters now (they reduce gradients)."""
+        return tuple(b for b, n in enumerate(self.trainable_items) if n > 0)
 
     def gatherable_buckets(self) -> tuple:
         """Buckets whose full weights ever need an all-gather (ZeRO-1/2/3 with several ranks)."""

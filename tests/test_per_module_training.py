@@ -1115,12 +1115,6 @@ def container_activations(rank, world, ck, ckdir, kind):
 KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
     'unshard_child_first':
         "a child's first forward as its own root is refused: the first forward must go through the outermost sharded module (one engine per root, built there)",
-    'frozen_across_groups[reshard-unfreeze]':
-        'gradient buffers are planned at the first forward from requires_grad: unfreezing later gives no gradients',
-    'unfreeze_after_first_forward':
-        'gradient buffers are planned at the first forward from requires_grad: unfreezing later gives no gradients',
-    'integer_parameter':
-        "integer parameters are refused by the engine's dtype check (FSDP2 shards them as they are)",
 }
 
 

@@ -17,7 +17,11 @@ def is_torch_policy(mp) -> bool:
 
 
 def engine_policy(mp, param_dtype: torch.dtype):
-    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype`."""
+    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype`; (dtype,
+    None) for an integer or bool parameter, which is never cast and never trains (FSDP2 shards
+    such parameters as they are; the engine carries them as opaque elements)."""
+    if not param_dtype.is_floating_point:
+        return param_dtype, None
     if isinstance(mp, OurPolicy):
         return param_dtype, mp
     compute = mp.param_dtype or param_dtype

@@ -74,6 +74,7 @@ class RootState(EngineOwner):
         self.param_buffer.build_dist_params(self, existing=True)
         self._used = bytearray(len(records))
         self._has_grad = bytearray(len(records))
+        self._trainable = bytearray(int(r.requires_grad) for r in records)
         self._holds_dist_params = True
         self._seen = [r.dist_param._version for r in records]
         self.report_nan_in_param_grad = False
@@ -85,6 +86,7 @@ class RootState(EngineOwner):
         for u, g in enumerate(groups):
             g.state, g.unit = self, self.hooks.units[u]
             g.unit.members = len(g.modules)
+        self._track_requires_grad()
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
         self._swap_params(dist=True)
@@ -101,7 +103,8 @@ class RootState(EngineOwner):
             group_of(m).unit.pos for m in g.forward_prefetch if group_of(m).unit.pos >= 0]
         unit.backward_prefetch = None if g.backward_prefetch is None else [
             group_of(m).unit.bpos for m in g.backward_prefetch if group_of(m).unit.bpos >= 0]
-        grads = [b for b in self.buckets_of(g) if self.param_buffer.specs[b]["grad_mode"] != _C.GRAD_NONE]
+        # every bucket that can train, also while frozen ([Note: changing requires_grad] in ../_trainable.py)
+        grads = [b for b in self.buckets_of(g) if self.param_buffer.specs[b]["trainable_mode"] != _C.GRAD_NONE]
         if grads:
             engine.set_hold(grads, not g.requires_gradient_sync)
             if self.dist_ctx.outer_world > 1:
@@ -109,9 +112,14 @@ class RootState(EngineOwner):
             factor = g.divide_factor if g.divide_factor is not None else self.dist_ctx.dp_world
             engine.set_prescale(grads, 1.0 / factor)
 
+    def _trainable_changed(self) -> None:
+        for g in self.groups:  # backward prefetch targets name positions in the backward order
+            self.configure(g)
+
     # -- what the hooks call ----------------------------------------------------------------------
     def root_pre_forward(self, module) -> None:
         self.pass_root = module
+        self._sync_requires_grad()
         self._refresh_changed_weights()
         self._swap_params(dist=False)
         self.hooks.root_pre_forward()
