@@ -1,24 +1,33 @@
-"""Shared fixtures: multi-process runs are expensive (a spawn per world size), so each test
-module computes its grid once per world size and the parametrised tests read from it."""
+"""pytest set-up: the multi-rank grids learn which cells this session reads (see [Note: one
+spawn per world size] in rank_grid.py)."""
 import functools
 
 import pytest
 
+import rank_grid
 from megatron_fsdp_c.testing import run_on_ranks
 
 
+def pytest_collection_finish(session):
+    rank_grid.set_session_items(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    rank_grid.end_session()
+
+
 @functools.lru_cache(maxsize=None)
-def cached_run(fn, world, *args):
-    """run_on_ranks, memoised per (function, world, args) for the whole session. A failure is
-    cached too and re-raised by every test that reads it."""
+def _cached_run(fn, world, *args):
     try:
         return ("ok", run_on_ranks(fn, world, *args))
-    except Exception as e:  # noqa: BLE001 - reported per test
+    except Exception as e:  # noqa: BLE001 - reported by every test that reads it
         return ("error", str(e))
 
 
 def get_run(fn, world, *args):
-    status, value = cached_run(fn, world, *args)
+    """Deprecated: run_on_ranks memoised per (function, world, args), a spawn of its own. New
+    multi-rank tests register rank_grid cells instead, which share one spawn per world size."""
+    status, value = _cached_run(fn, world, *args)
     if status == "error":
         pytest.fail(value, pytrace=False)
     return value

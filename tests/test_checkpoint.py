@@ -1,7 +1,6 @@
 """Sharded checkpoints through torch.distributed.checkpoint: bit-identical round trips, resharding
 across world sizes, interop with plain models, meta-device initialisation, broken checkpoints."""
 import os
-import traceback
 
 import pytest
 import torch
@@ -11,19 +10,27 @@ import torch.distributed.checkpoint as dcp
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-from conftest import get_run
+import rank_grid
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
 GLOBAL_BATCH = 4
+CELLS = rank_grid.Cells(__name__)
 
 
-def build(strategy, seed=0, meta=False, cfg=CFG):
+def checkpoints(name: str) -> str:
+    """A directory of this session's checkpoints (spawns of every world size see it)."""
+    path = os.path.join(rank_grid.session_dir(), "checkpoints", name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def build(strategy, seed=0, meta=False, cfg=CFG, dtype=torch.float32):
     torch.manual_seed(seed)
     if meta:
         with torch.device("meta"):
-            model = GPT(cfg)
+            model = GPT(cfg).to(dtype)
     else:
-        model = GPT(cfg)
+        model = GPT(cfg).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return mf.fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
                           init_model_with_meta_device=meta)
@@ -48,39 +55,35 @@ def train(model, opt, rank, world, steps, first_step=0):
 
 # -- round trip -------------------------------------------------------------------------------
 
-def round_trip(rank, world, root):
-    out = {}
-    for strategy in range(4):
-        try:
-            model, opt = build(strategy)
-            straight = train(model, opt, rank, world, 6)
-            model, opt = build(strategy)
-            first = train(model, opt, rank, world, 3)
-            path = os.path.join(root, f"roundtrip-{world}-{strategy}")
-            mf.save_checkpoint(path, model, opt)
-            fresh, fresh_opt = build(strategy, seed=123)  # different weights until the load
-            mf.load_checkpoint(path, fresh, fresh_opt)
-            resumed = train(fresh, fresh_opt, rank, world, 3, first_step=3)
-            # the Megatron-FSDP flow: plain dcp.save / dcp.load / load_state_dict
-            again, again_opt = build(strategy, seed=7)
-            state = {"model": again.state_dict(), "optimizer": again_opt.state_dict()}
-            dcp.load(state, checkpoint_id=path)
-            again.load_state_dict(state["model"])
-            again_opt.load_state_dict(state["optimizer"])
-            resumed_plain = train(again, again_opt, rank, world, 3, first_step=3)
-            out[strategy] = ("ok", dict(straight=straight, resumed=first + resumed, plain=first + resumed_plain))
-        except Exception:  # noqa: BLE001
-            out[strategy] = ("error", traceback.format_exc())
-    return out
+def round_trip(rank, world, strategy):
+    model, opt = build(strategy)
+    straight = train(model, opt, rank, world, 6)
+    model, opt = build(strategy)
+    first = train(model, opt, rank, world, 3)
+    path = os.path.join(checkpoints("round_trip"), f"{world}-{strategy}")
+    mf.save_checkpoint(path, model, opt)
+    fresh, fresh_opt = build(strategy, seed=123)  # different weights until the load
+    mf.load_checkpoint(path, fresh, fresh_opt)
+    resumed = train(fresh, fresh_opt, rank, world, 3, first_step=3)
+    # the Megatron-FSDP flow: plain dcp.save / dcp.load / load_state_dict
+    again, again_opt = build(strategy, seed=7)
+    state = {"model": again.state_dict(), "optimizer": again_opt.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    again.load_state_dict(state["model"])
+    again_opt.load_state_dict(state["optimizer"])
+    resumed_plain = train(again, again_opt, rank, world, 3, first_step=3)
+    return dict(straight=straight, resumed=first + resumed, plain=first + resumed_plain)
+
+
+for _strategy in range(4):
+    CELLS.add(("round trip", _strategy), round_trip, _strategy, worlds=(2, 4),
+              tests=["test_save_load_continue_is_bit_identical"], match=dict(strategy=_strategy))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy", range(4))
-def test_save_load_continue_is_bit_identical(world, strategy, tmp_path_factory):
-    root = str(tmp_path_factory.getbasetemp() / "ckpt")
-    for rank, res in enumerate(get_run(round_trip, world, root)):
-        status, r = res[strategy]
-        assert status == "ok", f"rank {rank}:\n{r}"
+def test_save_load_continue_is_bit_identical(world, strategy):
+    for r in CELLS.result(("round trip", strategy), world):
         assert r["resumed"] == r["straight"], (r["resumed"], r["straight"])
         assert r["plain"] == r["straight"]
 
@@ -90,11 +93,14 @@ def test_save_load_continue_is_bit_identical(world, strategy, tmp_path_factory):
 STRATEGIES = range(4)
 
 
-def reshard_leg(rank, world, root, load_from, save_to, first_step, steps):
-    """One leg for every strategy: (load) + train + (save); returns the global losses."""
+def reshard_leg(rank, world, load_from, save_to, first_step, steps):
+    """One leg for every strategy: (load) + train + (save); returns the global losses. float64:
+    each world size sums the gradients in its own order (see [Note: reduction order] in
+    tests/test_parity.py)."""
+    root = checkpoints("reshard")
     out = {}
     for strategy in STRATEGIES:
-        model, opt = build(strategy, seed=0 if load_from is None else 99)
+        model, opt = build(strategy, seed=0 if load_from is None else 99, dtype=torch.float64)
         if load_from:
             mf.load_checkpoint(os.path.join(root, f"{load_from}-{strategy}"), model, opt)
         out[strategy] = train(model, opt, rank, world, steps, first_step=first_step)
@@ -103,29 +109,34 @@ def reshard_leg(rank, world, root, load_from, save_to, first_step, steps):
     return out
 
 
-@pytest.fixture(scope="module")
-def reshard_chain(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("reshard"))
-    legs = [get_run(reshard_leg, 4, root, None, "a", 0, 3)[0],   # steps 0-2 at world 4
-            get_run(reshard_leg, 2, root, "a", "b", 3, 2)[0],    # 3-4 at world 2
-            get_run(reshard_leg, 1, root, "b", "c", 5, 1)[0],    # 5 at world 1
-            get_run(reshard_leg, 4, root, "c", None, 6, 1)[0]]   # 6 back at world 4
-    straight = get_run(reshard_leg, 1, root, None, None, 0, 7)[0]
-    return legs, straight
+# Steps 0-2 at world 4, 3-4 at 2, 5 at 1, 6 back at 4. The first leg has a spawn of its own (group
+# "reshard"), the others run in the shared spawns, which then run in the order 2, 1, 4 (see
+# [Note: one spawn per world size] in rank_grid.py).
+RESHARD_LEGS = [(4, "reshard", None, "a", 0, 3), (2, "shared", "a", "b", 3, 2), (1, "shared", "b", "c", 5, 1),
+                (4, "shared", "c", None, 6, 1)]
+for _i, (_world, _group, _load, _save, _first, _steps) in enumerate(RESHARD_LEGS):
+    CELLS.add(("reshard leg", _i), reshard_leg, _load, _save, _first, _steps, worlds=(_world,), group=_group,
+              tests=["test_reshard_4_2_1_4"], needs=[(__name__, ("reshard leg", _i - 1), RESHARD_LEGS[_i - 1][0])]
+              if _i else ())
+CELLS.add("straight", reshard_leg, None, None, 0, 7, worlds=(1,), tests=["test_reshard_4_2_1_4"])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_reshard_4_2_1_4(strategy, reshard_chain):
-    legs, straight = reshard_chain
+def test_reshard_4_2_1_4(strategy):
+    legs = [CELLS.result(("reshard leg", i), leg[0])[0] for i, leg in enumerate(RESHARD_LEGS)]
+    straight = CELLS.result("straight", 1)[0]
     continued = [loss for leg in legs for loss in leg[strategy]]
     print(f"\nstrategy {strategy}: resharded {continued}\n            straight  {straight[strategy]}")
-    # The global batch is the same at every world size; only the order of the fp32 sums differs.
-    torch.testing.assert_close(torch.tensor(continued), torch.tensor(straight[strategy]), rtol=1e-4, atol=0)
+    # The global batch is the same at every world size; only the order of the sums differs.
+    torch.testing.assert_close(torch.tensor(continued, dtype=torch.float64),
+                               torch.tensor(straight[strategy], dtype=torch.float64), rtol=1e-9, atol=0)
 
 
 # -- interop with plain models -------------------------------------------------------------------
 
-def interop(rank, world, root):
+@CELLS.cell("interop", tests=["test_plain_checkpoints_load_and_export"])
+def interop(rank, world):
+    root = checkpoints("interop")
     out = {}
     torch.manual_seed(5)
     plain = GPT(CFG)
@@ -160,8 +171,8 @@ def interop(rank, world, root):
     return out
 
 
-def test_plain_checkpoints_load_and_export(tmp_path):
-    for rank, r in enumerate(get_run(interop, 2, str(tmp_path))):
+def test_plain_checkpoints_load_and_export():
+    for rank, r in enumerate(CELLS.result("interop", 2)):
         assert r["dcp_plain_into_sharded"] == 0.0
         assert r["full_dict_into_sharded"] == 0.0
         assert r["loss_gap"] < 1e-6
@@ -176,6 +187,7 @@ def test_plain_checkpoints_load_and_export(tmp_path):
 BIG = GPTConfig(vocab=256, seq=16, d=64, heads=4, layers=8)
 
 
+@CELLS.cell("meta init", worlds=(4,), tests=["test_meta_init_holds_a_quarter_plus_one_module_and_trains_the_same"])
 def meta_init(rank, world):
     torch.manual_seed(0)
     model = GPT(BIG)
@@ -206,7 +218,7 @@ def meta_init(rank, world):
 
 
 def test_meta_init_holds_a_quarter_plus_one_module_and_trains_the_same():
-    for rank, r in enumerate(get_run(meta_init, 4)):
+    for rank, r in enumerate(CELLS.result("meta init", 4)):
         quarter = r["full"] / 4
         print(f"\nrank {rank}: full parameters {r['full']} B, quarter {quarter:.0f} B, largest module {r['module']} B; "
               f"peak while materialising {r['peak']['materialise']} B "
@@ -226,6 +238,7 @@ class NoReset(torch.nn.Module):
         return x * self.scale
 
 
+@CELLS.cell("no reset_parameters", tests=["test_module_without_reset_parameters_is_named"])
 def no_reset(rank, world):
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), NoReset())
@@ -237,13 +250,15 @@ def no_reset(rank, world):
 
 
 def test_module_without_reset_parameters_is_named():
-    message = get_run(no_reset, 2)[0]
+    message = CELLS.result("no reset_parameters", 2)[0]
     assert "'1'" in message and "NoReset" in message and "reset_parameters" in message
 
 
 # -- broken checkpoints --------------------------------------------------------------------------
 
-def broken(rank, world, root):
+@CELLS.cell("broken", tests=["test_missing_or_truncated_checkpoint_is_a_clear_error"])
+def broken(rank, world):
+    root = checkpoints("broken")
     out = {}
     model, opt = build(3)
     train(model, opt, rank, world, 1)
@@ -276,8 +291,8 @@ def broken(rank, world, root):
     return out
 
 
-def test_missing_or_truncated_checkpoint_is_a_clear_error(tmp_path):
-    for rank, r in enumerate(get_run(broken, 2, str(tmp_path))):
+def test_missing_or_truncated_checkpoint_is_a_clear_error():
+    for rank, r in enumerate(CELLS.result("broken", 2)):
         kind, text = r["missing"]
         assert kind == "FileNotFoundError" and "does-not-exist" in text
         kind, text = r["truncated"]

@@ -12,7 +12,11 @@ from megatron_fsdp_c import _C
 from megatron_fsdp_c._distributed import resolve_device, use_native_nccl
 from megatron_fsdp_c._nccl import check_one_nccl, divmod_version
 from megatron_fsdp_c.fully_shard import _check_params
-from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch, run_on_ranks
+from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+
+import rank_grid
+
+CELLS = rank_grid.Cells(__name__)
 
 
 @pytest.fixture
@@ -80,10 +84,13 @@ def _group_timeout(rank, world):
     return group_timeout(group, torch.device("cpu")), group_timeout(dist.group.WORLD, torch.device("cpu"))
 
 
+CELLS.add("group timeout", _group_timeout, worlds=(1,), tests=["test_no_collective_timeout_means_the_process_group_timeout"])
+
+
 def test_no_collective_timeout_means_the_process_group_timeout():
-    own, world = run_on_ranks(_group_timeout, 1, timeout_s=120)[0]
+    own, world = CELLS.result("group timeout", 1)[0]
     assert own == datetime.timedelta(seconds=77)
-    assert world == datetime.timedelta(seconds=120)  # run_on_ranks' init_process_group timeout
+    assert world == datetime.timedelta(seconds=rank_grid.GROUP_TIMEOUT_S)  # the grid's default group timeout
 
 
 def test_one_nccl_in_the_process():
@@ -108,5 +115,9 @@ def _close_worker(rank, world):
     return True
 
 
+CELLS.add("close", _close_worker, tests=["test_close_is_collective_and_harmless_on_the_torch_transport"])
+
+
 def test_close_is_collective_and_harmless_on_the_torch_transport():
-    assert run_on_ranks(_close_worker, 2) == [True, True]
+    # the spawn's later cells still train on the same process group
+    assert CELLS.result("close", 2) == [True, True]

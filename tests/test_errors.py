@@ -8,7 +8,9 @@ import torch.nn as nn
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-from conftest import get_run
+import rank_grid
+
+CELLS = rank_grid.Cells(__name__)
 
 CFG = GPTConfig(vocab=32, seq=8, d=16, heads=2, layers=2)
 
@@ -82,6 +84,7 @@ CASES = {
 }
 
 
+@CELLS.cell("bad input", tests=["test_bad_input_raises_clear_error"])
 def error_cases(rank, world):
     seen = {}
     for name, (fn, _, _) in CASES.items():
@@ -102,7 +105,7 @@ def error_cases(rank, world):
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_raises_clear_error(name):
     _, expected_type, fragments = CASES[name]
-    for rank, seen in enumerate(get_run(error_cases, 2)):
+    for rank, seen in enumerate(CELLS.result("bad input", 2)):
         kind, message = seen[name]
         assert kind == expected_type.__name__, f"rank {rank}: {kind}: {message}"
         for fragment in fragments:

@@ -6,14 +6,14 @@ optimizer sharded across replicas]).
 
 4 gloo ranks as 2x2, 1x4 and 4x1 (dp_outer x dp_shard) meshes, every inner strategy (HFSDP: 3),
 1 and 3 microbatches (no_sync on all but the last), AdamW: parity with DDP in float64 to rtol 1e-9
-(an exact check of the algorithm), and in fp32 with tests/test_parity.py's tolerances. The
+(an exact check of the algorithm: at 4 ranks the sums run in another order than DDP's, see
+[Note: reduction order] in tests/test_parity.py). fp32 is checked where the order is DDP's: 2
+ranks as 2 replicas of one shard (2x1), every inner strategy and HFSDP, bit for bit. The
 engine's counters split by level match the theoretical volume; memory; DCP across mesh shapes
 and between HSDP, HFSDP and 1-D FSDP; errors.
 """
 import copy
 import os
-import tempfile
-import traceback
 
 import pytest
 import torch
@@ -23,13 +23,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-from common import train_pair
-from conftest import get_run
+import rank_grid
 from test_mixed_precision import LOSS_RTOL, _reference_losses, _sharded_losses
+from train_both import train_pair
 
 CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=2)
 MESHES = [(2, 2), (1, 4), (4, 1)]  # (dp_outer, dp_shard)
+FP32_MESH = (2, 1)  # at 2 ranks: a reduction across replicas whose sums are DDP's
 STEPS = 3
+CELLS = rank_grid.Cells(__name__)
 
 
 def hybrid_mesh(outer, shard):
@@ -42,7 +44,7 @@ def shard_hybrid(model, opt, mesh, strategy, **kw):
 
 
 def train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype, **kw):
-    """tests/common.py's train_pair on a hybrid mesh (no_sync on all but the last microbatch),
+    """tests/train_both.py's train_pair on a hybrid mesh (no_sync on all but the last microbatch),
     with what the hybrid checks need: counters per step, placements, memory."""
     r = train_pair(rank, world, strategy, "adamw", micro, cfg=CFG, steps=STEPS, dtype=dtype,
                    mesh=hybrid_mesh(*mesh_shape), dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
@@ -68,31 +70,34 @@ HF_VARIANTS = {"sync each": dict(use_no_sync=False), "average": dict(average_in_
                "frozen": dict(freeze=("blocks.0.attn",))}
 
 
-def grid(rank, world):
-    out = {}
-
-    def cell(key, fn, *args, **kw):
-        try:
-            out[key] = ("ok", fn(*args, **kw))
-        except Exception:  # noqa: BLE001 - reported by the cell's test
-            out[key] = ("error", traceback.format_exc())
-
-    for mesh_shape in MESHES:
-        for strategy in (0, 1, 2, 3):
-            for micro in (1, 3):
-                for dtype in ((torch.float64, torch.float32) if mesh_shape == (2, 2) else (torch.float64,)):
-                    cell((mesh_shape, strategy, micro, str(dtype)), train_vs_ddp, rank, world, mesh_shape, strategy,
-                         micro, dtype)
-                    if strategy == 3:
-                        cell(("hfsdp", mesh_shape, micro, str(dtype)), train_vs_ddp, rank, world, mesh_shape, 3,
-                             micro, dtype, outer_dp_sharding_strategy="optim")
-    for name, kw in HF_VARIANTS.items():
-        cell(("hfsdp", name), train_vs_ddp, rank, world, (2, 2), 3, 3, torch.float64,
-             outer_dp_sharding_strategy="optim", **kw)
-    for comm in (None, torch.bfloat16):
-        cell(("hfsdp bf16", str(comm)), hfsdp_bf16_losses, rank, world, comm)
-        cell(("bf16 reference", str(comm)), _reference_losses, rank, world, comm, STEPS)
-    return out
+F32, F64 = "torch.float32", "torch.float64"
+for _strategy in (0, 1, 2, 3):
+    for _micro in (1, 3):  # fp32 where the sums are DDP's (see the module docstring)
+        CELLS.add((FP32_MESH, _strategy, _micro, F32), train_vs_ddp, FP32_MESH, _strategy, _micro, torch.float32,
+                  tests=["test_hsdp_matches_ddp_fp32"], match=dict(strategy=_strategy, micro=_micro))
+        if _strategy == 3:
+            CELLS.add(("hfsdp", FP32_MESH, _micro, F32), train_vs_ddp, FP32_MESH, 3, _micro, torch.float32,
+                      outer_dp_sharding_strategy="optim", tests=["test_hfsdp_matches_ddp_fp32"], match=dict(micro=_micro))
+for _mesh in MESHES:
+    for _strategy in (0, 1, 2, 3):
+        for _micro in (1, 3):
+            _key = (_mesh, _strategy, _micro, F64)
+            CELLS.add(_key, train_vs_ddp, _mesh, _strategy, _micro, torch.float64, worlds=(4,),
+                      tests=["test_hsdp_matches_ddp_float64"]
+                      + (["test_outer_reduction_once_per_step_at_the_theoretical_volume"] if _micro == 3 else [])
+                      + (["test_placements_and_memory_at_2x2", "test_hfsdp_memory_at_2x2"]
+                         if _key[:3] == ((2, 2), 3, 1) else []),
+                      match=dict(mesh_shape=_mesh, strategy=_strategy, micro=_micro))
+    for _micro in (1, 3):
+        _key = ("hfsdp", _mesh, _micro, F64)
+        CELLS.add(_key, train_vs_ddp, _mesh, 3, _micro, torch.float64, outer_dp_sharding_strategy="optim",
+                  worlds=(4,), tests=["test_hfsdp_matches_ddp_float64"]
+                  + (["test_hfsdp_collectives_per_level_at_the_theoretical_volume"] if _micro == 3 else [])
+                  + (["test_hfsdp_memory_at_2x2"] if _key[1:3] == ((2, 2), 1) else []),
+                  match=dict(mesh_shape=_mesh, micro=_micro))
+for _name, _kw in HF_VARIANTS.items():
+    CELLS.add(("hfsdp", _name), train_vs_ddp, (2, 2), 3, 3, torch.float64, outer_dp_sharding_strategy="optim", **_kw,
+              worlds=(4,), tests=["test_hfsdp_variants_match_ddp_float64"], match=dict(variant=_name))
 
 
 def hfsdp_bf16_losses(rank, world, comm):
@@ -103,12 +108,15 @@ def hfsdp_bf16_losses(rank, world, comm):
                            outer_dp_sharding_strategy="optim")
 
 
-def _cell(key):
-    cells = get_run(grid, 4)
-    for rank, c in enumerate(cells):
-        status, value = c[key]
-        assert status == "ok", f"rank {rank}:\n{value}"
-    return [c[key][1] for c in cells]
+for _comm in (None, torch.bfloat16):
+    _tests = ["test_hfsdp_bf16_compute_fp32_main_matches_reference"]
+    CELLS.add(("hfsdp bf16", str(_comm)), hfsdp_bf16_losses, _comm, worlds=(4,), tests=_tests, match=dict(comm=_comm))
+    CELLS.add(("bf16 reference", str(_comm)), _reference_losses, _comm, STEPS, worlds=(4,), tests=_tests,
+              match=dict(comm=_comm))
+
+
+def _cell(key, world=4):
+    return CELLS.result(key, world)
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -116,19 +124,25 @@ def _cell(key):
 @pytest.mark.parametrize("micro", [1, 3])
 def test_hsdp_matches_ddp_float64(mesh_shape, strategy, micro):
     for r in _cell((mesh_shape, strategy, micro, "torch.float64")):
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
+                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=1e-9, atol=1e-12)
         for name, ref in r["ref_params"].items():
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def _assert_bit_identical(r):
+    assert r["params"]["tok.weight"].dtype == torch.float32
+    assert r["losses"] == r["ref_losses"], (r["losses"], r["ref_losses"])
+    for name, ref in r["ref_params"].items():
+        assert torch.equal(r["params"][name], ref), name
 
 
 @pytest.mark.parametrize("strategy", [0, 1, 2, 3])
 @pytest.mark.parametrize("micro", [1, 3])
 def test_hsdp_matches_ddp_fp32(strategy, micro):
-    """tests/test_parity.py's tolerances at world 4 (see its [Note: reduction order at world 4])."""
-    for r in _cell(((2, 2), strategy, micro, "torch.float32")):
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
-        for name, ref in r["ref_params"].items():
-            torch.testing.assert_close(r["params"][name], ref, rtol=1e-5, atol=1e-3, msg=name)
+    """2 replicas of one shard at 2 ranks: bit for bit (the module docstring says why not 2x2)."""
+    for r in _cell((FP32_MESH, strategy, micro, "torch.float32"), world=2):
+        _assert_bit_identical(r)
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -162,7 +176,8 @@ def test_placements_and_memory_at_2x2():
 # -- HFSDP ---------------------------------------------------------------------------------------
 
 def _assert_float64_parity(r):
-    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
+                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=1e-9, atol=1e-12)
     for name, ref in r["ref_params"].items():
         torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=name)
 
@@ -185,19 +200,14 @@ def test_hfsdp_variants_match_ddp_float64(variant):
 
 @pytest.mark.parametrize("micro", [1, 3])
 def test_hfsdp_matches_ddp_fp32(micro):
-    for r in _cell(("hfsdp", (2, 2), micro, "torch.float32")):
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
-        for name, ref in r["ref_params"].items():
-            torch.testing.assert_close(r["params"][name], ref, rtol=1e-5, atol=1e-3, msg=name)
+    for r in _cell(("hfsdp", FP32_MESH, micro, "torch.float32"), world=2):
+        _assert_bit_identical(r)
 
 
 @pytest.mark.parametrize("comm", [None, torch.bfloat16], ids=["comm=fp32", "comm=bf16"])
 def test_hfsdp_bf16_compute_fp32_main_matches_reference(comm):
-    for rank, c in enumerate(get_run(grid, 4)):
-        status, value = c[("hfsdp bf16", str(comm))]
-        assert status == "ok", f"rank {rank}:\n{value}"
+    for value, ref in zip(_cell(("hfsdp bf16", str(comm))), _cell(("bf16 reference", str(comm)))):
         losses, main_dtypes, compute_dtypes = value
-        ref = c[("bf16 reference", str(comm))][1]
         assert main_dtypes == {torch.float32} and compute_dtypes == {torch.bfloat16}
         diff = ((torch.tensor(losses) - torch.tensor(ref)).abs() / torch.tensor(ref).abs()).max().item()
         assert diff <= LOSS_RTOL, diff
@@ -235,10 +245,13 @@ def test_hfsdp_memory_at_2x2():
 
 # -- checkpoints across mesh shapes ------------------------------------------------------------
 
-def dcp_chain(rank, world, path):
+@CELLS.cell("dcp chain", worlds=(4,), tests=["test_dcp_across_mesh_shapes"])
+def dcp_chain(rank, world):
     """Save at 2x2, load at 1x4, save; load at 4x1, save; load at 2x2; then into a plain 1-D model;
     the HFSDP links (outer "optim") hold Shard(0) over all ranks, the HSDP ones over dp_shard."""
     import torch.distributed.checkpoint as dcp
+    path = os.path.join(rank_grid.session_dir(), "hybrid_dcp")
+    os.makedirs(path, exist_ok=True)
     torch.manual_seed(0)
     reference = GPT(CFG).double()
     want = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -286,8 +299,7 @@ def dcp_chain(rank, world, path):
 
 
 def test_dcp_across_mesh_shapes():
-    path = tempfile.mkdtemp(prefix="mfsdp_hsdp_dcp_")
-    for r in get_run(dcp_chain, 4, path):
+    for r in _cell("dcp chain"):
         for key, value in r.items():
             if not key.startswith("loss"):
                 assert value == 0.0, (key, value)
@@ -298,6 +310,7 @@ def test_dcp_across_mesh_shapes():
 
 # -- bad input ---------------------------------------------------------------------------------
 
+@CELLS.cell("bad input", worlds=(4,), tests=["test_hybrid_bad_input"])
 def bad_inputs(rank, world):
     msgs = {}
 
@@ -351,7 +364,7 @@ def bad_inputs(rank, world):
     ("wrong device type", "parameters are on 'cpu'"),
 ])
 def test_hybrid_bad_input(case, match):
-    for msgs in get_run(bad_inputs, 4):
+    for msgs in _cell("bad input"):
         assert match in msgs[case], msgs[case]
 
 
@@ -405,22 +418,15 @@ PM_CASES = [((2, 2), s, 1, "set_requires_all_reduce") for s in (0, 1, 2, 3)] + \
            [((4, 1), 3, 3, "set_requires_all_reduce"), ((1, 4), 3, 3, "set_requires_all_reduce")]
 
 
-def per_module_grid(rank, world):
-    out = {}
-    for case in PM_CASES:
-        try:
-            out[case] = ("ok", per_module_vs_ddp(rank, world, *case))
-        except Exception:  # noqa: BLE001 - reported by the case's test
-            out[case] = ("error", traceback.format_exc())
-    return out
+for _case in PM_CASES:
+    CELLS.add(("per-module",) + _case, per_module_vs_ddp, *_case, worlds=(4,),
+              tests=["test_per_module_hsdp_matches_ddp_and_fsdp2_float64"], match=dict(case=_case))
 
 
 @pytest.mark.parametrize("case", PM_CASES, ids=[f"{m[0]}x{m[1]}-s{s}-micro{n}-{k[4:]}" for m, s, n, k in PM_CASES])
 def test_per_module_hsdp_matches_ddp_and_fsdp2_float64(case):
     mesh_shape, strategy, micro, skip = case
-    for rank, c in enumerate(get_run(per_module_grid, 4)):
-        status, r = c[case]
-        assert status == "ok", f"rank {rank}:\n{r}"
+    for r in _cell(("per-module",) + case):
         for name, ref in r["ref"].items():
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=f"vs DDP: {name}")
             torch.testing.assert_close(r["params"][name], r["peer"][name], rtol=1e-9, atol=1e-12,

@@ -6,9 +6,10 @@ import torch
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-from conftest import get_run
+import rank_grid
 
 CFG = GPTConfig(vocab=512, seq=32, d=96, heads=4, layers=6)
+CELLS = rank_grid.Cells(__name__)
 
 
 def storage_bytes(tensors):
@@ -54,8 +55,12 @@ def memory_run(rank, world, strategy):
                 unit_bytes=unit_bytes, root_bytes=root_bytes)
 
 
+CELLS.add(3, memory_run, 3, worlds=(4,), tests=["test_zero3_world4_holds_a_quarter"])
+CELLS.add(1, memory_run, 1, worlds=(4,), tests=["test_zero1_shards_only_optimizer_state"])
+
+
 def test_zero3_world4_holds_a_quarter():
-    results = get_run(memory_run, 4, 3)
+    results = CELLS.result(3, 4)
     for rank, r in enumerate(results):
         unsharded = sum(r["unsharded"].values())
         ours = r["sharded"]["param_bytes"] + r["sharded"]["grad_bytes"] + r["sharded"]["optimizer_state_bytes"]
@@ -69,7 +74,7 @@ def test_zero3_world4_holds_a_quarter():
 
 
 def test_zero1_shards_only_optimizer_state():
-    r = get_run(memory_run, 4, 1)[0]
+    r = CELLS.result(1, 4)[0]
     unsharded, sharded = r["unsharded"], r["sharded"]
     assert sharded["param_bytes"] >= unsharded["param_bytes"]          # full compute weights kept
     assert sharded["grad_bytes"] >= unsharded["grad_bytes"]            # full gradient buffer kept

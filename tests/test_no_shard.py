@@ -1,28 +1,29 @@
 """fsdp_no_shard: a frozen vision tower of many small layers stays replicated (no all-gather,
 no hooks, no temporary buckets) while the language model is sharded, and the model trains
-exactly like DDP."""
-import contextlib
-import copy
-import traceback
+exactly like DDP: bit for bit in fp32 where the library reduces the same sums as DDP (2 ranks,
+no_shard and ZeRO-1), else in float64 to rtol 1e-9 (see [Note: reduction order] in
+test_parity.py)."""
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.testing import VLM, Block, GPTConfig, TowerBlock, batch, image_batch
 
-from conftest import get_run
+import rank_grid
+from train_both import TrainBoth
+
+CELLS = rank_grid.Cells(__name__)
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
 STEPS = 4
 
 
-def build(mark=True):
+def build(mark=True, dtype=torch.float32):
     torch.manual_seed(0)
-    model = VLM(CFG)
+    model = VLM(CFG).to(dtype)
     for p in model.tower.parameters():
         p.requires_grad_(False)
     if mark:
@@ -30,31 +31,42 @@ def build(mark=True):
     return model
 
 
+def same_order(world, strategy):
+    """ZeRO-2/3 reduce each of the 2 microbatches (DDP their sum once); 4 ranks sum in another
+    order than DDP's (see [Note: reduction order] in test_parity.py)."""
+    return world <= 2 and strategy < 2
+
+
+def optimizer(name, params):
+    params = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-2) if name == "adamw" else torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def vlm_data(rank, dtype):
+    def data(step, mb):
+        seed = 1000 * step + 10 * mb + rank
+        return image_batch(2, seed=seed).to(dtype), *batch(CFG, 2, seed=seed)
+    return data
+
+
+def ddp_run(rank, world, optim, dtype):
+    """DDP's side (the same for every strategy: each spawn trains it once per setting)."""
+    ref = build(dtype=dtype)
+    pair = TrainBoth(rank, world, None, ref, optimizers=(None, optimizer(optim, ref.parameters())))
+    pair.run(STEPS, vlm_data(rank, dtype), micro=2, loss=lambda m, b: m(*b), quiet=lambda step, mb: mb == 0)
+    return pair.ref_losses, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
 def vlm_run(rank, world, strategy, optim):
-    model = build()
-    ref = DDP(copy.deepcopy(model))
-    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if optim == "adamw" else (
-        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
-    ref_opt = make([p for p in ref.parameters() if p.requires_grad])
-    opt = make([p for p in model.parameters() if p.requires_grad])
-    fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block, TowerBlock], zero_dp_strategy=strategy)
-    losses, ref_losses = [], []
-    for step in range(STEPS):
-        for m in range(2):
-            x, y = batch(CFG, 2, seed=1000 * step + 10 * m + rank)
-            img = image_batch(2, seed=1000 * step + 10 * m + rank)
-            with fsdp.no_sync() if m == 0 else contextlib.nullcontext():
-                loss = fsdp(img, x, y)
-                loss.backward()
-            with ref.no_sync() if m == 0 else contextlib.nullcontext():
-                ref_loss = ref(img, x, y)
-                ref_loss.backward()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    dtype = torch.float32 if same_order(world, strategy) else torch.float64
+    ref_losses, ref_params = rank_grid.once((__name__, optim, dtype), ddp_run, rank, world, optim, dtype)
+    model = build(dtype=dtype)
+    fsdp, opt = mf.fully_shard(model, optimizer(optim, model.parameters()), fsdp_unit_modules=[Block, TowerBlock],
+                               zero_dp_strategy=strategy)
+    pair = TrainBoth(rank, world, fsdp, None, optimizers=(opt, None))
+    pair.run(STEPS, vlm_data(rank, dtype), micro=2, loss=lambda m, b: m(*b),
+             quiet=lambda step, mb: fsdp.no_sync() if mb == 0 else None)
+    losses = pair.losses
     buf = fsdp.param_buffer
     marked = [r for r in buf.records if r.replicated]
     marked_buckets = sorted({r.bucket for r in marked})
@@ -71,40 +83,36 @@ def vlm_run(rank, world, strategy, optim):
     for b in buckets:
         b["grad"] = None if b["grad"] is None else b["grad"].untyped_storage().nbytes()
     full = fsdp.full_parameters()
-    ref_params = {n: p.detach() for n, p in ref.module.named_parameters()}
-    worst = max((full[n] - ref_params[n]).abs().max().item() for n in ref_params)
-    return dict(losses=losses, ref_losses=ref_losses, worst=worst, stats=stats, tower_hooks=tower_hooks,
+    return dict(losses=losses, ref_losses=ref_losses, params=full, ref_params=ref_params, dtype=dtype, stats=stats, tower_hooks=tower_hooks,
                 param_hooks=param_hooks, buckets=buckets, roots=fsdp.replicated_roots,
                 marked=sorted(r.name for r in marked))
 
 
 def optimizers(world, strategy):
-    """AdamW where the sum order matches DDP's (see [Note: reduction order at world 4] in
-    test_parity.py: ZeRO-2/3 reduce each of the 2 microbatches, DDP their sum); SGD always."""
-    return ["sgd", "adamw"] if world == 2 and strategy < 2 else ["sgd"]
-
-
-def no_shard_grid(rank, world):
-    out = {}
-    for strategy in range(4):
-        for optim in optimizers(world, strategy):
-            try:
-                out[(strategy, optim)] = ("ok", vlm_run(rank, world, strategy, optim))
-            except Exception:  # noqa: BLE001
-                out[(strategy, optim)] = ("error", traceback.format_exc())
-    return out
+    """AdamW where the sum order matches DDP's; SGD always."""
+    return ["sgd", "adamw"] if same_order(world, strategy) else ["sgd"]
 
 
 CASES = [(w, s, o) for w in (2, 4) for s in range(4) for o in optimizers(w, s)]
+for _key in dict.fromkeys(c[1:] for c in CASES):
+    CELLS.add(_key, vlm_run, *_key, worlds=[w for w, *key in CASES if tuple(key) == _key],
+              tests=["test_frozen_replicated_tower_matches_ddp"], match=dict(strategy=_key[0], optim=_key[1]))
 
 
 @pytest.mark.parametrize("world,strategy,optim", CASES)
 def test_frozen_replicated_tower_matches_ddp(world, strategy, optim):
-    for rank, grid in enumerate(get_run(no_shard_grid, world)):
-        status, r = grid[(strategy, optim)]
-        assert status == "ok", f"rank {rank}:\n{r}"
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
-        assert r["worst"] < 1e-5, r["worst"]
+    for r in CELLS.result((strategy, optim), world):
+        if same_order(world, strategy):
+            assert r["dtype"] == torch.float32
+            assert r["losses"] == r["ref_losses"]
+            for n, ref in r["ref_params"].items():
+                assert torch.equal(r["params"][n], ref), n
+        else:
+            assert r["dtype"] == torch.float64
+            torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
+                                       torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=1e-9, atol=1e-12)
+            for n, ref in r["ref_params"].items():
+                torch.testing.assert_close(r["params"][n], ref, rtol=1e-9, atol=1e-12, msg=n)
         # the marked parts: never gathered; trainable ones all-reduced once per step
         for b, s in r["stats"].items():
             assert s["all_gathers"] == 0 and s["reduce_scatters"] == 0, s
@@ -164,6 +172,7 @@ def test_mark_survives_reset_parameters_and_to_empty():
         assert not is_no_shard(tree.proj, "bias")
 
 
+@CELLS.cell("marking after fully_shard", tests=["test_marking_after_fully_shard_is_refused"])
 def after_fully_shard(rank, world):
     model = build(mark=False)
     fsdp, _ = mf.fully_shard(model, fsdp_unit_modules=[Block])
@@ -175,5 +184,5 @@ def after_fully_shard(rank, world):
 
 
 def test_marking_after_fully_shard_is_refused():
-    message = get_run(after_fully_shard, 2)[0]
+    message = CELLS.result("marking after fully_shard", 2)[0]
     assert "before fully_shard" in message

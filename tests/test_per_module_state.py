@@ -1,8 +1,8 @@
 """State dicts, checkpoints, ignored parameters and bad input of
 megatron_fsdp_c.experimental.fully_shard, tested after torch's own FSDP2 suite
 (test/distributed/_composable/fsdp/test_fully_shard_state_dict.py, _ignore_params.py) and issue
-15's list of bad input, through public APIs only. See [Note: one grid per world size] in
-per_module_behaviours_common.py for how the cells run.
+15's list of bad input, through public APIs only. The cells run in the shared spawns
+(see [Note: one spawn per world size] in rank_grid.py).
 
 Behaviours (cell names):
 - state_dict(): DTensor values under the parameters' names, aliasing the parameters' local
@@ -34,13 +34,20 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
-import per_module_behaviours_common as common
+import rank_grid
 from megatron_fsdp_c.experimental import fully_shard
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-from per_module_behaviours_common import average_grads, full, local_batch
+from checks import full, raised_by, recorder_cells, reraise, verify
+from data import local_batch
+from train_both import average_grads
 
-CELLS, cell = common.registry()
-MODULE = "test_per_module_state"
+CELLS = rank_grid.Cells(__name__)
+cell = recorder_cells(CELLS, tests=["test_state_behaviour"])
+
+
+def checkpoints(name: str) -> str:
+    """A path for this session's checkpoints (spawns of every world size see it)."""
+    return os.path.join(rank_grid.session_dir(), "per_module_state", name)
 CFG = GPTConfig(vocab=32, seq=8, d=16, heads=2, layers=3)
 
 
@@ -73,7 +80,7 @@ def distributed_like(sd, values):
 @cell("state_dict_roundtrip[dim3]", worlds=(2, 4), dim=3, reshard=True)
 @cell("state_dict_roundtrip[dim5]", worlds=(2, 4), dim=5, reshard=True)
 @cell("state_dict_roundtrip[dim3-keep]", worlds=(2, 4), dim=3, reshard=False)
-def state_dict_roundtrip(rank, world, ck, ckdir, dim, reshard):
+def state_dict_roundtrip(rank, world, ck, dim, reshard):
     model = nested(dim)
     plain = copy.deepcopy(model)
     for m in model:
@@ -119,7 +126,7 @@ def state_dict_roundtrip(rank, world, ck, ckdir, dim, reshard):
 
 @cell("cached_state_dict[dim3]", worlds=(2, 4), dim=3)
 @cell("cached_state_dict[dim8]", worlds=(2, 4), dim=8)
-def cached_state_dict(rank, world, ck, ckdir, dim):
+def cached_state_dict(rank, world, ck, dim):
     """torch's test: call state_dict() once (to save CPU time) and keep using it while training."""
     torch.manual_seed(42)
     model = nn.Linear(dim, dim, bias=False).double()
@@ -165,7 +172,7 @@ def train(model, opt, rank, steps, first=0):
 
 
 @cell("full_state_dict_on_rank0")
-def full_state_dict_on_rank0(rank, world, ck, ckdir):
+def full_state_dict_on_rank0(rank, world, ck):
     model = gpt()
     ref = copy.deepcopy(model)
     shard_blocks(model)
@@ -193,12 +200,12 @@ def _fresh_optimizer_state(model, opt):
 
 
 @cell("dcp_roundtrip")
-def dcp_roundtrip(rank, world, ck, ckdir):
+def dcp_roundtrip(rank, world, ck):
     model = shard_blocks(gpt())
     opt = adamw(model)
     train(model, opt, rank, 2)
     msd, osd = get_state_dict(model, opt)
-    path = os.path.join(ckdir, "same_world")
+    path = checkpoints("same_world")
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     restored = shard_blocks(gpt(seed=7))
     ropt = adamw(restored)
@@ -214,28 +221,28 @@ def dcp_roundtrip(rank, world, ck, ckdir):
 
 
 @cell("dcp_save_for_world_4", worlds=(2,))
-def dcp_save_for_world_4(rank, world, ck, ckdir):
+def dcp_save_for_world_4(rank, world, ck):
     model = shard_blocks(gpt())
     opt = adamw(model)
     train(model, opt, rank, 2)
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ckdir, "from_world_2"))
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoints("from_world_2"))
     expected = {"params": {n: full(p).clone() for n, p in model.named_parameters()},
                 "exp_avg": {n: full(opt.state[p]["exp_avg"]).clone() for n, p in model.named_parameters()},
                 "exp_avg_sq": {n: full(opt.state[p]["exp_avg_sq"]).clone() for n, p in model.named_parameters()}}
     if rank == 0:
-        torch.save(expected, os.path.join(ckdir, "from_world_2_full.pt"))
+        torch.save(expected, checkpoints("from_world_2_full.pt"))
     dist.barrier()
-    ck.true("written", os.path.exists(os.path.join(ckdir, "from_world_2_full.pt")))
+    ck.true("written", os.path.exists(checkpoints("from_world_2_full.pt")))
 
 
-@cell("dcp_load_from_world_2", worlds=(4,))
-def dcp_load_from_world_2(rank, world, ck, ckdir):
-    expected = torch.load(os.path.join(ckdir, "from_world_2_full.pt"))
+@cell("dcp_load_from_world_2", worlds=(4,), needs=[(__name__, "dcp_save_for_world_4", 2)])
+def dcp_load_from_world_2(rank, world, ck):
+    expected = torch.load(checkpoints("from_world_2_full.pt"))
     model = shard_blocks(gpt(seed=7))
     opt = adamw(model)
     msd, osd = _fresh_optimizer_state(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ckdir, "from_world_2"))
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=checkpoints("from_world_2"))
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     for n, p in model.named_parameters():
         ck.equal(f"{n}", p, expected["params"][n])
@@ -289,7 +296,7 @@ def _abc(dim=8):
 
 
 @cell("ignored_params_with_ddp")
-def ignored_params_with_ddp(rank, world, ck, ckdir):
+def ignored_params_with_ddp(rank, world, ck):
     """module_b sharded, its module_c ignored; DDP around the whole model for everything the
     sharding does not manage (module_c and the root's own parameter)."""
     ref = DDP(_abc())
@@ -320,7 +327,7 @@ def ignored_params_with_ddp(rank, world, ck, ckdir):
 
 
 @cell("ignored_params_stay_local")
-def ignored_params_stay_local(rank, world, ck, ckdir):
+def ignored_params_stay_local(rank, world, ck):
     model = _abc()
     ref = copy.deepcopy(model)
     ignored = {model.addend, model.module_b.module_c.lin_c.weight}
@@ -405,8 +412,8 @@ BAD_INPUT = {
 }
 
 
-@cell("bad_input")
-def bad_input(rank, world, ck, ckdir):
+@cell("bad_input", tests=["test_bad_input_names_the_fix"])
+def bad_input(rank, world, ck):
     from torch.distributed.fsdp import CPUOffloadPolicy
     lin = lambda: nn.Linear(4, 4)  # noqa: E731
     cases = {
@@ -460,15 +467,16 @@ KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict x
 }
 
 
-@pytest.mark.parametrize("name,world", [c for c in common.cell_ids(CELLS, KNOWN_GAPS)
-                                        if getattr(c, "values", c)[0] != "bad_input"])
+@pytest.mark.parametrize("name,world", rank_grid.params(CELLS, [k for k in CELLS.keys() if k != "bad_input"],
+                                                        KNOWN_GAPS))
 def test_state_behaviour(name, world):
-    common.verify(MODULE, name, world)
+    verify(CELLS, name, world)
 
 
 @pytest.mark.parametrize("label", list(BAD_INPUT))
 def test_bad_input_names_the_fix(label):
     expected, pattern = BAD_INPUT[label]
-    for kind, message in common.raised_by(MODULE, "bad_input", 2, label):
+    verify(CELLS, "bad_input", 2)
+    for kind, message in raised_by(CELLS.result("bad_input", 2), label):
         with pytest.raises(expected, match=pattern):
-            common.reraise(kind, message)
+            reraise(kind, message)

@@ -23,11 +23,15 @@ import megatron_fsdp_c as mf
 
 pytest.importorskip("transformers")
 
-from user_loops_common import (COLLECTIVE_TIMEOUT, STRATEGIES, WORLDS, assert_checks, build_scheduler, cell_report,
-                               check_params, check_values, ref_params, reference, to_full, tokens)
+import rank_grid
+from checks import assert_named, check_params, check_values, to_full
+from data import next_token_batch
+from schedulers import build_scheduler
+from test_user_loops import COLLECTIVE_TIMEOUT, STRATEGIES, WORLDS, ref_params
 
 STEPS = 4
 VOCAB = 64
+CELLS = rank_grid.Cells(__name__)
 
 
 def gpt2():
@@ -83,7 +87,7 @@ def linear_warmup(optimizer):
 def train(model, optimizer, scheduler, rank, name):
     out = dict(losses=[], norms=[], lrs=[])
     for step in range(STEPS):
-        x, y = tokens(rank, step, vocab=VOCAB)
+        x, y = next_token_batch(step, rank, VOCAB, seq=8, batch=2)
         # causal LMs shift the labels themselves; T5 maps inputs to targets
         loss = model(input_ids=x, labels=y if name.startswith("t5") else x).loss
         loss.backward()
@@ -103,16 +107,16 @@ def ddp_run(rank, name):
     return dict(train(DDP(ref), ref_opt, linear_warmup(ref_opt), rank, name), params=ref_params(ref))
 
 
-def prepare(scenarios):
-    """Imports the model code before the cells start (see user_loops_common._grid_worker)."""
-    for name in scenarios:
+def prepare(keys):
+    """Imports the model code before the cells start (see rank_grid._grid_worker)."""
+    for name, _ in keys:
         MODELS[name]()
     import transformers.optimization  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM  # noqa: F401
 
 
 def cell(rank, world, name, strategy):
-    theirs = reference((name,), ddp_run, rank, name)
+    theirs = rank_grid.once((__name__, name), ddp_run, rank, name)
     model, unit = build(name)
     fsdp, optimizer = mf.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
                                      fsdp_unit_modules=[unit], zero_dp_strategy=strategy,
@@ -133,11 +137,13 @@ def cell(rank, world, name, strategy):
     return checks
 
 
-CELLS = tuple((name, s) for name in MODELS for s in STRATEGIES)
+for _name in MODELS:
+    for _strategy in STRATEGIES:
+        CELLS.add((_name, _strategy), cell, _name, _strategy, worlds=WORLDS, match=dict(scenario=_name, strategy=_strategy))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("scenario", list(MODELS))
-def test_transformers_model_matches_ddp(scenario, strategy, world, request):
-    assert_checks(cell_report(request, world, scenario, strategy))
+def test_transformers_model_matches_ddp(scenario, strategy, world):
+    assert_named(CELLS.result((scenario, strategy), world))

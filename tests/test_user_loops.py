@@ -13,8 +13,9 @@ same seed and per-rank data, for every strategy at world sizes 2 and 4, in float
 - optimizer protocols: step pre/post hooks, add_param_group after fully_shard, torch.save of the
   optimizer and model state dicts (round trip), GradScaler with an inf gradient on one rank only.
 
-The grid runs in one spawn per world size; a rank that dies (gloo aborts the process when
-collectives of different sizes meet) fails its own cell only: see [Note: crash-tolerant grids].
+The cells run in the shared spawn of their world size; a rank that dies (gloo aborts the process
+when collectives of different sizes meet) fails its own cell only: see [Note: crash-tolerant
+grids] in rank_grid.py.
 """
 import io
 
@@ -27,15 +28,35 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 
-from user_loops_common import (COLLECTIVE_TIMEOUT, D, SEQ, STRATEGIES, VOCAB, WORLDS, Block, assert_checks,
-                               build_scheduler, cell_report, check_params, check_values, ref_params, reference, strip,
-                               tiny_lm, to_full, tokens)
+import rank_grid
+from checks import assert_named, check_params, check_values, strip, to_full
+from data import next_token_batch
+from schedulers import build_scheduler
+from tiny_models import BATCH, D, SEQ, VOCAB, TinyBlock, tiny_lm
 
+STRATEGIES = [0, 1, 2, 3]
+WORLDS = [2, 4]
+COLLECTIVE_TIMEOUT = 15.0   # seconds; the library raises instead of waiting longer
 STEPS = 4
+CELLS = rank_grid.Cells(__name__)
+
+
+def lm_batch(step, rank):
+    """This rank's (inputs, targets) of a step."""
+    return next_token_batch(step, rank, VOCAB, SEQ, BATCH)
+
+
+def ref_params(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def reference(key, run, *args):
+    """A scenario's DDP run, once per spawn: it is the same for every strategy."""
+    return rank_grid.once((__name__,) + key, run, *args)
 MAX_NORM = 0.5   # below the gradient norms of these runs: clipping is active every step
 
 
-def shard(model, optimizer, strategy, unit=Block, **kwargs):
+def shard(model, optimizer, strategy, unit=TinyBlock, **kwargs):
     return mf.fully_shard(model, optimizer, fsdp_unit_modules=[unit], zero_dp_strategy=strategy,
                           collective_timeout=COLLECTIVE_TIMEOUT, **kwargs)
 
@@ -56,7 +77,7 @@ def scheduler_factory(kind):
 def scheduler_loop(model, optimizer, scheduler, rank):
     out = dict(losses=[], norms=[], lrs=[])
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = model(x, y)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -116,7 +137,7 @@ def ddp_two_optimizers(rank):
     ref_b = torch.optim.SGD([p for n, p in ref.named_parameters() if not in_blocks(n)], lr=0.1, momentum=0.9)
     ref_losses = []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = ddp(x, y)
         loss.backward()
         ref_a.step()
@@ -138,7 +159,7 @@ def two_optimizers_cell(rank, world, strategy):
     b_params = {n: p for n, p in fsdp.named_parameters() if not in_blocks(n)}
     losses, intact_problems = [], []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = fsdp(x, y)
         loss.backward()
         before = {n: None if p.grad is None else p.grad.to_local().clone() for n, p in b_params.items()}
@@ -245,7 +266,7 @@ def ddp_moe(rank):
     ref_opt = adamw(ref.parameters())
     ref_losses, ref_unused_after, usage, ref_grads_seen, ref_none = [], [], [], [], []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = ddp(x, y, allowed)
         loss.backward()
         usage.append([list(b.counts) for b in ref.blocks])
@@ -269,7 +290,7 @@ def moe_cell(rank, world, strategy):
     fsdp, optimizer = shard(model, adamw(model.parameters()), strategy, unit=MoEBlock)
     losses, grad_not_none, unused_steps, none = [], [], [], []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = fsdp(x, y, allowed)
         loss.backward()
         grad_not_none += [f"step {step}: {strip(n)}" for n, p in fsdp.named_parameters()
@@ -313,7 +334,7 @@ def ddp_layerdrop(rank, skip_of):
     ref_opt = adamw(ref.parameters())
     ref_losses, ref_none = [], []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = ddp(x, y, skip=skip_of(step, rank))
         loss.backward()
         ref_none.append(grad_none_names(ref.named_parameters()))
@@ -330,7 +351,7 @@ def layerdrop_cell(rank, world, strategy, skip_of=None):
     fsdp, optimizer = shard(model, adamw(model.parameters()), strategy)
     losses, none = [], []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = fsdp(x, y, skip=skip_of(step, rank))
         loss.backward()
         none.append(grad_none_names(fsdp.named_parameters()))
@@ -353,7 +374,7 @@ def ddp_plain(rank):
     ref_opt = adamw(ref.parameters())
     ref_grads, ref_losses = [], []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = ddp(x, y)
         loss.backward()
         ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
@@ -385,7 +406,7 @@ def step_hooks_cell(rank, world, strategy):
     optimizer.register_step_post_hook(post_hook)
     losses = []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = fsdp(x, y)
         loss.backward()
         optimizer.step()
@@ -415,7 +436,7 @@ def ddp_add_param_group(rank):
                              "lr": 5e-3, "weight_decay": 0.0})
     ref_losses = []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = ddp(x, y)
         loss.backward()
         ref_opt.step()
@@ -432,7 +453,7 @@ def add_param_group_cell(rank, world, strategy):
                                "lr": 5e-3, "weight_decay": 0.0})
     losses = []
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = fsdp(x, y)
         loss.backward()
         optimizer.step()
@@ -481,7 +502,7 @@ def save_load_cell(rank, world, strategy):
                         obj.load_state_dict(state)
                     except Exception as e:  # noqa: BLE001 - reported as a check
                         problems[what].append(f"{what}.load_state_dict raised {type(e).__name__}: {e}")
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = fsdp(x, y)
         loss.backward()
         optimizer.step()
@@ -503,7 +524,7 @@ def scaler_loop(model, optimizer, rank, world, params_of, after_backward=lambda 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=1)
     out = dict(losses=[], scales=[], params=[])
     for step in range(STEPS):
-        x, y = tokens(rank, step)
+        x, y = lm_batch(step, rank)
         loss = model(x, y, poison=(step == INF_STEP and rank == world - 1))  # an inf gradient on one rank only
         scaler.scale(loss).backward()
         after_backward(step)
@@ -567,28 +588,25 @@ SCENARIOS = {
     "layerdrop_same_skip_on_all_ranks": lambda r, w, s: layerdrop_cell(r, w, s, skipped_everywhere),
     "layerdrop_rank_dependent": layerdrop_cell,  # last: a rank dying here costs a respawn only
 }
-# The grid's order (see user_loops_common.selected_cells). LayerDrop with a rank-dependent skip
-# goes last, strategy 3 first: the others may abort the process, costing a respawn each.
-CELLS = tuple((name, s) for name in SCENARIOS
-              for s in (STRATEGIES if name != "layerdrop_rank_dependent" else [3, 0, 1, 2]))
-LAST = ("layerdrop_rank_dependent",)
+# The order of the cells in a spawn: LayerDrop with a rank-dependent skip goes last (late), strategy
+# 3 first: the others may abort the process, costing a respawn each.
+for _name in SCENARIOS:
+    for _strategy in (STRATEGIES if _name != "layerdrop_rank_dependent" else [3, 0, 1, 2]):
+        CELLS.add((_name, _strategy), SCENARIOS[_name], _strategy, worlds=WORLDS,
+                  match=dict(scenario=_name, strategy=_strategy), late=_name == "layerdrop_rank_dependent")
 
 
-def prepare(scenarios):
-    """Imports what these cells import, before they start (see user_loops_common._grid_worker)."""
-    if "warmup_cosine_after_shard" in scenarios:
+def prepare(keys):
+    """Imports what these cells import, before they start (see rank_grid._grid_worker)."""
+    if any(key[0] == "warmup_cosine_after_shard" for key in keys):
         try:
             import transformers.optimization  # noqa: F401
         except ImportError:
             pass  # the cell reports it
 
 
-def cell(rank, world, scenario, strategy):
-    return SCENARIOS[scenario](rank, world, strategy)
-
-
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_user_loop_matches_ddp(scenario, strategy, world, request):
-    assert_checks(cell_report(request, world, scenario, strategy))
+def test_user_loop_matches_ddp(scenario, strategy, world):
+    assert_named(CELLS.result((scenario, strategy), world))

@@ -19,13 +19,13 @@ The user's optimizer steps the DTensor parameters directly, so the engine notice
 through the parameters' version counters at the next forward and refreshes what it keeps
 gathered (ZeRO-1/2 full weights, a group that does not reshard, a cast compute copy).
 
-This module is the entry point (fully_shard, FSDPModule, UnshardHandle); a group's formation and
-DTensor conversion are in _group.py, the root state (lazy init, the forward hooks) in _root.py,
-the policy checks and casts in _policy.py.
+This module is the entry point (fully_shard); a group's formation and DTensor conversion are in
+_group.py, the root state (lazy init, the forward hooks) in _root.py, the policy checks and casts
+in _policy.py, the module methods (FSDPModule, UnshardHandle) in _module.py, and what torch's own
+code finds on a sharded module (its state key, register_fsdp_forward_method) in _torch_state.py.
 """
 from __future__ import annotations
 
-import functools
 from typing import Iterable, List, Optional, Union
 
 import torch.nn as nn
@@ -33,26 +33,37 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._common import parse_strategy
 from ..no_shard import mark_by_name
-from ._group import ShardGroup, form_group, group_of
+from ._group import dp_mesh_of, form_group
+from ._module import FSDPModule, fsdp_class
 from ._policy import check_policies
-from ._root import RootState, post_forward, pre_forward, state_of
+from ._root import post_forward, pre_forward
+from ._torch_state import register_torch_state
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard"]
 
 
 def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
-                reshard_after_forward: bool = True, shard_placement_fn=None, mp_policy=None, offload_policy=None,
-                ignored_params: Optional[Iterable[nn.Parameter]] = None,
+                reshard_after_forward: Optional[bool] = None, shard_placement_fn=None, mp_policy=None,
+                offload_policy=None, ignored_params: Optional[Iterable[nn.Parameter]] = None, dp_mesh_dims=None,
                 zero_dp_strategy: Union[int, str] = "optim_grads_params"):
     """Shards `module` (or a list of modules, one group) the way torch's FSDP2 fully_shard does
     (apply it bottom-up: blocks first, then the root), on megatron_fsdp_c's C engine. Returns the
-    module, whose class becomes FSDP<Class> in place (see [Note: per-module groups]).
+    module, whose class becomes FSDP<Class> in place, a subclass of torch's FSDPModule (see [Note:
+    per-module groups] and [Note: torch's FSDPModule] in _module.py). torch 2.13's signature:
+
+    reshard_after_forward: None (FSDP2's default) is True for every module but the root (the
+    module whose forward runs first), False there; True/False set it (an int, resharding to a
+    smaller world, is not supported). dp_mesh_dims (torch's DataParallelMeshDims): `mesh` is a
+    full SPMD mesh and these name its data-parallel dims (shard dims are flattened into one,
+    replicate dims into another: HSDP with both, a replicated group with replicate dims only);
+    parameters may be DTensors replicated over it. Other dims of size > 1 (tensor parallelism)
+    raise NotImplementedError. mp_policy takes torch's MixedPrecisionPolicy (param_dtype,
+    reduce_dtype, output_dtype, cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may
+    return None or Shard(0); offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy
+    is not supported yet).
 
     Beyond torch's arguments: zero_dp_strategy (default "optim_grads_params") gives the group
-    Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2). mp_policy takes
-    torch's MixedPrecisionPolicy (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs) or
-    megatron_fsdp_c's. shard_placement_fn may return None or Shard(0); offload_policy takes
-    torch's default OffloadPolicy() (CPUOffloadPolicy is not supported yet)."""
+    Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError("fully_shard expects an nn.Module or a non-empty list of nn.Modules")
@@ -63,7 +74,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         if getattr(m, "_megatron_fsdp_wrapper", None) is not None:
             raise RuntimeError(f"this {type(m).__name__} is already sharded by megatron_fsdp_c.fully_shard (the "
                                "Megatron-FSDP API); use one API per model")
-    if not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r} (resharding to a "
                         "smaller world is not supported)")
     if mp_policy is None:
@@ -71,146 +82,20 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         mp_policy = TorchPolicy()
     check_policies(mp_policy, offload_policy, shard_placement_fn)
     strategy = parse_strategy(zero_dp_strategy)
+    spmd_mesh = None
+    if dp_mesh_dims is not None:
+        spmd_mesh = mesh
+        mesh, replicate_only = dp_mesh_of(mesh, dp_mesh_dims)
+        if replicate_only:
+            strategy = 0  # replicate dims alone: torch's DDP-like group
     ignored = set(ignored_params or ())
     for m in modules:
         mark_by_name(m)
-    group = form_group(modules, mesh, strategy, mp_policy, reshard_after_forward, ignored, shard_placement_fn)
+    group = form_group(modules, mesh, strategy, mp_policy, reshard_after_forward, ignored, shard_placement_fn,
+                       spmd_mesh)
+    register_torch_state(group)
     for m in group.modules:
-        m.__class__ = _fsdp_class(type(m))
+        m.__class__ = fsdp_class(type(m))
         m.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(post_forward, prepend=False)
     return module
-
-
-@functools.lru_cache(maxsize=None)
-def _fsdp_class(cls: type) -> type:
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-
-
-# -- FSDPModule -----------------------------------------------------------------------------------
-
-class UnshardHandle:
-    """What unshard(async_op=True) returns: wait() makes the full parameters usable."""
-
-    def __init__(self, state: RootState, buckets: List[int]):
-        self._state, self._buckets = state, buckets
-
-    def wait(self) -> None:
-        if self._buckets:
-            self._state.param_buffer.engine.wait_unshard(self._buckets)
-            self._buckets = []
-
-
-class FSDPModule:
-    """The methods a module gains from megatron_fsdp_c.experimental.fully_shard (FSDP2's, plus
-    zero_dp_strategy at fully_shard time). Settings with `recurse` apply to every sharded module
-    under this one."""
-
-    def _groups(self, recurse: bool) -> List[ShardGroup]:
-        mods = self.modules() if recurse else [self]
-        out = []
-        for m in mods:
-            g = getattr(m, "_mfsdp_group", None)
-            if g is not None and g not in out:
-                out.append(g)
-        return out
-
-    def _reconfigure(self, groups) -> None:
-        for g in groups:
-            if g.state is not None:
-                g.state.configure(g)
-
-    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """Gathers this module's full parameters now (collective); they stay until reshard()."""
-        g = group_of(self)
-        state = state_of(self)
-        buckets = list(g.unit.buckets)
-        state.param_buffer.engine.unshard(buckets)
-        handle = UnshardHandle(state, buckets)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Releases this module's full parameters (ZeRO-3 groups)."""
-        g = group_of(self)
-        if g.state is not None and g.unit.releasable:
-            g.state.param_buffer.engine.reshard(list(g.unit.releasable))
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Off: backwards accumulate unsharded local gradients and communicate nothing; the next
-        backward with sync on reduces the sum (the memory of one full gradient copy per group
-        meanwhile, as DDP holds; [Note: held gradients] in csrc/comm/backward.c)."""
-        groups = self._groups(recurse)
-        for g in groups:
-            g.requires_gradient_sync = bool(requires_gradient_sync)
-        self._reconfigure(groups)
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP (2-D mesh): off, backwards still reduce within the shard dim but skip the
-        all-reduce across replicas; the next backward with it on all-reduces the sum, once
-        ([Note: hybrid sharding] in csrc/comm/replicas.c). No effect on a 1-D mesh."""
-        groups = self._groups(recurse)
-        for g in groups:
-            g.requires_all_reduce = bool(requires_all_reduce)
-        self._reconfigure(groups)
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
-        groups = self._groups(recurse)
-        for g in groups:
-            g.reshard_after_forward = reshard_after_forward
-        self._reconfigure(groups)
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        groups = self._groups(recurse)
-        for g in groups:
-            g.reshard_after_backward = bool(reshard_after_backward)
-        self._reconfigure(groups)
-
-    def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
-        """Gather these modules' parameters when this one runs its forward (every group between
-        them in the shared order is gathered too, see [Note: gather order] in hooks.py)."""
-        for m in modules:
-            group_of(m)
-        g = group_of(self)
-        g.forward_prefetch = list(modules)
-        self._reconfigure([g])
-
-    def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
-        for m in modules:
-            group_of(m)
-        g = group_of(self)
-        g.backward_prefetch = list(modules)
-        self._reconfigure([g])
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Gradients are divided by `factor` instead of the data-parallel size."""
-        if not (isinstance(factor, (int, float)) and factor > 0):
-            raise ValueError(f"the gradient divide factor must be a positive number, got {factor!r}")
-        groups = self._groups(True)
-        for g in groups:
-            g.divide_factor = float(factor)
-        self._reconfigure(groups)
-
-    def comm_stats(self) -> dict:
-        """megatron_fsdp_c's counters of the model's collectives so far (counts and bytes, by
-        level: inner all-gathers and reductions, and the all-reduce across replicas of HSDP)."""
-        return state_of(self).comm_stats()
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for FSDP2 compatibility: every backward here finishes its reductions."""
-        for g in self._groups(True):
-            g.is_last_backward = bool(is_last_backward)
-
-    def _apply(self, fn, *args, **kwargs):
-        g = group_of(self)
-        if g.state is not None:
-            raise RuntimeError(f"{type(self).__name__}: .to()/.to_empty()/.float() after the first forward would move "
-                               "the parameters out of the engine's buffers; call it before the first forward")
-        out = super()._apply(fn, *args, **kwargs)
-        for i, (mod, attr, _) in enumerate(g.places):  # to_empty() and friends may replace the parameters
-            g.places[i] = (mod, attr, mod._parameters[attr])
-        return out

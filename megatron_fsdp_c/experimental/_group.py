@@ -1,6 +1,7 @@
 """A group of the per-module API: the parameters one fully_shard call takes over (see [Note:
-per-module groups] in _fully_shard.py), their conversion to DTensor parameters, and the cache of
-mesh -> DistContext the groups share."""
+per-module groups] in _fully_shard.py), their conversion to DTensor parameters, the cache of
+mesh -> DistContext the groups share, and torch 2.13's dp_mesh_dims (a full SPMD mesh whose
+data-parallel dims are named)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,11 @@ from .._common import contiguous_stride
 from .._distributed import DistContext, make_dist_context
 from ..no_shard import is_no_shard
 
-__all__ = ["ShardGroup", "form_group", "group_of"]
+__all__ = ["ShardGroup", "dp_mesh_of", "form_group", "group_of"]
 
-_CONTEXTS = {}      # (mesh, device) -> DistContext: one gather communicator per mesh, not per call
+_CONTEXTS = {}      # (mesh's ranks, device) -> DistContext: one gather communicator per mesh, not per call
 _DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
+_DP_MESHES = {}     # (SPMD mesh, shard dims, replicate dims) -> (data-parallel mesh, no_shard, SPMD mesh)
 
 
 @dataclasses.dataclass(eq=False)
@@ -30,7 +32,7 @@ class ShardGroup:
     ctx: DistContext
     strategy: int
     mp_policy: object              # torch's MixedPrecisionPolicy or ours
-    reshard_after_forward: bool
+    reshard_after_forward: Optional[bool]  # None: FSDP2's default, set at the lazy init (False for the root)
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True   # HSDP: the all-reduce across replicas
@@ -40,6 +42,64 @@ class ShardGroup:
     is_last_backward: bool = True
     state: Optional[object] = None  # its RootState (_root.py, which imports this module), from the lazy init on
     unit: Optional[object] = None          # its unit in the engine's hooks
+    all_reduce_hook: Optional[object] = None  # set_all_reduce_hook's (hook, stream)
+    post_optim_event: Optional[object] = None  # set_post_optim_event's, waited on at the next root pre-forward
+    unshard_in_backward: bool = True       # accepted settings with no effect here ([Note: torch's FSDPModule])
+    force_sum_reduction: bool = False
+    torch_state: Optional[object] = None   # what torch's code finds under its state key (_torch_state.py)
+
+
+def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:
+    """The dims `names` of `mesh` as one dim (flattened when several, as torch's fully_shard does)."""
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+
+def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
+    """(the data-parallel mesh, whether it only replicates) of torch 2.13's `dp_mesh_dims` on a full
+    SPMD `mesh`: its shard dims flattened into one, its replicate dims into another; both make the
+    2-D (replicate, shard) HSDP mesh, replicate dims alone a replicated (no_shard) group, as in
+    torch. A dim of size > 1 that is neither is tensor (or expert, context) parallelism: not
+    supported by the per-module API yet. Made once per mesh and dims: every group of a model must
+    get the same mesh object (one engine per mesh, see [Note: per-module groups] in _fully_shard.py)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"dp_mesh_dims needs mesh= the full SPMD DeviceMesh, got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
+    if not shard and not replicate:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    for name in shard + replicate:
+        if name not in names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    model_parallel = [n for n in names if n not in shard + replicate and mesh.size(names.index(n)) > 1]
+    if model_parallel:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims=...) on a mesh with the model-parallel dims {model_parallel} (tensor, "
+            "context or expert parallelism): megatron_fsdp_c's per-module API shards plain data parallelism "
+            "only so far (tensor parallelism is a later issue). Use torch.distributed.fsdp.fully_shard for "
+            "this model, or a mesh whose dims are all data-parallel")
+    key = (id(mesh), shard, replicate)
+    if key not in _DP_MESHES:
+        if shard and replicate:
+            dp = DeviceMesh._concatenate([_submesh(mesh, replicate), _submesh(mesh, shard)])
+        else:
+            dp = _submesh(mesh, shard or replicate)
+        _DP_MESHES[key] = (dp, not shard, mesh)  # the SPMD mesh kept alive with its key
+    dp, no_shard, _ = _DP_MESHES[key]
+    return dp, no_shard
+
+
+def _plain(p: nn.Parameter, spmd_mesh: Optional[DeviceMesh]):
+    """A DTensor parameter replicated over the SPMD mesh of dp_mesh_dims (all dims, or a size-1
+    model-parallel one) as the plain tensor it holds; any other parameter as it is."""
+    if spmd_mesh is None or not isinstance(p, DTensor):
+        return p
+    sizes = p.device_mesh.mesh.shape
+    if any(not isinstance(pl, Replicate) and sizes[i] > 1 for i, pl in enumerate(p.placements)):
+        raise ValueError(f"a DTensor parameter with placements {p.placements} on mesh {p.device_mesh.mesh_dim_names}: "
+                         "with dp_mesh_dims, parameters must be Replicate() on every dim of size > 1")
+    return nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
 
 
 def _mesh_and_context(mesh, device_type: str) -> DistContext:
@@ -61,7 +121,9 @@ def _mesh_and_context(mesh, device_type: str) -> DistContext:
         raise ValueError(f"mesh is on '{mesh.device_type}' but the parameters are on '{device_type}': build the mesh "
                          f"with init_device_mesh('{device_type}', ...) or move the module first")
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
-    key = (id(mesh), str(device))
+    # By the ranks and dim names, not the object: mesh["dp"] makes a new DeviceMesh each time,
+    # and each fully_shard call of a model must get the same context (one engine per model).
+    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, str(device))
     ctx = _CONTEXTS.get(key)
     if ctx is None:
         # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
@@ -113,10 +175,13 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: tor
 
 
 def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: int, mp_policy,
-               reshard_after_forward: bool, ignored: set, shard_placement_fn) -> ShardGroup:
+               reshard_after_forward: Optional[bool], ignored: set, shard_placement_fn,
+               spmd_mesh: Optional[DeviceMesh] = None) -> ShardGroup:
     """One fully_shard call's group: its parameters become DTensor Parameters on the modules, and
-    each module points at the group (`_mfsdp_group`). The arguments are checked already."""
-    places = _group_params(modules, ignored)
+    each module points at the group (`_mfsdp_group`). The arguments are checked already; `mesh` is
+    the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims)."""
+    plain = {}  # a DTensor parameter tied within the group stays tied as a plain one
+    places = [(mod, attr, plain.setdefault(id(p), _plain(p, spmd_mesh))) for mod, attr, p in _group_params(modules, ignored)]
     devices = {p.device.type for _, _, p in places if not p.is_meta}
     if len(devices) > 1:
         raise ValueError(f"the parameters of this {type(modules[0]).__name__} are on several device types "

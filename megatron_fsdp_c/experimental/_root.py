@@ -43,6 +43,12 @@ class RootState(EngineOwner):
             raise ValueError("the groups under this root were sharded over different meshes: one mesh per model")
         self.root = root
         self.groups = groups
+        for g in groups:  # FSDP2's default (None): reshard after forward, except the root
+            if g.reshard_after_forward is None:
+                g.reshard_after_forward = g is not getattr(root, "_mfsdp_group", None)
+        self.methods_running = 0  # registered forward methods running (_torch_state.py)
+        self.reduce_requested = False  # a post_backward() asked for the held gradients' reduction
+        self.held = set()  # indices of groups whose backwards held gradients back, not reduced yet
         self.dist_ctx = ctx = groups[0].ctx
         names = {id(mod): name for name, mod in root.named_modules(remove_duplicate=False)}
         ends = {}  # group index -> position of its (last) module in post-order: backward order
@@ -120,6 +126,10 @@ class RootState(EngineOwner):
     def root_pre_forward(self, module) -> None:
         self.pass_root = module
         self._sync_requires_grad()
+        for g in self.groups:  # set_post_optim_event: the current stream waits on it once
+            if g.post_optim_event is not None:
+                g.post_optim_event.wait()
+                g.post_optim_event = None
         self._refresh_changed_weights()
         self._swap_params(dist=False)
         self.hooks.root_pre_forward()
@@ -158,8 +168,95 @@ class RootState(EngineOwner):
     def _after_backward(self, synced: bool) -> None:
         self._swap_params(dist=True)
         synced_units = {u for u, g in enumerate(self.groups) if g.requires_gradient_sync}
+        self.held = {u for u in self.held if u not in synced_units}
+        self.held |= {u for u, g in enumerate(self.groups) if u not in synced_units and g.unit.grad_buckets}
         self._attach_grads([r for r in self.param_buffer.records if r.unit in synced_units])
+        for u in sorted(synced_units):
+            if self.groups[u].all_reduce_hook is not None:
+                self._run_all_reduce_hook(self.groups[u])
         self._trim_host_heap()
+
+    def _run_all_reduce_hook(self, g: ShardGroup) -> None:
+        """set_all_reduce_hook's hook on each of the group's reduced gradient shards: this rank's
+        rows of the bucket in the buffer the parameters' .grad views."""
+        hook, stream = g.all_reduce_hook
+        buf = self.param_buffer
+        shards = []
+        for b in g.unit.grad_buckets:
+            pieces = [buf.engine.local_piece(b, r.item, _C.BUF_OPT_GRAD) for r in buf.records if r.bucket == b]
+            where = pieces[0][0]
+            lo, hi = min(o for _, o, _ in pieces), max(o + n for _, o, n in pieces)
+            shards.append(torch.from_dlpack(buf.engine.tensor(b, where)).narrow(0, lo, hi - lo))
+        if stream is None:
+            for t in shards:
+                hook(t)
+            return
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            for t in shards:
+                hook(t)
+        current.wait_stream(stream)
+
+    def reduce_held(self) -> None:
+        """[Note: reductions outside a backward]
+        torch.distributed.pipelining runs every microbatch's backward with gradient sync off, then
+        asks for the reduction itself, outside any backward (stage.perform_reduce_grad through
+        torch's state key, see _torch_state.py). The engine reduces in a backward only, so this runs
+        one without autograd: the buckets of the groups that held gradients back (and whose sync
+        is on again) are sealed, all others put on hold meanwhile so that they send nothing, and
+        end_backward reduces them in the shared order; then the releases and .grad follow as in
+        a backward's final callback. Every rank of the data-parallel group calls it at the same
+        point (pipelining does), so the collectives match."""
+        self.reduce_requested = False
+        held = [u for u in sorted(self.held) if self.groups[u].requires_gradient_sync]
+        if not held:
+            return
+        if self.hooks.in_backward:
+            raise RuntimeError("the reduction of held gradients was requested inside a backward pass")
+        engine = self.param_buffer.engine
+        sealed = [b for u in held for b in self.groups[u].unit.grad_buckets]
+        others = [b for b in self.param_buffer.grad_buckets() if b not in sealed]
+        if others:
+            engine.set_hold(others, True)
+        try:
+            engine.begin_backward(True)
+            engine.seal(sealed)
+            engine.end_backward()
+        finally:
+            for g in self.groups:  # each bucket's own hold back
+                self.configure(g)
+        release = [b for u in self.hooks.units if u.reshard_after_backward for b in u.releasable]
+        if release:
+            engine.reshard(release)
+        self._after_backward(True)
+
+    def reset_iter_state(self) -> None:
+        """FSDPModule.reset_iter_state on the root: a forward or backward raised part way. An
+        interrupted backward is ended (its collectives run: every rank calls this), the step's
+        gradients are discarded, every gathered bucket is released and the sharded parameters
+        are put back; the hooks' per-pass positions start again."""
+        engine, hooks = self.param_buffer.engine, self.hooks
+        if hooks.in_backward:
+            try:
+                engine.end_backward()
+            finally:
+                hooks.in_backward = False
+        engine.zero_grads()
+        for r in self.param_buffer.records:
+            r.dist_param.grad = None
+        self._used[:] = bytes(len(self._used))  # in place: the hooks hold this bytearray
+        self._has_grad[:] = bytes(len(self._has_grad))
+        self.held.clear()
+        if hooks.all_sharded:
+            engine.reshard(list(hooks.all_sharded))
+        hooks.fwd_next = hooks.fwd_done = 0
+        hooks.bwd_next = hooks.bwd_done = len(hooks.bwd_seq)
+        hooks.ran = set()
+        for u in hooks.units:
+            u.members_left = u.members
+        self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
+        self._swap_params(dist=True)
 
 
 def _post_order(root: nn.Module) -> List[nn.Module]:
@@ -208,7 +305,7 @@ def post_forward(module, args, output):
     mp = g.mp_policy
     if is_torch_policy(mp) and mp.output_dtype is not None:
         output = cast_floats(output, mp.output_dtype)
-    if state.pass_root is module:
+    if state.pass_root is module and not state.methods_running:  # a registered method's end, not its inner forwards
         output = state.root_post_forward(output)
     return output
 

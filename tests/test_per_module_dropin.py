@@ -1,0 +1,437 @@
+"""The per-module API as frameworks see torch's FSDP2: our sharded modules are instances of torch's
+FSDPModule (the gate torchtitan, Lightning, accelerate and torch.distributed.pipelining use), with
+every public method of it; torch's own register_fsdp_forward_method and fully_shard.state() reach
+our state; torch 2.13's fully_shard signature (reshard_after_forward=None, dp_mesh_dims).
+
+One spawn at world 2 (`cells`), float64 against torch's FSDP2 on the same script (rtol 1e-9), or
+against a single-process reference with averaged gradients.
+"""
+import copy
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+from megatron_fsdp_c.experimental import FSDPModule, UnshardHandle
+from conftest import get_run
+
+RTOL = 1e-9
+
+# Each public method of torch's FSDPModule and what ours does with it (README: the per-method list).
+NO_EFFECT = ["set_is_last_backward", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params",
+             "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group", "set_unshard_in_backward"]
+REFUSED = ["set_custom_all_gather", "set_custom_reduce_scatter", "set_symm_mem_for_comm"]
+
+
+def test_every_public_method_of_torchs_fsdpmodule_is_ours():
+    """Fails when torch adds a public method to FSDPModule that we do not override (it would fall
+    through to torch's internals, which look for an FSDPState we do not have)."""
+    assert issubclass(FSDPModule, TorchFSDPModule) and issubclass(UnshardHandle, torch.distributed.fsdp.UnshardHandle)
+    names = {n for n in dir(TorchFSDPModule) if not n.startswith("__") and callable(getattr(TorchFSDPModule, n))}
+    torch_own = {n for n in names if any(n in vars(k) for k in TorchFSDPModule.__mro__ if k is not object)}
+    missing = sorted(n for n in torch_own if n not in vars(FSDPModule) and not n.startswith("__"))
+    assert not missing, f"torch's FSDPModule methods not overridden by ours: {missing}"
+    assert {"_get_fsdp_state", "_apply", "_set_unshard_async_op", "reset_iter_state"} <= set(vars(FSDPModule))
+
+
+def mlp(d=8, n=3, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(n)], nn.Linear(d, 2)).double()
+
+
+def data(step, rank, d=8):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, d, generator=g, dtype=torch.float64)
+
+
+def shard(model, impl, **kw):
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from megatron_fsdp_c.experimental import fully_shard
+    for block in model[:-1]:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def full_grads(model):
+    return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def full_params(model):
+    return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+
+
+# -- the cells (run at world 2) --------------------------------------------------------------------
+
+def isinstance_gate(rank, world):
+    """torchtitan's disable_fsdp_gradient_division and Lightning/accelerate/pipelining's checks:
+    isinstance of torch's FSDPModule; containers index back to their own class; UnshardHandle."""
+    model = shard(mlp(), "ours")
+    sharded = [m for m in model.modules() if isinstance(m, TorchFSDPModule)]
+    handle = model[0].unshard(async_op=True)
+    handle.wait()
+    model[0].reshard()
+    return dict(sharded=len(sharded), classes=sorted({type(m).__name__ for m in sharded}),
+                sliced=type(model[0:2]).__name__, handle=isinstance(handle, torch.distributed.fsdp.UnshardHandle),
+                mro_original=type(model).__mro__[type(model)._orig_cls_mro_index] is nn.Sequential)
+
+
+def summed_loss(rank, world, impl):
+    """torchtitan's loss: summed over the global tokens, gradient division switched off on every
+    module the isinstance gate finds (set_gradient_divide_factor(1.0)): FSDP2's gradients, not half."""
+    model = shard(mlp(), impl)
+    for m in model.modules():
+        if isinstance(m, TorchFSDPModule):
+            m.set_gradient_divide_factor(1.0)
+    out = {}
+    for step in range(2):
+        model(data(step, rank)).sum().backward()
+        out[step] = full_grads(model)
+        model.zero_grad()
+    return out
+
+
+def state_lookup(rank, world):
+    """torch's composable state lookup (fully_shard.state, used by pipelining) and _get_fsdp_state
+    find our TorchState; torch's fully_shard refuses a module ours sharded."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    model = shard(mlp(), "ours")
+    state = torch_fully_shard.state(model)
+    out = dict(found=type(state).__name__, same=state is model._get_fsdp_state(),
+               groups=len(state._state_ctx.all_states))
+    model(data(0, rank)).sum().backward()
+    out["groups_after_init"] = len(torch_fully_shard.state(model)._state_ctx.all_states)
+    try:
+        torch_fully_shard(model[0])
+        out["torch_again"] = "accepted"
+    except AssertionError as e:
+        out["torch_again"] = str(e)
+    return out
+
+
+class Generator(nn.Module):
+    """A module with a method other than forward that runs it several times (generate-like)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp(n=2)
+
+    def forward(self, x):
+        return self.body(x)
+
+    def generate(self, x, steps=3):
+        outs = []
+        for _ in range(steps):
+            x = self(x)[:, :2].repeat(1, 4)
+            outs.append(x)
+        return torch.stack(outs)
+
+
+def forward_method(rank, world, impl, register):
+    """register_fsdp_forward_method (torch's, or ours) on a generate-like method, with grad and
+    under no_grad; the same numbers as torch's FSDP2 running the same script."""
+    from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
+    from megatron_fsdp_c.experimental import register_fsdp_forward_method as our_register
+    torch.manual_seed(0)
+    model = Generator()
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from megatron_fsdp_c.experimental import fully_shard
+    for block in model.body[:-1]:
+        fully_shard(block)
+    fully_shard(model)
+    (torch_register if register == "torch" else our_register)(model, "generate")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {}
+    for step in range(2):
+        y = model.generate(data(step, rank))
+        y.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        out[f"y{step}"] = y.detach().clone()
+    with torch.no_grad():
+        out["no_grad"] = model.generate(data(5, rank))
+    out["params"] = full_params(model)
+    return out
+
+
+def reshard_default(rank, world):
+    """reshard_after_forward=None is FSDP2's default: the root keeps its parameters gathered from
+    forward to backward (one all-gather fewer a step than True), the blocks reshard."""
+    counts = {}
+    for label, kw in (("none", {}), ("true", {"reshard_after_forward": True})):
+        model = shard(mlp(), "ours", **kw)
+        model(data(0, rank)).sum().backward()  # lazy init and a first step
+        before = model.comm_stats()["all_gathers"]
+        model(data(1, rank)).sum().backward()
+        counts[label] = model.comm_stats()["all_gathers"] - before
+    return counts
+
+
+def dp_mesh_dims(rank, world, impl, dims):
+    """torch 2.13's dp_mesh_dims: a named SPMD mesh whose dims are all data-parallel, parameters
+    DTensors replicated over it (as torch requires); float64 against torch's FSDP2, whose forward
+    takes the batch as a DTensor sharded over the mesh (ours takes the local batch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    if dims == "fsdp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        spec = DataParallelMeshDims(shard="dp_shard")
+    else:  # hsdp: 1 x world
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_replicate", "dp_shard"))
+        spec = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+    model = mlp()
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            mod._parameters[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()] * mesh.ndim))
+    shard(model, impl, mesh=mesh, dp_mesh_dims=spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        x = data(step, rank)
+        if impl == "torch":  # FSDP2 computes with DTensors on the SPMD mesh: the batch is sharded over it
+            out = model(DTensor.from_local(x, mesh, [Shard(0)] * mesh.ndim)).to_local()
+        else:  # ours computes with plain tensors (the per-module API has no tensor parallelism yet)
+            out = model(x)
+        loss = out.square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, params=full_params(model))
+
+
+def dp_mesh_dims_errors(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from megatron_fsdp_c.experimental import fully_shard
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
+    out = {}
+    for label, fn in {
+        "tensor parallel dim": lambda: fully_shard(mlp(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")),
+        "unknown dim": lambda: fully_shard(mlp(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")),
+    }.items():
+        try:
+            fn()
+            out[label] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[label] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def all_reduce_hook(rank, world, impl):
+    """set_all_reduce_hook on every sharded module: the hook doubles the reduced gradient shard in
+    place; .grad follows, as in torch's FSDP2 (one syncing backward per step)."""
+    model = shard(mlp(), impl)
+    calls = []
+    for m in model.modules():
+        if isinstance(m, TorchFSDPModule):
+            m.set_all_reduce_hook(lambda t: (calls.append(t.numel()), t.mul_(2.0)))
+    model(data(0, rank)).sum().backward()
+    return dict(grads=full_grads(model), calls=len(calls))
+
+
+def accepted_and_refused(rank, world):
+    """The methods with no effect here train the same; those naming mechanisms we lack raise."""
+    model = shard(mlp(), "ours")
+    ref = shard(mlp(), "ours")
+    for name in NO_EFFECT:
+        args = (2,) if name == "set_reduce_scatter_max_input_buffers" else (True,)
+        getattr(model, name)(*args)
+    model._set_unshard_async_op(True)
+    model.set_allocate_memory_from_process_group_for_comm(False)
+    out = {"refused": {}}
+    for name in REFUSED + ["set_allocate_memory_from_process_group_for_comm"]:
+        try:
+            getattr(model, name)(True) if name.startswith("set_allocate") else getattr(model, name)(None)
+            out["refused"][name] = "accepted"
+        except NotImplementedError as e:
+            out["refused"][name] = str(e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.set_reduce_scatter_divide_factor(2.0)
+        ref.set_gradient_divide_factor(2.0)
+    out["deprecated_warns"] = any("set_gradient_divide_factor" in str(w.message) for w in caught)
+    for m in (model, ref):
+        m(data(0, rank)).sum().backward()
+    out["same"] = all(torch.equal(a, b) for a, b in zip(full_grads(model).values(), full_grads(ref).values()))
+    return out
+
+
+class Flaky(nn.Module):
+    """Raises in forward, or in backward, when told (on every rank, as a user error would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.fail = None
+
+    def forward(self, x):
+        if self.fail == "forward":
+            raise ValueError("forward failed")
+        y = self.lin(x)
+        return _FailBackward.apply(y) if self.fail == "backward" else y
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("backward failed")
+
+
+def reset_iter_state(rank, world):
+    """After a forward or a backward raised on every rank, reset_iter_state on the root and the
+    next step's gradients are a clean step's (against a model that never failed)."""
+    from megatron_fsdp_c.experimental import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), Flaky(), nn.Linear(8, 2)).double()
+        fully_shard(m[1])
+        fully_shard(m)
+        return m
+
+    model, clean = build(), build()
+    clean(data(0, rank)).sum().backward()
+    clean.zero_grad()
+    model(data(0, rank)).sum().backward()
+    model.zero_grad()
+    out = {}
+    for where in ("forward", "backward"):
+        model[1].fail = where
+        try:
+            model(data(1, rank)).sum().backward()
+            out[where] = "no error"
+        except ValueError as e:
+            out[where] = str(e)
+        model[1].fail = None
+        model.reset_iter_state()
+    try:
+        model[1].reset_iter_state()
+        out["non_root"] = "accepted"
+    except RuntimeError as e:
+        out["non_root"] = str(e)
+    for m in (model, clean):
+        m(data(2, rank)).sum().backward()
+    out["grads"], out["clean"] = full_grads(model), full_grads(clean)
+    return out
+
+
+def cells(rank, world):
+    runs = {
+        "gate": lambda: isinstance_gate(rank, world),
+        "lookup": lambda: state_lookup(rank, world),
+        "reshard_default": lambda: reshard_default(rank, world),
+        "dims_errors": lambda: dp_mesh_dims_errors(rank, world),
+        "accepted": lambda: accepted_and_refused(rank, world),
+        "reset": lambda: reset_iter_state(rank, world),
+    }
+    for impl in ("torch", "ours"):
+        runs[("summed", impl)] = lambda impl=impl: summed_loss(rank, world, impl)
+        runs[("hook", impl)] = lambda impl=impl: all_reduce_hook(rank, world, impl)
+        for dims in ("fsdp", "hsdp"):
+            runs[("dims", dims, impl)] = lambda impl=impl, dims=dims: dp_mesh_dims(rank, world, impl, dims)
+        for register in ("torch", "ours"):
+            if impl == "ours" or register == "torch":
+                runs[("method", impl, register)] = lambda impl=impl, r=register: forward_method(rank, world, impl, r)
+    out = {}
+    for key, fn in runs.items():
+        try:
+            out[key] = ("ok", fn())
+        except Exception:  # noqa: BLE001 - reported by the cell's test
+            out[key] = ("error", traceback.format_exc())
+    return out
+
+
+def _cell(key):
+    results = []
+    for per_rank in get_run(cells, 2):
+        status, value = per_rank[key]
+        assert status == "ok", f"{key}:\n{value}"
+        results.append(value)
+    return results
+
+
+def _close(a, b, what, rtol=RTOL):
+    assert set(a) == set(b), what
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=0, msg=lambda m: f"{what} {k}: {m}")
+
+
+def test_isinstance_gate():
+    for r in _cell("gate"):
+        assert r["sharded"] == 4 and r["classes"] == ["FSDPSequential"], r
+        assert r["sliced"] == "Sequential" and r["handle"] and r["mro_original"], r
+
+
+def test_summed_loss_gets_fsdp2s_gradients():
+    """torchtitan's set_gradient_divide_factor(1.0) through the isinstance gate reaches us."""
+    for theirs, ours in zip(_cell(("summed", "torch")), _cell(("summed", "ours"))):
+        for step in theirs:
+            _close(ours[step], theirs[step], f"step {step} grads")
+
+
+def test_torch_state_lookup_finds_ours():
+    """Fails if torch changes its composable-state lookup (pipelining's fully_shard.state)."""
+    for r in _cell("lookup"):
+        assert r["found"] == "TorchState" and r["same"], r
+        assert r["groups"] == 1 and r["groups_after_init"] == 4, r
+        assert "can only be applied to a module once" in r["torch_again"], r
+
+
+@pytest.mark.parametrize("register", ["torch", "ours"])
+def test_forward_method_like_generate(register):
+    for theirs, ours in zip(_cell(("method", "torch", "torch")), _cell(("method", "ours", register))):
+        _close({k: v for k, v in ours.items() if k != "params"}, {k: v for k, v in theirs.items() if k != "params"},
+               "outputs")
+        _close(ours["params"], theirs["params"], "params")
+
+
+def test_reshard_after_forward_none_keeps_the_root_gathered():
+    for r in _cell("reshard_default"):
+        assert r["true"] == r["none"] + 1, r  # the root's one bucket, gathered again in backward with True
+
+
+@pytest.mark.parametrize("dims", ["fsdp", "hsdp"])
+def test_dp_mesh_dims_matches_fsdp2(dims):
+    for theirs, ours in zip(_cell(("dims", dims, "torch")), _cell(("dims", dims, "ours"))):
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=RTOL, atol=0)
+        _close(ours["params"], theirs["params"], "params")
+
+
+def test_dp_mesh_dims_with_tensor_parallel_dims_is_a_clear_error():
+    for r in _cell("dims_errors"):
+        assert r["tensor parallel dim"].startswith("NotImplementedError") and "['tp']" in r["tensor parallel dim"] \
+            and "tensor parallelism is a later issue" in r["tensor parallel dim"], r
+        assert r["unknown dim"].startswith("ValueError") and "'fsdp' not found" in r["unknown dim"], r
+
+
+def test_all_reduce_hook_matches_fsdp2():
+    for theirs, ours in zip(_cell(("hook", "torch")), _cell(("hook", "ours"))):
+        _close(ours["grads"], theirs["grads"], "grads")
+        assert ours["calls"] == theirs["calls"] == 4, (ours["calls"], theirs["calls"])
+
+
+def test_methods_without_effect_and_refused_ones():
+    for r in _cell("accepted"):
+        assert r["same"] and r["deprecated_warns"], r
+        for name, message in r["refused"].items():
+            assert message != "accepted" and name in message, (name, message)
+
+
+def test_reset_iter_state_after_a_failed_forward_or_backward():
+    for r in _cell("reset"):
+        assert r["forward"] == "forward failed" and r["backward"] == "backward failed", r
+        assert "must be called on the root" in r["non_root"], r
+        _close(r["grads"], r["clean"], "grads after reset")
