@@ -6,8 +6,10 @@ requires_grad] (megatron_fsdp_c/_trainable.py) side by side:
 
 - lazy (what the library does): frozen parameters get buckets of their own without gradient
   memory; a bucket gets its gradient buffers when a parameter of it starts training.
-- eager (the alternative, emulated): every floating parameter planned as trainable, frozen ones
-  are a cheap path (gradient buffers allocated, their gradients reduced as zeros).
+- eager (the alternative, emulated): every floating parameter planned as trainable (gradient
+  buffers allocated, frozen parameters share buckets with trainable ones), the frozen ones then
+  a cheap path (the engine expects no gradient of them; a bucket with no trainable parameter
+  reduces nothing, one with some packs the frozen ones as zeros).
 Then the lazy model's backbone is unfrozen, and frozen again (memory after zero_grad and the
 next forward). Rank 0 prints held bytes (memory_report) and the median step time, and the
 median cost of the per-forward requires_grad check."""
@@ -26,6 +28,7 @@ from megatron_fsdp_c import _C, param_buffer
 from megatron_fsdp_c.testing import GPT, Block, batch, init_distributed
 
 BACKBONE = ("tok.", "pos.", "blocks.")
+_PLAN = _C.plan  # the planner itself: the eager design patches _C.plan
 
 
 def set_backbone(named, flag):
@@ -37,7 +40,7 @@ def set_backbone(named, flag):
 def plan_all_trainable(params, *args):
     """_C.plan with every floating parameter marked trainable (the eager design)."""
     floating = {code for dt, code in _C.DTYPE_CODES.items() if dt.is_floating_point}
-    return _C.plan([p[:4] + (1 if p[2] in floating else p[4],) + p[5:] for p in params], *args)
+    return _PLAN([p[:4] + (1 if p[2] in floating else p[4],) + p[5:] for p in params], *args)
 
 
 def run(spec, strategy, eager, steps, rank):
@@ -48,6 +51,14 @@ def run(spec, strategy, eager, steps, rank):
         fsdp, opt = mfsdp.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                       fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
     named = {n[len("module."):]: p for n, p in fsdp.named_parameters()}
+    if eager:  # the engine and the hooks expect no gradient of the frozen parameters
+        buf = fsdp.param_buffer
+        for b, recs in buf.records_by_bucket().items():
+            frozen = [r.item for r in recs if not r.requires_grad]
+            if frozen and buf.specs[b]["grad_mode"] != _C.GRAD_NONE:
+                buf.engine.set_trainable(b, frozen, False)
+                buf.trainable_items[b] -= len(frozen)
+        fsdp.hooks.retrain()
 
     def train(n, seed):
         times = []

@@ -31,10 +31,13 @@ trainable when DDP was built) and FSDP2:
   maxima sum to 255), so a disagreement raises a RuntimeError naming the parameters at the next
   sync. When it changed the collectives themselves (a bucket reduced on some ranks only), the
   backward before that sync fails or times out in them instead (collective_timeout).
-- Mixed precision: a bucket frozen at sharding keeps main weights of its compute dtype, so with a
-  wider main_params_dtype its parameters cannot start training (a clear error naming the fix)
-  unless they were trainable when sharded, or, in the Megatron-FSDP API, the optimizer given to
-  fully_shard holds them (their main weights are then planned wide).
+- Mixed precision: in the Megatron-FSDP API a bucket frozen at sharding keeps main weights of its
+  compute dtype, so with a wider main_params_dtype its parameters cannot start training (a clear
+  error naming the fix) unless they were trainable when sharded or the optimizer given to
+  fully_shard holds them (their main weights are then planned wide). In the per-module API every
+  floating parameter's main weights are planned in its own dtype, frozen or not, as FSDP2 keeps
+  its sharded parameters (ParamRecord.trains_later, experimental/_root.py), so any can start
+  training.
 """
 from __future__ import annotations
 

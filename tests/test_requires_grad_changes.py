@@ -7,30 +7,31 @@ MICRO microbatches, all but the last under no_sync / set_requires_gradient_sync(
 alternating set_to_none True and False): the embedding and block 0 start frozen, in the optimizer
 (the gradual-unfreezing recipe), and are unfrozen at step 2, when block 1 and the final norm's
 weight (one parameter of a bucket that goes on training) are frozen; the head is frozen after the
-last backward, before its optimizer step (which still applies its gradient). The reference DDP is
-built with every parameter trainable and frozen afterwards: DDP leaves a parameter frozen at its
-construction out of its reducer for good, so unfreezing it later would give it local, unreduced
-gradients there. Also: gradient memory follows, a rank that disagrees is named, a parameter
-outside the optimizer joins with add_param_group, DCP resume after unfreezing, mixed precision.
-One spawn per world size, every cell in it (conftest.get_run).
+last backward, before its optimizer step (which still applies its gradient). The reference DDP
+(trained once per spawn, rank_grid.once) is built with every parameter trainable and frozen
+afterwards: DDP leaves a parameter frozen at its construction out of its reducer for good, so
+unfreezing it later would give it local, unreduced gradients there. Also: gradient memory
+follows, a rank that disagrees is named, a parameter outside the optimizer joins with
+add_param_group, DCP resume after unfreezing, mixed precision. The cells run in the shared
+spawns ([Note: one spawn per world size] in rank_grid.py).
 """
 import contextlib
-import copy
 import functools
-import tempfile
-import traceback
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.experimental import fully_shard as fully_shard_per_module
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-from conftest import get_run
+import rank_grid
 
 CFG = GPTConfig(vocab=32, seq=8, d=16, heads=2, layers=3)
 STEPS, MICRO = 4, 2
@@ -53,68 +54,86 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def model_and_reference():
-    """The model, and DDP over a copy built while every parameter trains; both then frozen."""
+def gpt():
+    """The model, frozen as at the start of the recipe."""
     torch.manual_seed(0)
     model = GPT(CFG).double()
-    ref = copy.deepcopy(model)
-    ddp = DDP(ref, find_unused_parameters=True)
-    for m in (model, ref):
-        set_requires_grad(dict(m.named_parameters()), FROZEN_AT_START, False)
-    return model, ref, ddp
+    set_requires_grad(dict(model.named_parameters()), FROZEN_AT_START, False)
+    return model
 
 
-def parity_loop(rank, ours, named, no_sync, opt, ref, ddp, ref_opt, toggles=None):
-    """Trains our model and DDP on the same data with the schedule above. `named()`: our
-    distributed parameters by the plain model's names; `no_sync(quiet)`: our context for a
-    microbatch. `toggles(step, named, ref_named)`: extra changes before a step's forward."""
-    out = dict(losses=[], ref_losses=[], grad_none=[], ref_grad_none=[])
-    ref_named = dict(ref.named_parameters())
+def train(rank, model, named, no_sync, opt, toggles=None):
+    """The schedule above. `named()`: the parameters by the plain model's names; `no_sync(quiet)`:
+    the context of a microbatch; `toggles(step, named)`: extra changes before a step's forward."""
+    out = dict(losses=[], grad_none=[])
     for step in range(STEPS):
         if step == 2:
-            for n in (named(), ref_named):
-                set_requires_grad(n, FROZEN_AT_START, True)
-                set_requires_grad(n, FROZEN_AT_2, False)
+            set_requires_grad(named(), FROZEN_AT_START, True)
+            set_requires_grad(named(), FROZEN_AT_2, False)
         if toggles is not None:
-            toggles(step, named(), ref_named)
+            toggles(step, named())
         for m in range(MICRO):
             quiet = m < MICRO - 1
             x, y = batch(CFG, 2, seed=1000 * step + 10 * m + rank)
             with no_sync(quiet):
-                loss = ours(x, y)
+                loss = model(x, y)
                 loss.backward()
-            with ddp.no_sync() if quiet else contextlib.nullcontext():
-                ref_loss = ddp(x, y)
-                ref_loss.backward()
             out["losses"].append(loss.item())
-            out["ref_losses"].append(ref_loss.item())
         if step == STEPS - 1:
-            for n in (named(), ref_named):
-                set_requires_grad(n, FROZEN_BEFORE_LAST_STEP, False)
+            set_requires_grad(named(), FROZEN_BEFORE_LAST_STEP, False)
         out["grad_none"].append(sorted(n for n, p in named().items() if p.grad is None))
-        out["ref_grad_none"].append(sorted(n for n, p in ref_named.items() if p.grad is None))
         opt.step()
-        ref_opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
-        ref_opt.zero_grad(set_to_none=step % 2 == 0)
-    out["params"] = {n: p.full_tensor() for n, p in named().items()}
-    out["ref_params"] = {n: p.detach().clone() for n, p in ref_named.items()}
+    out["params"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach().clone())
+                     for n, p in named().items()}
     return out
 
 
-def megatron_api(rank, world, strategy, mesh=None, outer=None):
-    """megatron_fsdp_c.fully_shard, the optimizer holding every parameter (frozen ones too)."""
-    model, ref, ddp = model_and_reference()
+def _ddp_run(rank, joins_later):
+    """DDP built while every parameter trains, then frozen: DDP leaves a parameter frozen at its
+    construction out of its reducer for good, so unfreezing it later would give it local,
+    unreduced gradients there. `joins_later`: the optimizer gets the frozen parameters at step 2
+    (add_param_group)."""
+    torch.manual_seed(0)
+    ref = GPT(CFG).double()
+    ddp = DDP(ref, find_unused_parameters=True)
+    named = dict(ref.named_parameters())
+    set_requires_grad(named, FROZEN_AT_START, False)
+    opt = adamw([p for p in ref.parameters() if p.requires_grad] if joins_later else ref.parameters())
+
+    def toggles(step, named):
+        if joins_later and step == 2:
+            opt.add_param_group({"params": matching(named, FROZEN_AT_START)})
+    return train(rank, ddp, lambda: named, lambda quiet: ddp.no_sync() if quiet else contextlib.nullcontext(),
+                 opt, toggles)
+
+
+def ddp_run(rank, joins_later=False):
+    """DDP's run, the same for every cell of a spawn: trained once there."""
+    return rank_grid.once(("requires_grad_changes ddp", joins_later), _ddp_run, rank, joins_later)
+
+
+def with_reference(rank, ours, joins_later=False):
+    ref = ddp_run(rank, joins_later)
+    return dict(ours, ref_losses=ref["losses"], ref_grad_none=ref["grad_none"], ref_params=ref["params"])
+
+
+def megatron_model(model, optimizer, strategy, mesh=None, outer=None):
     kw = {}
     if mesh is not None:
         kw = dict(device_mesh=init_device_mesh("cpu", mesh, mesh_dim_names=("dp_outer", "dp_shard")),
                   dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD,
                   outer_dp_sharding_strategy=outer or "no_shard")
-    fsdp, opt = mf.fully_shard(model, adamw(model.parameters()), fsdp_unit_modules=[Block],
-                               zero_dp_strategy=strategy, **kw)
+    fsdp, opt = mf.fully_shard(model, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, **kw)
     named = lambda: {n[len("module."):]: p for n, p in fsdp.named_parameters()}  # noqa: E731
-    return parity_loop(rank, fsdp, named, lambda quiet: fsdp.no_sync() if quiet else contextlib.nullcontext(),
-                       opt, ref, ddp, adamw(ref.parameters()))
+    return fsdp, opt, named, lambda quiet: fsdp.no_sync() if quiet else contextlib.nullcontext()
+
+
+def megatron_api(rank, world, strategy, mesh=None, outer=None):
+    """megatron_fsdp_c.fully_shard, the optimizer holding every parameter (frozen ones too)."""
+    model = gpt()
+    fsdp, opt, named, no_sync = megatron_model(model, adamw(model.parameters()), strategy, mesh, outer)
+    return with_reference(rank, train(rank, fsdp, named, no_sync, opt))
 
 
 @contextlib.contextmanager
@@ -125,14 +144,14 @@ def _gradient_sync(model, quiet):
 
 def per_module_api(rank, world, strategy, mesh=None):
     """megatron_fsdp_c.experimental.fully_shard per block and at the root; the optimizer made after."""
-    model, ref, ddp = model_and_reference()
+    model = gpt()
     device_mesh = None if mesh is None else init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard_per_module(block, mesh=device_mesh, zero_dp_strategy=strategy)
     fully_shard_per_module(model, mesh=device_mesh, zero_dp_strategy=strategy)
     opt = adamw(model.parameters())
-    return parity_loop(rank, model, lambda: dict(model.named_parameters()), functools.partial(_gradient_sync, model),
-                       opt, ref, ddp, adamw(ref.parameters()))
+    return with_reference(rank, train(rank, model, lambda: dict(model.named_parameters()),
+                                      functools.partial(_gradient_sync, model), opt))
 
 
 # ------------------------------------------------------------------------------------------
@@ -182,23 +201,19 @@ def disagreement(rank, world):
 
 
 def joins_by_add_param_group(rank, world, strategy):
-    """Block 0, frozen at sharding and left out of the optimizer, is unfrozen at step 2 and joins
-    it with add_param_group (on both sides)."""
-    model, ref, ddp = model_and_reference()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    fsdp, opt = mf.fully_shard(model, adamw(trainable), fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
-    ref_opt = adamw([p for p in ref.parameters() if p.requires_grad])
-    named = lambda: {n[len("module."):]: p for n, p in fsdp.named_parameters()}  # noqa: E731
+    """Block 0 and the embedding, frozen at sharding and left out of the optimizer, are unfrozen at
+    step 2 and join it with add_param_group (on both sides)."""
+    model = gpt()
+    fsdp, opt, named, no_sync = megatron_model(model, adamw([p for p in model.parameters() if p.requires_grad]),
+                                               strategy)
 
-    def toggles(step, ours, refs):
+    def toggles(step, named):
         if step == 2:
-            opt.add_param_group({"params": matching(ours, FROZEN_AT_START)})
-            ref_opt.add_param_group({"params": matching(refs, FROZEN_AT_START)})
-    return parity_loop(rank, fsdp, named, lambda quiet: fsdp.no_sync() if quiet else contextlib.nullcontext(),
-                       opt, ref, ddp, ref_opt, toggles)
+            opt.add_param_group({"params": matching(named, FROZEN_AT_START)})
+    return with_reference(rank, train(rank, fsdp, named, no_sync, opt, toggles), joins_later=True)
 
 
-def dcp_resume(rank, world, ckdir):
+def dcp_resume(rank, world):
     """Unfrozen at step 1 and saved after step 2; a fresh model (frozen as at the start, unfrozen as
     the script knows by then) loads it and runs step 3 bit for bit as the model that went on."""
     def build():
@@ -214,6 +229,7 @@ def dcp_resume(rank, world, ckdir):
         opt.step()
         opt.zero_grad()
 
+    ckdir = os.path.join(rank_grid.session_dir(), "requires_grad_changes")
     fsdp, opt, named = build()
     for s in range(3):
         if s == 1:
@@ -234,7 +250,7 @@ def dcp_resume(rank, world, ckdir):
 def mixed_precision(rank, world):
     """bf16 model, float32 main weights: a frozen parameter the optimizer given to fully_shard holds
     is planned with float32 main weights and trains once unfrozen; one it does not hold cannot
-    start training (a clear error)."""
+    start training (a clear error). And the per-module API's case (per_module_mixed_precision)."""
     out = {}
     for in_optimizer in (True, False):
         torch.manual_seed(0)
@@ -254,12 +270,41 @@ def mixed_precision(rank, world):
             out[in_optimizer] = ("no error", str(w.dtype), bool((w.full_tensor() != before).any()))
         except ValueError as e:
             out[in_optimizer] = ("ValueError", str(e), False)
+    out["per-module"] = per_module_mixed_precision(rank)
     return out
 
 
-# ------------------------------------------------------------------------------------------
-# the grid: every cell of a world size in one spawn
+def per_module_mixed_precision(rank):
+    """float32 model, torch's MixedPrecisionPolicy(param_dtype=bfloat16): a parameter frozen at
+    sharding keeps its float32 shard (as under FSDP2) and trains once unfrozen. Whether a step
+    changed it, for steps 0 (frozen) and 1, 2 (unfrozen before step 1)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    model.blocks[0].requires_grad_(False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard_per_module(block, mp_policy=mp)
+    fully_shard_per_module(model, mp_policy=mp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = model.blocks[0].fc.weight
+    changed = []
+    for step in range(3):
+        if step == 1:
+            model.blocks[0].requires_grad_(True)
+        before = w.full_tensor().clone()
+        x, y = batch(CFG, 2, seed=step + rank)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        changed.append(bool((w.full_tensor() != before).any()))
+    return str(w.dtype), changed
 
+
+# ------------------------------------------------------------------------------------------
+# the cells (one spawn per world size, shared with the other test files: [Note: one spawn per
+# world size] in rank_grid.py)
+
+CELLS = rank_grid.Cells(__name__)
 PARITY = {f"megatron s{s}": (megatron_api, dict(strategy=s), (2, 4)) for s in range(4)}
 PARITY.update({f"per-module s{s}": (per_module_api, dict(strategy=s), (2, 4)) for s in range(4)})
 PARITY.update({
@@ -270,50 +315,20 @@ PARITY.update({
     "megatron s3 add_param_group": (joins_by_add_param_group, dict(strategy=3), (2,)),
     "megatron s1 add_param_group": (joins_by_add_param_group, dict(strategy=1), (2,)),
 })
-OTHER = {
-    "gradient memory s3": (gradient_memory, dict(strategy=3), (2,)),
-    "gradient memory s1": (gradient_memory, dict(strategy=1), (2,)),
-    "disagreement": (disagreement, {}, (2,)),
-    "dcp resume": (dcp_resume, {}, (2,)),
-    "mixed precision": (mixed_precision, {}, (2,)),
-}
-CELLS = {**PARITY, **OTHER}
-
-
-def grid(rank, world, ckdir):
-    torch.set_num_threads(1)
-    out = {}
-    for name, (fn, kw, worlds) in CELLS.items():
-        if world not in worlds:
-            continue
-        if fn is dcp_resume:
-            kw = dict(kw, ckdir=ckdir)
-        try:
-            out[name] = ("ok", fn(rank, world, **kw))
-        except Exception:  # noqa: BLE001 - reported by the cell's test
-            out[name] = ("error", traceback.format_exc())
-        dist.barrier()
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def checkpoint_dir() -> str:
-    """Made once in the pytest process and handed to the spawn: every rank writes one checkpoint."""
-    return tempfile.mkdtemp(prefix="mfsdp_requires_grad_")
-
-
-def results(name, world):
-    cells = []
-    for rank, grid_out in enumerate(get_run(grid, world, checkpoint_dir())):
-        status, value = grid_out[name]
-        assert status == "ok", f"rank {rank}:\n{value}"
-        cells.append(value)
-    return cells
+for _name, (_fn, _kw, _worlds) in PARITY.items():
+    CELLS.add(_name, _fn, worlds=_worlds, tests=["test_requires_grad_changes_match_ddp"], match=dict(name=_name),
+              **_kw)
+for _strategy in (3, 1):
+    CELLS.add(f"gradient memory s{_strategy}", gradient_memory, _strategy, tests=["test_gradient_memory_follows"],
+              match=dict(strategy=_strategy))
+CELLS.add("disagreement", disagreement, tests=["test_ranks_that_disagree_are_named"])
+CELLS.add("dcp resume", dcp_resume, tests=["test_dcp_resume_after_unfreezing"])
+CELLS.add("mixed precision", mixed_precision, tests=["test_mixed_precision_unfreezing"])
 
 
 @pytest.mark.parametrize("name,world", [(n, w) for n, (_, _, worlds) in PARITY.items() for w in worlds])
 def test_requires_grad_changes_match_ddp(name, world):
-    for rank, r in enumerate(results(name, world)):
+    for rank, r in enumerate(CELLS.result(name, world)):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=RTOL, atol=ATOL)
         assert r["grad_none"] == r["ref_grad_none"], f"rank {rank}: which .grad is None differs"
         assert set(r["params"]) == set(r["ref_params"])
@@ -325,7 +340,7 @@ def test_requires_grad_changes_match_ddp(name, world):
 
 @pytest.mark.parametrize("strategy", [3, 1])
 def test_gradient_memory_follows(strategy):
-    for r in results(f"gradient memory s{strategy}", 2):
+    for r in CELLS.result(f"gradient memory s{strategy}", 2):
         assert all(r["start_views"]), "no gradient buffers for buckets frozen at sharding"
         assert all(r["unfrozen_views"]) and r["start"] < r["unfrozen"], r
         assert r["refrozen"] == r["start"], r
@@ -333,18 +348,20 @@ def test_gradient_memory_follows(strategy):
 
 
 def test_ranks_that_disagree_are_named():
-    for status, message in results("disagreement", 2):
+    for status, message in CELLS.result("disagreement", 2):
         assert status == "RuntimeError", message
-        assert "requires_grad differs across ranks" in message and "'ln.weight' (trainable on ranks [1] only)" in message
+        assert "requires_grad differs across ranks" in message, message
+        assert "'ln.weight' (trainable on ranks [1] only)" in message, message
 
 
 def test_dcp_resume_after_unfreezing():
-    for differing in results("dcp resume", 2):
+    for differing in CELLS.result("dcp resume", 2):
         assert differing == [], differing
 
 
 def test_mixed_precision_unfreezing():
-    for r in results("mixed precision", 2):
+    for r in CELLS.result("mixed precision", 2):
         assert r[True] == ("no error", "torch.float32", True), r[True]
         kind, message, _ = r[False]
         assert kind == "ValueError" and "blocks.0.fc.weight" in message and "float32 main weights" in message, message
+        assert r["per-module"] == ("torch.float32", [False, True, True]), r["per-module"]

@@ -69,6 +69,9 @@ class RootState(EngineOwner):
                     r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, dp.shape, u, [(mod, attr)])
                     r.replicated = isinstance(dp.placements[-1], Replicate)  # the shard dim is the last
                     r.strategy, r.policy, r.dist_param = g.strategy, policy, dp
+                    # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main
+                    # weights planned so, any can start training ([Note: changing requires_grad])
+                    r.trains_later = policy is not None
                     r.aliases.append(name)
                     records.append(r)
                 else:
