@@ -11,9 +11,9 @@ last backward, before its optimizer step (which still applies its gradient). The
 (trained once per spawn, rank_grid.once) is built with every parameter trainable and frozen
 afterwards: DDP leaves a parameter frozen at its construction out of its reducer for good, so
 unfreezing it later would give it local, unreduced gradients there. Also: gradient memory
-follows, a rank that disagrees is named, a parameter outside the optimizer joins with
-add_param_group, DCP resume after unfreezing, mixed precision. The cells run in the shared
-spawns ([Note: one spawn per world size] in rank_grid.py).
+follows, a replicated (fsdp_no_shard) embedding, a rank that disagrees is named, a parameter
+outside the optimizer joins with add_param_group, DCP resume after unfreezing, mixed precision.
+The cells run in the shared spawns ([Note: one spawn per world size] in rank_grid.py).
 """
 import contextlib
 import functools
@@ -129,9 +129,12 @@ def megatron_model(model, optimizer, strategy, mesh=None, outer=None):
     return fsdp, opt, named, lambda quiet: fsdp.no_sync() if quiet else contextlib.nullcontext()
 
 
-def megatron_api(rank, world, strategy, mesh=None, outer=None):
-    """megatron_fsdp_c.fully_shard, the optimizer holding every parameter (frozen ones too)."""
+def megatron_api(rank, world, strategy, mesh=None, outer=None, replicated_embedding=False):
+    """megatron_fsdp_c.fully_shard, the optimizer holding every parameter (frozen ones too);
+    `replicated_embedding`: the (frozen, then unfrozen) embedding under fsdp_no_shard."""
     model = gpt()
+    if replicated_embedding:
+        mf.fsdp_no_shard(model.tok)
     fsdp, opt, named, no_sync = megatron_model(model, adamw(model.parameters()), strategy, mesh, outer)
     return with_reference(rank, train(rank, fsdp, named, no_sync, opt))
 
@@ -312,6 +315,7 @@ PARITY.update({
     "megatron HSDP 2x2 s1": (megatron_api, dict(strategy=1, mesh=(2, 2)), (4,)),
     "megatron HFSDP 2x2": (megatron_api, dict(strategy=3, mesh=(2, 2), outer="optim"), (4,)),
     "per-module HSDP 2x2 s3": (per_module_api, dict(strategy=3, mesh=(2, 2)), (4,)),
+    "megatron s3 fsdp_no_shard": (megatron_api, dict(strategy=3, replicated_embedding=True), (2,)),
     "megatron s3 add_param_group": (joins_by_add_param_group, dict(strategy=3), (2,)),
     "megatron s1 add_param_group": (joins_by_add_param_group, dict(strategy=1), (2,)),
 })
