@@ -4,6 +4,7 @@ one process group per configuration so that peak memory is per configuration."""
 import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import statistics
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp_c as mfsdp
-from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch, init_distributed
+from megatron_fsdp_c.testing import GPT, TPGPT, Block, GPTConfig, TPBlock, batch, init_distributed, parallelize_tp
 
 MODELS = {
     # the training benchmark: a plain GPT of pre-norm blocks (CPU size)
@@ -92,6 +93,8 @@ def is_gpt(name):
 def build(args, device):
     torch.manual_seed(0)
     spec = MODELS[args.model]
+    if args.tp:  # the same GPT with separate q, k, v (torch's TP plans split them by heads)
+        return TPGPT(spec["cfg"]).to(device), TPBlock
     if is_gpt(args.model):
         model = GPT(spec["cfg"]).to(device)
         unit_cls = Block
@@ -116,9 +119,10 @@ def theoretical_bytes(model_obj, strategy, micro, grad_elem):
     communicated with grad_elem bytes an element."""
     buf = model_obj.param_buffer
     elem = {r.name: r.param.element_size() for r in buf.records}
-    unit_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.unit >= 0)
-    root_bytes = sum(r.param.numel() * elem[r.name] for r in buf.records if r.unit < 0)
-    grad_bytes = sum(r.param.numel() * grad_elem for r in buf.records if r.requires_grad)
+    numel = {r.name: math.prod(r.shape) for r in buf.records}  # a TP parameter's: its TP shard's
+    unit_bytes = sum(numel[r.name] * elem[r.name] for r in buf.records if r.unit >= 0)
+    root_bytes = sum(numel[r.name] * elem[r.name] for r in buf.records if r.unit < 0)
+    grad_bytes = sum(numel[r.name] * grad_elem for r in buf.records if r.requires_grad)
     if strategy == 0:
         return {"all_reduce": grad_bytes}
     if strategy == 1:
@@ -126,6 +130,27 @@ def theoretical_bytes(model_obj, strategy, micro, grad_elem):
     if strategy == 2:
         return {"reduce_scatter": micro * grad_bytes, "all_gather": unit_bytes + root_bytes}
     return {"reduce_scatter": micro * grad_bytes, "all_gather": micro * (2 * unit_bytes + root_bytes)}
+
+
+def theoretical_wire_bytes(model_obj, micro, specs):
+    """Bytes per optimisation step of ZeRO-3 with quantized wires, from the bucket plan: every
+    gather moves W pieces of quant_wire_bytes(mode, shard_size, block) (two gathers a step for a
+    unit's buckets, forward and backward; one for the root's), every reduction W pieces of the
+    gradients' mode ([Note: quantized communication] in csrc/comm/wire.c); a plain wire moves
+    W * shard_size elements of its dtype."""
+    from megatron_fsdp_c import _C
+    buf = model_obj.param_buffer
+    out = {"all_gather": 0, "reduce_scatter": 0}
+    for bp, spec in zip(buf.plan, buf.specs):
+        w, n = bp["shards"], bp["shard_size"]
+        gathers = 2 * micro if bp["unit"] >= 0 else micro
+        elem = {0: 4, 1: 2, 2: 2, 3: 8}[spec["param_dtype"]]
+        wq, gq, block = spec.get("wire_weights", 0), spec.get("wire_grads", 0), spec.get("wire_block", 128)
+        out["all_gather"] += gathers * w * (_C.quant_wire_bytes(wq - 1, n, block) if wq else n * elem)
+        if spec["grad_mode"] != _C.GRAD_NONE:
+            celem = {0: 4, 1: 2, 2: 2, 3: 8}[spec["comm_dtype"]]
+            out["reduce_scatter"] += micro * w * (_C.quant_wire_bytes(gq - 1, n, block) if gq else n * celem)
+    return out
 
 
 def main():
@@ -145,8 +170,21 @@ def main():
                     help="OUTERxSHARD (e.g. 2x2): hybrid sharding (HSDP) on a 2-D (replicate, shard) mesh")
     ap.add_argument("--outer", choices=["no_shard", "optim"], default="no_shard",
                     help="megatron_fsdp_c's outer_dp_sharding_strategy on --mesh (optim: HFSDP)")
+    ap.add_argument("--tp", type=int, default=0,
+                    help="N > 0: 2-D parallelism, a (world/N data-parallel, N tensor-parallel) mesh: torch's "
+                         "sequence-parallel plan (parallelize_tp), then FSDP over the data-parallel dim")
+    ap.add_argument("--quant", default=None,
+                    help="WEIGHTS,GRADS[,BLOCK]: megatron_fsdp_c's QuantizedCommPolicy (each a mode or none)")
+    ap.add_argument("--grad-comm", choices=["fp32", "bf16"], default="fp32",
+                    help="megatron_fsdp_c's gradient communication dtype (unquantized gradients)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    quant = None
+    if args.quant:
+        parts = args.quant.split(",")
+        mode = lambda v: None if v == "none" else v  # noqa: E731
+        quant = mfsdp.QuantizedCommPolicy(weights=mode(parts[0]), grads=mode(parts[1]),
+                                          block=int(parts[2]) if len(parts) > 2 else 128)
 
     rank, world, device = init_distributed()
     cuda = device.type == "cuda"
@@ -154,6 +192,14 @@ def main():
 
     model, unit_cls = build(args, device)
     mesh = None
+    dp_rank, tp_kw = rank, {}
+    if args.tp:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh_2d = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_tp(model, mesh_2d["tp"], sequence_parallel=True)
+        dp_rank = mesh_2d["dp"].get_local_rank()  # the tp ranks of a dp rank read the same batch
+        tp_kw = dict(mesh=mesh_2d["dp"]) if args.framework in ("fsdp2", "mfsdp2") else \
+            dict(device_mesh=mesh_2d, dp_shard_dim="dp", tp_dim="tp")
     if args.mesh:
         from torch.distributed.device_mesh import init_device_mesh
         outer, inner = (int(v) for v in args.mesh.split("x"))
@@ -180,14 +226,17 @@ def main():
         policy = Fsdp2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Fsdp2Policy()
         if mesh is not None:
             extra["mesh"] = mesh  # 2-D: HSDP in both
+        extra.update(tp_kw)
         for m in model.modules():
             if isinstance(m, unit_cls):
                 fsdp2(m, mp_policy=policy, **extra)
         runner = fsdp2(model, mp_policy=policy, **extra)
         params = list(runner.parameters())
     else:
+        comm = None if quant is not None and quant.grads else (
+            torch.bfloat16 if args.grad_comm == "bf16" else torch.float32)
         policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
-                                            grad_comm_dtype=torch.float32)
+                                            grad_comm_dtype=comm)
         if bf16:
             model = model.to(torch.bfloat16)  # compute weights bf16; fp32 main weights in the engine
         # One rank still issues every collective (a one-rank NCCL collective is a copy): the
@@ -197,7 +246,8 @@ def main():
             if mesh is not None else {}
         runner, _ = mfsdp.fully_shard(model, None, fsdp_unit_modules=[unit_cls], zero_dp_strategy=args.strategy,
                                       mixed_precision_policy=policy, transport=args.transport,
-                                      single_rank_collectives=world == 1 and train, **hybrid)
+                                      single_rank_collectives=world == 1 and train, quantized_comm_policy=quant,
+                                      **hybrid, **tp_kw)
         sharded = runner
         params = list(runner.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4) if train else None
@@ -205,7 +255,7 @@ def main():
         mfsdp.fully_shard_optimizer(opt)
 
     def loss_of(i):
-        x, y = make_batch(args, i, rank, device)
+        x, y = make_batch(args, i, dp_rank, device)
         with autocast if autocast is not None else contextlib.nullcontext():
             return runner(x, y)
 
@@ -270,15 +320,18 @@ def main():
                   peak_bytes=(torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()),
                   peak_kind="cuda max_memory_allocated" if cuda else "peak RSS (VmHWM) during timed steps",
                   transient_bytes=(0 if cuda else peak_rss_bytes() - rss_at_start),
-                  held=held, flag_sync_ms=flag_sync_ms, mesh=args.mesh,
+                  held=held, flag_sync_ms=flag_sync_ms, mesh=args.mesh, tp=args.tp,
                   outer=args.outer if args.mesh and args.framework == "mfsdp" else None,
-                  grad_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad))
+                  grad_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
+                  quant=args.quant, grad_comm=args.grad_comm if args.framework == "mfsdp" else None)
     if args.model == "tiny":
         result["units"] = MODELS["tiny"]["layers"]
     if sharded is not None:
         per_step = {k: (comm_after[k] - before[k]) / args.steps for k in comm_after}
         result["comm_per_step"] = per_step
-        if train:
+        if train and args.framework == "mfsdp" and args.strategy == 3 and not args.mesh:
+            result["wire_theory"] = theoretical_wire_bytes(sharded, 1, sharded.param_buffer.specs)
+        if train and quant is None and args.grad_comm == "fp32":
             result["comm_theory"] = theoretical_bytes(sharded, args.strategy, 1, grad_elem=4)  # fp32 reductions
     if rank == 0:
         with open(args.out, "a") as f:

@@ -1,8 +1,10 @@
 """The benchmark: DDP, torch FSDP2 and megatron_fsdp_c (every strategy) on the same GPT, in one
-invocation, under torchrun; CPU (gloo) at 2 and 4 ranks, or the GPU(s) when CUDA is present.
+invocation, under torchrun; CPU (gloo) at 2 and 4 ranks, or the GPU(s) when CUDA is present. On
+CPU also hybrid sharding (HSDP, HFSDP) and 2-D parallelism (FSDP + tensor parallelism, dp 2 x
+tp 2 against torch's FSDP2 + TP) at 4 ranks.
 
     python benchmarks/run.py [--worlds 2,4] [--steps 20] [--models gpt] [--precision fp32] [--out bench_out]
-                             [--parts train,hooks] [--transport auto]
+                             [--parts train,hooks,hybrid,quant] [--transport auto]
 
 Defaults: on CPU the 5.8M-parameter `gpt` in fp32; with CUDA the CUDA issue's two models,
 `gpt-small` (vocab 8192, d 512, 8 heads, 12 layers, seq 256, batch 4) and `gpt-large` (vocab
@@ -40,15 +42,18 @@ def free_port():
 
 
 def launch(world, out, framework, model, steps, strategy=3, precision="fp32", transport="auto", mesh=None,
-           outer="no_shard"):
+           outer="no_shard", tp=0, quant=None, grad_comm="fp32"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_port", str(free_port()), str(HERE / "bench_worker.py"), "--framework", framework,
            "--model", model, "--steps", str(steps), "--strategy", str(strategy), "--precision", precision,
-           "--transport", transport, "--out", str(out)] + (["--mesh", mesh, "--outer", outer] if mesh else [])
+           "--transport", transport, "--out", str(out)] + (["--mesh", mesh, "--outer", outer] if mesh else []) + \
+        (["--tp", str(tp)] if tp else []) + \
+        (["--quant", quant] if quant else []) + (["--grad-comm", grad_comm] if framework == "mfsdp" else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    label = {"mfsdp": f"megatron_fsdp_c {NAMES[strategy]} ({transport} transport)",
+    label = {"mfsdp": f"megatron_fsdp_c {NAMES[strategy]} ({transport} transport{', ' + quant if quant else ''})",
              "mfsdp2": f"megatron_fsdp_c per-module {NAMES[strategy]}"}.get(framework, framework) + \
-        (f" on a {mesh} mesh" if mesh else "") + (" (HFSDP)" if outer == "optim" else "")
+        (f" on a {mesh} mesh" if mesh else "") + (" (HFSDP)" if outer == "optim" else "") + \
+        (f" + TP {tp} (dp {world // tp})" if tp else "")
     print(f"[bench] world {world}: {model} ({precision}) {label}", flush=True)
     start = time.monotonic()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -58,8 +63,22 @@ def launch(world, out, framework, model, steps, strategy=3, precision="fp32", tr
         raise SystemExit(f"benchmark run failed: {' '.join(cmd)}")
 
 
+def quant_label(r):
+    """What crosses the wire in a quantized-part row: weights / gradients."""
+    if r.get("quant"):
+        parts = r["quant"].split(",")
+        w = parts[0] if parts[0] != "none" else "fp32"
+        g = parts[1] if parts[1] != "none" else (r.get("grad_comm") or "fp32")
+        return f"{w} weights, {g} gradients" + (f", block {parts[2]}" if len(parts) > 2 else "")
+    return f"fp32 weights, {r.get('grad_comm') or 'fp32'} gradients"
+
+
 def label(r):
     mesh = f" {'HFSDP' if r.get('outer') == 'optim' else 'HSDP'} {r['mesh']}" if r.get("mesh") else ""
+    if r.get("tp"):
+        mesh += f" + TP (dp {r['world'] // r['tp']} x tp {r['tp']})"
+    if r["framework"] == "mfsdp" and r.get("quant_part"):
+        return f"megatron_fsdp_c {NAMES[r['strategy']]}: {quant_label(r)}"
     if r["framework"] == "mfsdp":
         return f"megatron_fsdp_c {NAMES[r['strategy']]}{mesh}"
     if r["framework"] == "mfsdp2":
@@ -83,11 +102,16 @@ def machine():
             f"Python {platform.python_version()}")
 
 
+def own_part(r):
+    """A row of the hybrid, 2-D or quantized parts (their own tables), not of the training benchmark."""
+    return bool(r.get("hybrid_part") or r.get("tp_part") or r.get("quant_part"))
+
+
 def training_groups(results):
     """(model, world) pairs of the training benchmark, in the order they ran."""
     keys = []
     for r in results:
-        if is_gpt(r["model"]) and not r.get("hybrid_part") and (r["model"], r["world"]) not in keys:
+        if is_gpt(r["model"]) and not own_part(r) and (r["model"], r["world"]) not in keys:
             keys.append((r["model"], r["world"]))
     return keys
 
@@ -98,7 +122,7 @@ def summary(results):
     lines = ["### Summary: megatron_fsdp_c optim_grads_params against the peers", "",
              "| model | ranks | step x DDP | step x FSDP2 | peak x FSDP2 |", "|---|---|---|---|---|"]
     for model, world in training_groups(results):
-        rows = [r for r in results if r["model"] == model and r["world"] == world and not r.get("hybrid_part")]
+        rows = [r for r in results if r["model"] == model and r["world"] == world and not own_part(r)]
         ddp = next((r for r in rows if r["framework"] == "ddp"), None)
         fsdp2 = next((r for r in rows if r["framework"] == "fsdp2"), None)
         ours = next((r for r in rows if r["framework"] == "mfsdp" and r["strategy"] == 3), None)
@@ -106,7 +130,7 @@ def summary(results):
             continue
         lines.append(f"| {model} | {world} | {ours['step_ms'] / ddp['step_ms']:.2f} | "
                      f"{ours['step_ms'] / fsdp2['step_ms']:.2f} | {ours['peak_bytes'] / fsdp2['peak_bytes']:.2f} |")
-    return lines + [""]
+    return lines + [""] if len(lines) > 4 else []  # no training rows (e.g. --parts hybrid): no table
 
 
 def ring_bytes(kind, size, ranks):
@@ -135,8 +159,12 @@ def inter_node_bytes(r, nodes=2):
         return ring_bytes("all_reduce", r["grad_bytes"] / (world // outer), outer)  # FSDP2: shard-sized all-reduce
     if r.get("comm_per_step"):
         per = r["comm_per_step"]
-        # buffer sizes: all-gather/reduce-scatter count the full bucket, all-reduce the whole buffer
-        return sum(ring_bytes(k, per[f"{k}_bytes"], world) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+        # buffer sizes: all-gather/reduce-scatter count the full bucket, all-reduce the whole buffer. A quantized
+        # gather or exchange sends W-1 of its W wire pieces, as a ring all-gather / reduce-scatter does; a quantized
+        # all-reduce counts its exchange's wire plus the gather of the reduced blocks, each sent that way once
+        return sum(ring_bytes(k, per.get(f"{k}_bytes", 0) + per.get(f"quantized_{k}_bytes", 0), world)
+                   for k in ("all_gather", "reduce_scatter")) + ring_bytes("all_reduce", per["all_reduce_bytes"], world) \
+            + ring_bytes("all_gather", per.get("quantized_all_reduce_bytes", 0), world)
     if r["framework"] == "ddp":
         return ring_bytes("all_reduce", r["grad_bytes"], world)
     return ring_bytes("all_gather", 2 * r["grad_bytes"], world) + ring_bytes("reduce_scatter", r["grad_bytes"], world)
@@ -167,10 +195,78 @@ def hybrid_table(results):
                         "`inter_node_bytes` in benchmarks/run.py).", ""]
 
 
+def tp_table(results):
+    """2-D parallelism: FSDP over dp composed with torch's sequence-parallel TP plan, ours on both
+    APIs against torch's FSDP2 + TP."""
+    rows = [r for r in results if r.get("tp_part")]
+    if not rows:
+        return []
+    base = next((r for r in rows if r["framework"] == "fsdp2"), rows[0])
+    first = rows[0]
+    lines = [f"### 2-D parallelism, {first['world']} ranks as dp {first['world'] // first['tp']} x tp {first['tp']} "
+             f"({first['device']}, {first['model']} with separate q/k/v, {first['params'] / 1e6:.2f}M params, "
+             f"{first['precision']}): torch's sequence-parallel plan, then FSDP over dp", "",
+             "| configuration | step ms | x FSDP2 + TP | params MiB | grads MiB | optimizer MiB | held MiB | peak MiB | "
+             "all-gather MiB/step | reduce-scatter MiB/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        held = r["held"]
+        per = r.get("comm_per_step")
+        comm = f"{mib(per['all_gather_bytes'])} | {mib(per['reduce_scatter_bytes'])}" if per else "- | -"
+        lines.append(f"| {label(r)} | {r['step_ms']:.1f} | {r['step_ms'] / base['step_ms']:.2f} | {mib(held['param'])} | "
+                     f"{mib(held['grad'])} | {mib(held['optim'])} | {mib(sum(held.values()))} | "
+                     f"{mib(r['peak_bytes'])} | {comm} |")
+    return lines + ["", "Held: what one rank keeps between steps (its TP shard's data-parallel shard of parameters, "
+                        "gradients, AdamW states); collective bytes: our engine's counters (the data-parallel "
+                        "collectives; TP's own collectives are torch's in both).", ""]
+
+
+def quant_table(results):
+    """The quantized-communication part: ZeRO-3 at 4 ranks, bytes per step by communicator (measured
+    wire bytes / the plan's theory), step time, inter-node bytes per rank, against the
+    unquantized runs and FSDP2."""
+    rows = [r for r in results if r.get("quant_part")]
+    if not rows:
+        return []
+    world, model = rows[0]["world"], rows[0]["model"]
+    ddp = next((r for r in rows if r["framework"] == "ddp"), None)
+    base = next((r for r in rows if r["framework"] == "mfsdp" and not r.get("quant") and r.get("grad_comm") == "fp32"),
+                None)
+    lines = [f"### Quantized communication, {world} ranks ({rows[0]['device']}, {model}, {rows[0]['precision']} "
+             "compute, ZeRO-3)", "",
+             "| configuration | step ms | x DDP | gather communicator MiB/step (measured / theory) | reduction "
+             "communicator MiB/step (measured / theory) | inter-node MiB/step/rank (2 nodes) | x unquantized fp32 | "
+             "x bf16 (theory) |", "|---|---|---|---|---|---|---|---|"]
+    base_inter = inter_node_bytes(base) if base else None
+    for r in rows:
+        per, theory = r.get("comm_per_step"), r.get("wire_theory")
+        if per:
+            gather = per.get("all_gather_bytes", 0) + per.get("quantized_all_gather_bytes", 0)
+            reduce = sum(per.get(k, 0) for k in ("reduce_scatter_bytes", "quantized_reduce_scatter_bytes",
+                                                 "all_reduce_bytes", "quantized_all_reduce_bytes"))
+            cell = lambda m, t: f"{mib(m)} / {mib(t)} = {m / t:.3f}" if t else mib(m)  # noqa: E731
+            comm = f"{cell(gather, theory and theory['all_gather'])} | {cell(reduce, theory and theory['reduce_scatter'])}"
+        else:
+            comm = "- | -"
+        inter = inter_node_bytes(r)
+        ratio = f"{inter / base_inter:.3f}" if base_inter else "-"
+        vs_bf16 = f"{inter / (base_inter / 2):.3f}" if base_inter else "-"
+        vs_ddp = f"{r['step_ms'] / ddp['step_ms']:.2f}" if ddp else "-"
+        lines.append(f"| {label(r)} | {r['step_ms']:.1f} | {vs_ddp} | {comm} | {mib(inter)} | {ratio} | {vs_bf16} |")
+    if base_inter:
+        lines.append(f"| megatron_fsdp_c optim_grads_params: bf16 weights, bf16 gradients (theory: half the fp32 "
+                     f"wire, not run) | - | - | - | - | {mib(base_inter / 2)} | 0.500 | 1.000 |")
+    return lines + ["", "Wire bytes per step by communicator, as our counters record them (quantized pieces: payload "
+                        "and scales) against the bucket plan's theory (`theoretical_wire_bytes` in "
+                        "benchmarks/bench_worker.py); inter-node: bytes one rank sends through a ring over the 1-D "
+                        "group of 4 ranks on 2 nodes (`inter_node_bytes` in benchmarks/run.py). FSDP2 and DDP from the "
+                        "same formula on fp32 bytes. The bf16 row is half the fp32 run's wire: this CPU has no bf16 "
+                        "units, a bf16 run would measure compute, not communication.", ""]
+
+
 def tables(results):
     lines = summary(results)
     for model, world in training_groups(results):
-        rows = [r for r in results if r["model"] == model and r["world"] == world and not r.get("hybrid_part")]
+        rows = [r for r in results if r["model"] == model and r["world"] == world and not own_part(r)]
         ddp = next(r for r in rows if r["framework"] == "ddp")
         fsdp2 = next((r for r in rows if r["framework"] == "fsdp2"), None)
         precision = rows[0].get("precision", "fp32")
@@ -204,6 +300,8 @@ def tables(results):
                 lines.append(f"| {label(r).replace('megatron_fsdp_c ', '')} | " + " | ".join(cells) + " |")
             lines.append("")
     lines += hybrid_table(results)
+    lines += tp_table(results)
+    lines += quant_table(results)
     for world in sorted({r["world"] for r in results if r["model"] == "tiny"}):
         tiny = [r for r in results if r["model"] == "tiny" and r["world"] == world]
         ddp = next(r for r in tiny if r["framework"] == "ddp")
@@ -255,6 +353,17 @@ def plot(results, path):
     return True
 
 
+def tag_rows(raw, mark, tag):
+    """Marks the rows written after byte `mark` of the results file as a part's own."""
+    with open(raw) as f:
+        f.seek(mark)
+        tagged = [dict(json.loads(line), **{tag: True}) for line in f.read().splitlines()]
+    with open(raw, "r+") as f:
+        f.truncate(mark)
+        f.seek(mark)
+        f.write("".join(json.dumps(t) + "\n" for t in tagged))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", default=None, help="comma-separated rank counts (default: 2,4 on CPU, GPUs on GPU)")
@@ -262,15 +371,17 @@ def main():
     ap.add_argument("--models", default=None, help="comma-separated (default: gpt on CPU, gpt-small,gpt-large on GPU)")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: fp32 on CPU, bf16 on GPU")
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--parts", default="train,hooks,hybrid",
-                    help="train (the models), hooks (the hook-overhead runs), hybrid (HSDP and HFSDP at 4 CPU ranks), any "
-                         "of them comma-separated (benchmarks/gpu_check.sh runs them as separate stages)")
+    ap.add_argument("--parts", default="train,hooks,hybrid,tp",
+                    help="train (the models), hooks (the hook-overhead runs), hybrid (HSDP and HFSDP at 4 CPU ranks), "
+                         "tp (FSDP + tensor parallelism, dp 2 x tp 2 at 4 CPU ranks), quant (quantized communication at "
+                         "4 CPU ranks), any of them comma-separated "
+                         "(benchmarks/gpu_check.sh runs them as separate stages)")
     ap.add_argument("--transport", choices=["auto", "torch", "nccl"], default="auto",
                     help="megatron_fsdp_c's transport")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"train", "hooks", "hybrid"} or not parts:
-        ap.error(f"--parts {args.parts}: choose from train, hooks, hybrid")
+    if not parts <= {"train", "hooks", "hybrid", "tp", "quant"} or not parts:
+        ap.error(f"--parts {args.parts}: choose from train, hooks, hybrid, tp, quant")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / "results.jsonl"
@@ -306,17 +417,27 @@ def main():
         launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, mesh="2x2", outer="optim")
         launch(4, raw, "mfsdp2", models[0], args.steps, 3, precision, mesh="2x2")
         launch(4, raw, "fsdp2", models[0], args.steps, precision=precision, mesh="2x2")
-        with open(raw) as f:
-            f.seek(mark)
-            tagged = [dict(json.loads(line), hybrid_part=True) for line in f.read().splitlines()]
-        with open(raw, "r+") as f:
-            f.truncate(mark)
-            f.seek(mark)
-            f.write("".join(json.dumps(t) + "\n" for t in tagged))
+        tag_rows(raw, mark, "hybrid_part")
+    if "tp" in parts and not cuda:  # 4 ranks as dp 2 x tp 2: ours on both APIs against FSDP2 + TP
+        mark = raw.stat().st_size if raw.exists() else 0
+        launch(4, raw, "fsdp2", models[0], args.steps, precision=precision, tp=2)
+        launch(4, raw, "mfsdp2", models[0], args.steps, 3, precision, tp=2)
+        launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, tp=2)
+        tag_rows(raw, mark, "tp_part")
+    if "quant" in parts and not cuda:  # 4 ranks as 2 nodes x 2, one 1-D group over all: every collective crosses
+        mark = raw.stat().st_size if raw.exists() else 0
+        launch(4, raw, "ddp", models[0], args.steps, precision=precision)
+        launch(4, raw, "fsdp2", models[0], args.steps, precision=precision)
+        launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport)
+        launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, grad_comm="bf16")
+        for quant in ("int8,none", "fp8_e4m3,none", "none,int8", "int8,int8", "int8,int4"):
+            launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, quant=quant,
+                   grad_comm="bf16")
+        tag_rows(raw, mark, "quant_part")
     results = [json.loads(line) for line in raw.read_text().splitlines()]
     flags = "".join(f" --{k} {v}" for k, v in (("worlds", args.worlds), ("models", args.models),
                                                 ("precision", args.precision),
-                                                ("parts", None if args.parts == "train,hooks,hybrid" else args.parts),
+                                                ("parts", None if args.parts == "train,hooks,hybrid,tp" else args.parts),
                                                 ("transport", None if args.transport == "auto" else args.transport))
                     if v)
     text = f"## Benchmark ({machine()})\n\nCommand: `python benchmarks/run.py --steps {args.steps}{flags}`\n\n" + \

@@ -11,7 +11,7 @@ from . import _C  # noqa: F401 - the engine, importable as megatron_fsdp_c._C
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .fully_shard import ShardingStrategy, close, fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
-from .mixed_precision import MixedPrecisionPolicy
+from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 from .no_shard import fsdp_no_shard
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MegatronFSDP",
     "MixedPrecisionPolicy",
+    "QuantizedCommPolicy",
     "ShardingStrategy",
     "close",
     "fully_shard",

@@ -156,7 +156,10 @@ def _hybrid_groups(device_mesh, dp_shard_dim, dp_outer_dim, hybrid_fsdp_group, d
     inner, outer = dist.get_world_size(shard_group), dist.get_world_size(outer_group)
     if hybrid_fsdp_group is None:  # the per-module API: a group over the mesh's ranks
         ranks = sorted(mesh2d.mesh.flatten().tolist())
-        hybrid_fsdp_group = dist.group.WORLD if ranks == list(range(dist.get_world_size())) else dist.new_group(ranks)
+        # made by its members only: under tensor parallelism each tp coordinate has its own
+        # (replicate, shard) mesh, so the ranks differ between callers
+        hybrid_fsdp_group = dist.group.WORLD if ranks == list(range(dist.get_world_size())) else \
+            dist.new_group(ranks, use_local_synchronization=True)
     if hybrid_fsdp_group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError("this rank is not a member of hybrid_fsdp_group: pass a group over all data-parallel "
                          "ranks of the mesh, this one included")
@@ -275,3 +278,22 @@ def check_same_model(records, ctx: DistContext) -> None:
                     f"the model differs across ranks at parameter #{i} ('{(a or b)[0]}'): rank 0 vs rank {r}: {what}. "
                     "Every rank must build the same model (same code, config, frozen parameters and fsdp_no_shard "
                     "marks) before fully_shard")
+
+
+# torch.distributed backends whose all_gather_into_tensor and all_to_all_single move uint8 tensors
+# (gloo, checked on CPU; NCCL), the quantized wires' element type
+QUANT_BACKENDS = ("gloo", "nccl")
+
+
+def check_quant_transport(ctx: DistContext) -> None:
+    """Quantized communication moves byte buffers: refused with the reason on a transport that
+    may not carry them (the native NCCL transport does: ncclUint8 all-gathers and send/recv)."""
+    if isinstance(ctx.transport, _C.TorchTransport):
+        for group in (ctx.group, ctx.gather_group):
+            backend = str(torch.distributed.get_backend(group))
+            names = [part.split(":")[-1] for part in backend.split(",")]
+            unknown = [n for n in names if n not in QUANT_BACKENDS]
+            if unknown:
+                raise ValueError(
+                    f"QuantizedCommPolicy: the process group's backend {backend!r} is not known to carry the "
+                    f"quantized wires (uint8 all-gathers and all-to-alls); supported: {', '.join(QUANT_BACKENDS)}")

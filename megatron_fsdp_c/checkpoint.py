@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from .optimizer import init_optimizer_state
 
@@ -22,21 +22,24 @@ def register_model_hooks(model) -> None:
     """State-dict hooks on the wrapped module (they run for model.state_dict() and for
     model.module.state_dict() alike)."""
     records = model.param_buffer.records
+    shard_dim = model.dist_ctx.mesh.ndim - 1  # the data-parallel placement that shards (a TP one may follow)
 
     def before_load(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        # A full (unsharded) tensor, e.g. from a plain model's checkpoint: keep this rank's rows.
+        # A full (unsharded) tensor, e.g. from a plain model's checkpoint: keep this rank's rows
+        # (of its TP shard, for a tensor-parallel parameter: [Note: tensor parallelism]).
         for r in records:
             for name in r.aliases:
                 key = prefix + name
                 value = state_dict.get(key)
                 if value is None or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
                     continue
-                if tuple(value.shape) != tuple(r.shape):
+                if tuple(value.shape) != tuple(r.dist_param.shape):
                     continue  # load_state_dict reports the size mismatch
                 local = r.dist_param.to_local()
                 first, n = r.local
-                flat = value.detach().reshape(-1)
-                sharded = any(pl.is_shard() for pl in r.dist_param.placements)  # [Replicate(), Shard(0)] when hybrid
+                full = value.detach() if r.tp is None else r.tp.local_of_full(value.detach())
+                flat = full.reshape(-1)
+                sharded = not isinstance(r.dist_param.placements[shard_dim], Replicate)
                 rows = flat[first:first + n] if sharded else flat
                 state_dict[key] = DTensor.from_local(rows.reshape(local.shape).to(local.dtype),
                                                      r.dist_param.device_mesh, r.dist_param.placements,

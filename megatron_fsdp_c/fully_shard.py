@@ -19,7 +19,8 @@ from ._common import parse_strategy
 from ._distributed import make_dist_context, resolve_device
 from .optimizer import fully_shard_optimizer, remap_optimizer
 from .megatron_fsdp import MegatronFSDP
-from .mixed_precision import MixedPrecisionPolicy
+from ._tensor_parallel import other_dims, tp_mesh_of
+from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 
 __all__ = ["ShardingStrategy", "close", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
@@ -150,6 +151,8 @@ def fully_shard_model(
     dp_outer_dim: Optional[str] = None,
     hybrid_fsdp_group=None,
     outer_dp_sharding_strategy: Union[int, str] = "no_shard",
+    tp_dim: Optional[str] = None,
+    quantized_comm_policy: Optional[QuantizedCommPolicy] = None,
     **unsupported,
 ) -> MegatronFSDP:
     """Wraps `module` in a MegatronFSDP that shards it over the data-parallel ranks.
@@ -169,6 +172,14 @@ def fully_shard_model(
     reduce-scattered across the replicas and weights all-gathered across them once per step);
     hybrid_fsdp_group is the ProcessGroup of all data-parallel ranks, required exactly when
     dp_outer_dim is given.
+    tp_dim: the tensor-parallel dim of device_mesh (Megatron-FSDP's name). Parameters may then be
+    torch TP DTensors on device_mesh[tp_dim] (parallelize_module) or Megatron-core style local
+    shards (plain parameters with tensor_model_parallel=True and partition_dim; the others are
+    TP-duplicated, summed over tp in backward when flagged sequence_parallel=True); see [Note:
+    tensor parallelism] in _tensor_parallel.py.
+    quantized_comm_policy: a QuantizedCommPolicy: weights gathered and/or gradients reduced as
+    block-quantized pieces (int8, fp8_e4m3, int4), and under HFSDP the gather across replicas
+    (a megatron_fsdp_c extension; see [Note: quantized communication] in csrc/comm/wire.c).
     """
     if unsupported:
         raise TypeError(f"fully_shard got unsupported arguments: {', '.join(sorted(unsupported))}")
@@ -186,6 +197,7 @@ def fully_shard_model(
         raise TypeError(
             f"mixed_precision_policy must be a megatron_fsdp_c.MixedPrecisionPolicy, got {type(policy).__name__}"
         )
+    _check_quant_policy(quantized_comm_policy, policy, outer == 1)
     classes = [_resolve_class(c) for c in (fsdp_unit_modules or [])]
     if strategy == 3 and not classes:
         raise ValueError(
@@ -201,9 +213,15 @@ def fully_shard_model(
         bucket_size = None
     if collective_timeout is not None and not (isinstance(collective_timeout, (int, float)) and collective_timeout > 0):
         raise ValueError(f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}")
+    dp_dims = [d for d in (dp_shard_dim, dp_outer_dim) if d is not None]
+    tp_mesh = tp_mesh_of(device_mesh, tp_dim, dp_dims)
     ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport, collective_timeout,
                             dp_outer_dim=dp_outer_dim, hybrid_fsdp_group=hybrid_fsdp_group,
                             outer_sharded=outer == 1)
+    if tp_mesh is not None and ctx.outer_sharded:
+        # HFSDP's DTensor mesh flattens (dp_outer, dp_shard) outer-major; sliced from device_mesh
+        # (not made from the group) so that it composes with the tp dim ([Note: tensor parallelism])
+        ctx.mesh = device_mesh[(dp_outer_dim, dp_shard_dim)]._flatten()
     return MegatronFSDP(
         module, dist_ctx=ctx, zero_dp_strategy=strategy, fsdp_unit_modules=units, mixed_precision_policy=policy,
         sync_model_each_microbatch=sync_model_each_microbatch, overlap_grad_reduce=overlap_grad_reduce,
@@ -211,7 +229,24 @@ def fully_shard_model(
         calculate_per_token_loss=calculate_per_token_loss, report_nan_in_param_grad=report_nan_in_param_grad,
         bucket_size=bucket_size, reduce_queue_bytes=reduce_queue_bytes,
         init_model_with_meta_device=init_model_with_meta_device, single_rank_collectives=single_rank_collectives,
+        tp_mesh=tp_mesh, unnamed_dims=other_dims(device_mesh, dp_dims),
+        quantized_comm_policy=quantized_comm_policy,
     )
+
+
+def _check_quant_policy(quant, policy: MixedPrecisionPolicy, hfsdp: bool) -> None:
+    """quantized_comm_policy against the other arguments, refused with the reason."""
+    if quant is None:
+        return
+    if not isinstance(quant, QuantizedCommPolicy):
+        raise TypeError(f"quantized_comm_policy must be a megatron_fsdp_c.QuantizedCommPolicy, got {type(quant).__name__}")
+    if quant.outer_weights is not None and not hfsdp:
+        raise ValueError("QuantizedCommPolicy(outer_weights=...) quantizes the gather of updated weights across replicas, "
+                         "which only HFSDP has (outer_dp_sharding_strategy='optim')")
+    if quant.grads is not None and policy.grad_comm_dtype is not None:
+        raise ValueError(f"MixedPrecisionPolicy(grad_comm_dtype={policy.grad_comm_dtype}) and QuantizedCommPolicy(grads="
+                         f"{quant.grads!r}) both say how gradients cross the wire: drop grad_comm_dtype (quantized "
+                         "gradients are summed in main_grads_dtype)")
 
 
 def close(model: MegatronFSDP) -> None:

@@ -209,8 +209,10 @@ class HookManager:
         for rec in records:
             if rec.index not in self.hooked:
                 self.hooked.add(rec.index)
+                # a TP parameter's gradient: its TP shard ([Note: tensor parallelism] in _tensor_parallel.py)
+                to_local = None if rec.tp is None else rec.tp.local_grad
                 self.handles.append(rec.param.register_post_accumulate_grad_hook(
-                    functools.partial(self.grad_hook, rec.index, rec.bucket, rec.item)))
+                    functools.partial(self.grad_hook, rec.index, rec.bucket, rec.item, to_local=to_local)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -374,7 +376,7 @@ class HookManager:
         if unit.releasable and unit.reshard_after_backward:
             self.engine.reshard(unit.releasable)
 
-    def grad_hook(self, index: int, bucket: int, item: int, param: torch.Tensor) -> None:
+    def grad_hook(self, index: int, bucket: int, item: int, param: torch.Tensor, *, to_local=None) -> None:
         self.start_backward()
         grad = param.grad
         if grad is None:
@@ -386,6 +388,8 @@ class HookManager:
                 f"parameter '{rec.name}' got a gradient but was frozen when this pass began: requires_grad was set "
                 "during a forward or backward. Change requires_grad between steps; it is read at each forward "
                 "([Note: changing requires_grad] in megatron_fsdp_c/_trainable.py)")
+        if to_local is not None:
+            grad = to_local(grad)
         self.used[index] = 1
         self.engine.grad_ready(bucket, item, grad if grad.is_contiguous() else grad.contiguous())
 

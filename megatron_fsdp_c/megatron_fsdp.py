@@ -34,6 +34,7 @@ from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
 from ._sharded import EngineOwner
 from .param_buffer import ParamBuffer, collect_params
+from ._tensor_parallel import assign_tp
 
 __all__ = ["MegatronFSDP"]
 
@@ -45,7 +46,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
                  overlap_param_gather: bool = True, average_in_collective: bool = False,
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
                  bucket_size: Optional[int] = None, reduce_queue_bytes: Optional[int] = None,
-                 init_model_with_meta_device: bool = False, single_rank_collectives: bool = False):
+                 init_model_with_meta_device: bool = False, single_rank_collectives: bool = False,
+                 tp_mesh=None, unnamed_dims=(), quantized_comm_policy=None):
         super().__init__()
         self.module = module
         self.dist_ctx = dist_ctx
@@ -66,6 +68,11 @@ class MegatronFSDP(EngineOwner, nn.Module):
 
         mark_by_name(module)
         records = collect_params(module, fsdp_unit_modules)
+        assign_tp(records, tp_mesh, dist_ctx.mesh, unnamed_dims)  # [Note: tensor parallelism]
+        if init_model_with_meta_device and any(r.tp is not None and r.tp.dtensor_compute for r in records):
+            raise NotImplementedError("init_model_with_meta_device with torch tensor-parallel (DTensor) parameters is "
+                                      "not supported yet: materialise the parallelized model first (to_empty + its "
+                                      "initialisation), then shard it")
         check_same_model(records, dist_ctx)
         self.replicated_roots = replicated_roots(module, [r.param for r in records if r.replicated])
         if self.replicated_roots and dist_ctx.rank == 0:
@@ -80,7 +87,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
         self.param_buffer = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx,
                                         bucket_cap=cap, reduce_queue_bytes=reduce_queue_bytes,
                                         grad_prescale=prescale, reduce_op=op,
-                                        single_rank_collectives=single_rank_collectives)
+                                        single_rank_collectives=single_rank_collectives,
+                                        quant_policy=quantized_comm_policy)
         self.init_peak_bytes = None
         if init_model_with_meta_device:
             self.init_peak_bytes = self.param_buffer.load_from_meta(module, dist_ctx.device)

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy"]
+__all__ = ["MixedPrecisionPolicy", "QuantizedCommPolicy", "bucket_dtypes"]
 
 _FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Significand bits: a lower number loses information when a wider value is cast to it.
@@ -79,3 +79,96 @@ class MixedPrecisionPolicy:
                 f"{comm} or allow_lossy_accumulation=True"
             )
         return main, grad, comm
+
+
+_QUANT_MODES = ("int8", "fp8_e4m3", "int4")
+
+
+def _check_mode(field: str, value) -> None:
+    if value is not None and value not in _QUANT_MODES:
+        raise ValueError(f"QuantizedCommPolicy.{field}={value!r} is not a quantization mode: use one of "
+                         f"{', '.join(repr(m) for m in _QUANT_MODES)}, or None to communicate in the dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedCommPolicy:
+    """What crosses the wire block-quantized (ZeRO++'s qwZ / qgZ): one float32 scale per block of
+    `block` elements, payload and scales in the same collective ([Note: quantized communication]
+    in csrc/comm/wire.c). Main weights, main gradients and optimizer state are never quantized.
+
+    weights: the all-gather of weights ("int8", "fp8_e4m3", "int4", or None: the compute dtype).
+        Every rank computes with the dequantized gather, its own rows too.
+    grads: the gradient reduction, an all-to-all of quantized pieces summed in the main gradient
+        dtype ("int8", "int4", "fp8_e4m3", or None). Needs float32 (or float64) main gradients.
+    block: elements per scale (>= 1; even with int4). Smaller blocks: less error, more scales
+        (4 bytes per block).
+    outer_weights: HFSDP only: the all-gather across replicas of the updated weights (None: the
+        compute dtype).
+    """
+
+    weights: Optional[str] = None
+    grads: Optional[str] = None
+    block: int = 128
+    outer_weights: Optional[str] = None
+
+    def __post_init__(self):
+        _check_mode("weights", self.weights)
+        _check_mode("grads", self.grads)
+        _check_mode("outer_weights", self.outer_weights)
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"QuantizedCommPolicy.block={self.block!r} must be a positive int (elements per scale)")
+        if self.block % 2 and "int4" in (self.weights, self.grads, self.outer_weights):
+            raise ValueError(f"QuantizedCommPolicy.block={self.block} is odd: int4 packs two codes a byte and a block "
+                             "never shares a byte with the next, so int4 needs an even block")
+
+    @property
+    def enabled(self) -> bool:
+        return any(m is not None for m in (self.weights, self.grads, self.outer_weights))
+
+    def wire_spec(self) -> dict:
+        """The bucket spec fields of the engine (mfsdp_wire_spec): 0 for a plain wire, else 1 +
+        the mode's code."""
+        from . import _C
+        code = lambda m: 0 if m is None else 1 + _C.QUANT_MODES[m]  # noqa: E731
+        return {"wire_weights": code(self.weights), "wire_grads": code(self.grads),
+                "wire_outer_weights": code(self.outer_weights), "wire_block": self.block}
+
+
+def bucket_dtypes(dtype: torch.dtype, trainable: bool, trains_later: bool, policy: MixedPrecisionPolicy,
+                  quant: Optional[QuantizedCommPolicy], name: str):
+    """(main, grad, comm dtypes, quantized wire spec, why_not) of a bucket of `dtype` parameters
+    (`name`: its first), trainable at sharding or not. A bad policy raises for a trainable bucket;
+    for a frozen one it is why_not = (True, reason): it can never train. A frozen bucket keeps
+    main weights of `dtype` unless `trains_later` (a wider main dtype would be memory for nothing
+    while it stays frozen): why_not = (False, reason) then, it has gradient modes but cannot start
+    training ([Note: changing requires_grad] in _trainable.py). why_not is None otherwise."""
+    main = grad = comm = dtype
+    why_not = None
+    if dtype.is_floating_point:
+        try:
+            main, grad, comm = policy.resolve(dtype)
+        except ValueError as e:
+            if trainable:
+                raise
+            return dtype, dtype, dtype, {}, (True, str(e))
+    wire = {}
+    if quant is not None and quant.enabled:
+        wire = quant.wire_spec()
+        if dtype.is_floating_point and quant.grads is not None:
+            # [Note: quantized communication] in csrc/comm/wire.c: the pieces are quantized from, and
+            # summed in, the main gradients; the wire format replaces the communication dtype
+            if grad not in (torch.float32, torch.float64):
+                why = (f"QuantizedCommPolicy(grads={quant.grads!r}) sums the dequantized gradients in the main "
+                       f"gradient dtype, which is {grad} for parameter '{name}': use float32 main gradients "
+                       "(MixedPrecisionPolicy(main_grads_dtype=torch.float32), or float32 parameters under "
+                       "torch's MixedPrecisionPolicy)")
+                if trainable:
+                    raise ValueError(why)
+                return dtype, dtype, dtype, wire, (True, why)
+            comm = grad
+    if dtype.is_floating_point and not trainable and main != dtype and not trains_later:
+        why_not = (False, f"its main weights were planned in {dtype} (it was frozen at sharding), but training it "
+                          f"needs {main} main weights: make it trainable before sharding and freeze it afterwards, "
+                          "or (fully_shard) give fully_shard an optimizer that holds it")
+        main = dtype
+    return main, grad, comm, wire, why_not

@@ -28,9 +28,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
 from ._common import contiguous_stride
-from ._distributed import DistContext
-from .mixed_precision import MixedPrecisionPolicy
+from ._distributed import DistContext, check_quant_transport
+from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy, bucket_dtypes
 from .no_shard import is_no_shard
+from ._tensor_parallel import TPSpec, spmd_layout
 
 __all__ = ["ParamRecord", "ParamBuffer", "collect_params"]
 
@@ -56,6 +57,8 @@ class ParamRecord:
     strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
     policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
     trains_later: bool = False      # frozen at sharding but expected to train: its main weights are planned wide
+    tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
+    quant: Optional[QuantizedCommPolicy] = None  # and its quantized communication (None: the model's)
 
     def __post_init__(self):
         self.origin = self.param
@@ -128,7 +131,7 @@ class ParamBuffer:
 
     def __init__(self, records: List[ParamRecord], strategy: int, policy: MixedPrecisionPolicy, ctx: DistContext,
                  *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str,
-                 single_rank_collectives: bool = False):
+                 single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None):
         self.single_rank_collectives = single_rank_collectives
         self.records = records
         self.strategy = strategy
@@ -152,6 +155,8 @@ class ParamBuffer:
             first = records[bp["params"][0]] if bp["params"] else None
             spec = self._bucket_spec(b, bp, dtype_of[bp["dtype"]], self.strategy_of(first),
                                      (first.policy if first is not None and first.policy else policy),
+                                     (first.quant if first is not None and first.quant else quant_policy),
+                                     first.name if first is not None else "",
                                      any(records[pi].trains_later for pi in bp["params"]))
             specs.append(spec)
             for i, (pi, local) in enumerate(zip(bp["params"], bp["local"])):
@@ -165,6 +170,8 @@ class ParamBuffer:
         self.specs = specs  # "grad_mode" follows the engine: GRAD_NONE while the bucket has no gradient buffers
         self.trainable_items = [int(bp["requires_grad"]) * bp["n_items"] if s["trainable_mode"] else 0
                                 for bp, s in zip(self.plan, specs)]
+        if any(s.get("wire_weights") or s.get("wire_grads") or s.get("wire_outer_weights") for s in specs):
+            check_quant_transport(ctx)
         engine_specs = [dict(s, grad_mode=s["trainable_mode"]) for s in specs]
         self.engine = _C.Engine(engine_specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
                                 ctx.device, ctx.transport, single_rank_collectives,
@@ -176,27 +183,15 @@ class ParamBuffer:
         return self.strategy if record is None or record.strategy is None else record.strategy
 
     def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy,
-                     trains_later: bool) -> dict:
-        """The engine's spec of bucket `b`. Every floating bucket gets the gradient mode and dtypes it
-        trains with, a frozen one marked `frozen` (no gradient memory until a parameter of it starts
-        training, [Note: changing requires_grad] in _trainable.py). A frozen bucket keeps main weights
-        of the compute dtype unless `trains_later` (else a wider main dtype would be memory for
-        nothing while it stays frozen): its parameters cannot start training then (train_error)."""
-        main = grad = comm = dtype
-        can_train = dtype.is_floating_point
-        if can_train:
-            try:
-                main, grad, comm = policy.resolve(dtype)
-            except ValueError as e:
-                if bp["requires_grad"]:
-                    raise
-                can_train, self.train_error[b] = False, str(e)
-        if can_train and not bp["requires_grad"] and main != dtype and not trains_later:
-            self.train_error[b] = (
-                f"its main weights were planned in {dtype} (it was frozen at sharding), but training it needs "
-                f"{main} main weights: make it trainable before sharding and freeze it afterwards, or (fully_shard) "
-                "give fully_shard an optimizer that holds it")
-            main = dtype
+                     quant: Optional[QuantizedCommPolicy], name: str, trains_later: bool) -> dict:
+        """The engine's spec of bucket `b`: every floating bucket gets the gradient mode it trains
+        with, a frozen one marked `frozen` (no gradient memory until a parameter of it starts
+        training, [Note: changing requires_grad] in _trainable.py); train_error[b] says why one cannot."""
+        main, grad, comm, wire, why_not = bucket_dtypes(dtype, bool(bp["requires_grad"]), trains_later, policy,
+                                                        quant, name)
+        can_train = dtype.is_floating_point and not (why_not and why_not[0])
+        if why_not:
+            self.train_error[b] = why_not[1]
         codes = _C.DTYPE_CODES
         sharded = bp["shards"] > 1
         if not can_train:
@@ -217,6 +212,7 @@ class ParamBuffer:
             weights_regather=int(sharded and strategy in (1, 2)),
             trainable_mode=grad_mode, frozen=int(not bp["requires_grad"]),
             grad_mode=grad_mode if bp["requires_grad"] else _C.GRAD_NONE,
+            **wire,
         )
 
     # -- initialisation -------------------------------------------------------------------
@@ -229,7 +225,8 @@ class ParamBuffer:
         for b in (range(len(self.plan)) if bucket_ids is None else bucket_ids):
             self.engine.init_begin(b)
             for r in by_bucket.get(b, []):
-                self.engine.set_item(b, r.item, r.param.detach().contiguous())
+                data = r.param._local_tensor if r.tp is not None and r.tp.dtensor_compute else r.param
+                self.engine.set_item(b, r.item, data.detach().contiguous())
             self.point_compute_params(by_bucket.get(b, []))  # while the full weights exist
             self.engine.init_end(b)
 
@@ -272,7 +269,11 @@ class ParamBuffer:
         for r in records:
             full = self.engine.tensor(r.bucket, _C.BUF_WEIGHT)
             offset = self.plan[r.bucket]["param_offsets"][r.item]
-            r.param.data = full.narrow(0, offset, math.prod(r.shape)).view(r.shape)
+            view = full.narrow(0, offset, math.prod(r.shape)).view(r.shape)
+            if r.tp is not None and r.tp.dtensor_compute:
+                r.param._local_tensor = view  # a DTensor on the TP mesh over the TP shard
+            else:
+                r.param.data = view
 
     def load_from_meta(self, root: nn.Module, device: torch.device) -> dict:
         """Materialises a meta-device model one module at a time, in module (construction) order
@@ -363,6 +364,7 @@ class ParamBuffer:
                 persistent["grad"] += nbytes(grad_full)
             persistent["grad"] += nbytes(t(_C.BUF_GRAD_SHARD)) + nbytes(t(_C.BUF_OPT_GRAD))
             temporary += nbytes(t(_C.BUF_COMM)) + nbytes(t(_C.BUF_EXCHANGE))
+            temporary += sum(nbytes(t(kind)) for kind in (_C.BUF_GATHER_WIRE, _C.BUF_GRAD_WIRE, _C.BUF_OUTER_WIRE))
         optim = 0
         if optimizer is not None:
             for state in optimizer.state.values():
@@ -377,11 +379,20 @@ class ParamBuffer:
     def placement(self, r: ParamRecord):
         return Shard(0) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
 
+    def layout(self, r: ParamRecord) -> tuple:
+        """(mesh, placements, global shape) of `r`'s DTensors: the data-parallel mesh, or with TP
+        the (data-parallel..., tp) mesh (see [Note: tensor parallelism] in _tensor_parallel.py)."""
+        placements = self.ctx.placements(self.placement(r))
+        if r.tp is None:
+            return self.ctx.mesh, placements, r.shape
+        mesh, placements = spmd_layout(r.tp, self.ctx.mesh, placements, f"parameter '{r.name}'")
+        return mesh, placements, r.tp.shape
+
     def dtensor(self, r: ParamRecord, kind: int) -> DTensor:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD, OPT_GRAD) as a DTensor."""
-        return DTensor.from_local(self.local_view(r, kind), self.ctx.mesh, self.ctx.placements(self.placement(r)),
-                                  run_check=False,
-                                  shape=r.shape, stride=contiguous_stride(r.shape))
+        mesh, placements, shape = self.layout(r)
+        return DTensor.from_local(self.local_view(r, kind), mesh, placements, run_check=False,
+                                  shape=shape, stride=contiguous_stride(shape))
 
     def build_dist_params(self, owner, existing: bool = False) -> None:
         """The distributed parameters (and gradient DTensors) over the engine's buffers. With

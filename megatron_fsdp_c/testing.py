@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "VLM", "init_distributed", "run_on_ranks"]
+__all__ = ["GPTConfig", "GPT", "Block", "VLM", "TPGPT", "TPBlock", "init_distributed", "parallelize_tp", "run_on_ranks"]
 
 
 @dataclasses.dataclass
@@ -112,6 +112,118 @@ class VLM(nn.Module):
             x = block(x)
         logits = lm.head(lm.ln(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class TPAttention(nn.Module):
+    """Causal self-attention with separate q, k, v projections, so that torch's ColwiseParallel
+    splits them by heads; the number of heads is read from the (local) shapes."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.d // cfg.heads
+        self.q = nn.Linear(cfg.d, cfg.d, bias=False)  # no q, k bias: see Block's docstring
+        self.k = nn.Linear(cfg.d, cfg.d, bias=False)
+        self.v = nn.Linear(cfg.d, cfg.d)
+        self.proj = nn.Linear(cfg.d, cfg.d)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        b, t = q.shape[:2]  # the projections' (a sequence-parallel input may be a shard of the sequence)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class TPMLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d, 4 * cfg.d)
+        self.out = nn.Linear(4 * cfg.d, cfg.d)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc(x)))
+
+
+class TPBlock(nn.Module):
+    """GPT's pre-norm block shaped for tensor parallelism as torchtitan's Llama is: the norms
+    outside the attention and MLP modules, whose linears torch's TP styles split."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d)
+        self.attn = TPAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d)
+        self.mlp = TPMLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TPEmbedding(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d)
+        self.pos = nn.Embedding(cfg.seq, cfg.d)
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class TPGPT(nn.Module):
+    """The GPT above with TPBlock blocks: a model torch's tensor-parallel plans apply to
+    (parallelize_tp). Unparallelised, it is a plain single-device model (the reference)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = TPEmbedding(cfg)
+        self.blocks = nn.ModuleList(TPBlock(cfg) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.d)
+        self.head = nn.Linear(cfg.d, cfg.vocab, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        for block in self.blocks:
+            if self.cfg.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln(x))
+        if targets is None:
+            return logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def parallelize_tp(model: TPGPT, tp_mesh, sequence_parallel: bool = True) -> TPGPT:
+    """torch's tensor-parallel plan for TPGPT on `tp_mesh` (torchtitan's for Llama). With
+    sequence_parallel, every parameter becomes a DTensor: embeddings row-wise with
+    sequence-sharded outputs, the norms SequenceParallel (Replicate() weights whose gradients
+    come back Partial()), the head column-wise gathering the logits. Without it, only the
+    blocks' linears are split and the norms and embeddings stay plain (TP-duplicated)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    sp = sequence_parallel
+    for block in model.blocks:
+        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+                "mlp.fc": ColwiseParallel(),
+                "mlp.out": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())}
+        if sp:
+            plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+                         "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        parallelize_module(block, tp_mesh, plan)
+    if sp:
+        parallelize_module(model, tp_mesh, {
+            "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "embed.pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "ln": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
+    return model
 
 
 def image_batch(batch_size: int, seed: int, patches: int = 4, image_dim: int = 16, device="cpu"):

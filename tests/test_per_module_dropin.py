@@ -413,7 +413,7 @@ def test_dp_mesh_dims_matches_fsdp2(dims):
 def test_dp_mesh_dims_with_tensor_parallel_dims_is_a_clear_error():
     for r in _cell("dims_errors"):
         assert r["tensor parallel dim"].startswith("NotImplementedError") and "['tp']" in r["tensor parallel dim"] \
-            and "tensor parallelism is a later issue" in r["tensor parallel dim"], r
+            and "fully_shard(module, mesh=mesh['dp'])" in r["tensor parallel dim"], r
         assert r["unknown dim"].startswith("ValueError") and "'fsdp' not found" in r["unknown dim"], r
 
 

@@ -143,7 +143,7 @@ def leak_worker(rank, world):
             fsdp(x, y).backward()
             opt.step()
             opt.zero_grad()
-            if step in (19, 99):
+            if 15 <= step <= 19 or 95 <= step <= 99:
                 marks[step] = (_rss_bytes(), _live_tensors())
         out[strategy] = marks
     return out
@@ -152,10 +152,15 @@ def leak_worker(rank, world):
 def test_no_growth_over_100_steps():
     for rank, res in enumerate(CELLS.result("leaks", 2)):
         for strategy, marks in res.items():
-            (rss20, t20), (rss100, t100) = marks[19], marks[99]
+            (rss20, _), (rss100, _) = marks[19], marks[99]
+            # The fewest live tensors over five steps at each end: an object in flight at one
+            # count (seen once on a loaded machine: +1 at one step) is not an accumulation, while
+            # anything kept per step shows 76+ steps later at every count.
+            t20 = min(marks[s][1] for s in range(15, 20))
+            t100 = min(marks[s][1] for s in range(95, 100))
             print(f"\nrank {rank} strategy {strategy}: RSS {rss20 / 2**20:.1f} -> {rss100 / 2**20:.1f} MiB, "
-                  f"live tensors {t20} -> {t100}")
-            assert t100 == t20, "tensors accumulate across steps"
+                  f"live tensors {t20} -> {t100} (each the fewest of five steps)")
+            assert t100 <= t20, "tensors accumulate across steps"
             assert rss100 - rss20 < 8 * 2**20, "resident memory grows"
 
 
@@ -373,6 +378,8 @@ def _outcome(fn):
         return f"{type(e).__name__}: {e}"
 
 
+@CELLS.cell("engine calls", worlds=(1,), tests=["test_engine_closed_while_arguments_convert_raises",
+                                               "test_engine_refuses_calls_while_a_call_runs"])
 def engine_calls_worker(rank, world):
     import torch.distributed as dist
 
@@ -417,13 +424,13 @@ def engine_calls_worker(rank, world):
 
 @pytest.mark.parametrize("method", list(CLOSED_WHILE_CONVERTING))
 def test_engine_closed_while_arguments_convert_raises(method):
-    closed, _, _ = get_run(engine_calls_worker, 1)[0]
+    closed, _, _ = CELLS.result("engine calls", 1)[0]
     assert closed[method] == "RuntimeError: Engine is not initialised or was closed", closed[method]
 
 
 @pytest.mark.parametrize("method", list(WHILE_A_CALL_RUNS))
 def test_engine_refuses_calls_while_a_call_runs(method):
-    _, during, after = get_run(engine_calls_worker, 1)[0]
+    _, during, after = CELLS.result("engine calls", 1)[0]
     expected = {"close": "RuntimeError: Engine.close() while another call is running",
                 "broken": "ok: None", "num_buckets": "ok: 1"}
     assert during[method] == expected.get(

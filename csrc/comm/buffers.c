@@ -102,11 +102,18 @@ mfsdp_status pl_create_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, full, s->comm_dtype, 1));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, bk->shard_start, bk->shard_size));
   }
-  if (pl_exchanges(p, bk)) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, full, s->comm_dtype, 1));
+  if (pl_exchanges(p, bk) && bk->q_grads >= 0) { /* wire pieces out and in ([Note: quantized communication]) */
+    int64_t bytes = p->cfg.dp_world * bk->q_grad_piece;
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_WIRE, bytes, MFSDP_U8, 1));
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, bytes, MFSDP_U8, 1));
+  } else if (pl_exchanges(p, bk)) {
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, full, s->comm_dtype, 1));
+  }
   return MFSDP_OK;
 }
 
 void pl_drop_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
+  drop_buffer(p, bk, MFSDP_BUF_GRAD_WIRE);
   drop_buffer(p, bk, MFSDP_BUF_EXCHANGE);
   drop_buffer(p, bk, MFSDP_BUF_COMM_SLICE);
   drop_buffer(p, bk, MFSDP_BUF_COMM);
@@ -129,16 +136,29 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
   if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, bk->full_size, s->param_dtype, 1));
   bk->gather_kind = bk->present[MFSDP_BUF_GATHER] ? MFSDP_BUF_GATHER : MFSDP_BUF_WEIGHT;
   /* HFSDP keeps the whole collective shard: the replicas' all-gather fills it once per step */
-  if (s->weights_sharded && (!wide_main || bk->subs > 1))
+  int keeps_shard = s->weights_sharded && (!wide_main || bk->subs > 1);
+  if (keeps_shard)
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, shard, s->param_dtype, 0));
   else
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, bk->gather_kind, bk->shard_start, shard));
   if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SUB, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
-  if (wide_main)
+  /* a quantized gather overwrites this rank's rows with their dequantized values: main weights
+   * that would live there get storage of their own ([Note: quantized communication] in wire.c) */
+  if (wide_main || (bk->q_weights >= 0 && !keeps_shard) || bk->q_outer >= 0)
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, sub, s->main_dtype, 0));
   else if (!(bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded)) /* else: pl_main_in_weight */
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
   if (bk->n_trainable > 0) MFSDP_CHECK(pl_create_grad_buffers(p, bk));
+  if (bk->q_weights >= 0) {
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER_WIRE, bk->shards * bk->q_gather_piece, MFSDP_U8, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GATHER_WIRE_SHARD, MFSDP_BUF_GATHER_WIRE,
+                         bk->own_shard * bk->q_gather_piece, bk->q_gather_piece));
+  }
+  if (bk->q_outer >= 0) {
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OUTER_WIRE, bk->subs * bk->q_outer_piece, MFSDP_U8, 1));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OUTER_WIRE_SUB, MFSDP_BUF_OUTER_WIRE, bk->own_sub * bk->q_outer_piece,
+                         bk->q_outer_piece));
+  }
   /* Views exist now; temporaries give their memory back until first use. */
   return pl_release_temporaries(p, bk);
 }
@@ -164,8 +184,8 @@ mfsdp_status pl_create_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
   MFSDP_CHECK(pl_create_comm_buffers(p, bk));
   bk->has_grads = 1;
   bk->gstate = MFSDP_G_CLEAN;
-  const int temporaries[3] = {MFSDP_BUF_GRAD, MFSDP_BUF_COMM, MFSDP_BUF_EXCHANGE};
-  for (int k = 0; k < 3; ++k) MFSDP_CHECK(pl_release(p, bk, temporaries[k]));
+  const int temporaries[4] = {MFSDP_BUF_GRAD, MFSDP_BUF_COMM, MFSDP_BUF_EXCHANGE, MFSDP_BUF_GRAD_WIRE};
+  for (int k = 0; k < 4; ++k) MFSDP_CHECK(pl_release(p, bk, temporaries[k]));
   return MFSDP_OK;
 }
 

@@ -18,9 +18,11 @@
  *                 main weights are the compute weights; else a view of GATHER (or WEIGHT) at
  *                 r*S, filled at each gather ([Note: cast on gather]).
  *   MAIN_SHARD    optimizer weights (main_dtype), rank-major: own storage if main_dtype !=
- *                 param_dtype, else a view of WEIGHT_SHARD. Absent under ZeRO-1/2 with equal
- *                 dtypes and distinct layouts: the optimizer then updates this rank's rows
- *                 inside WEIGHT (mfsdp_pipeline_local_piece says where each item's rows are).
+ *                 param_dtype, or when a quantized gather would overwrite where they live
+ *                 ([Note: quantized communication] in wire.c), else a view of WEIGHT_SHARD. Absent
+ *                 under ZeRO-1/2 with equal dtypes and distinct layouts: the optimizer then updates
+ *                 this rank's rows inside WEIGHT (mfsdp_pipeline_local_piece says where each item's
+ *                 rows are).
  *   GRAD          full gradients, rank-major. ZeRO-2/3: temporary, in comm_dtype, filled each
  *                 backward and reduce-scattered. no_shard/ZeRO-1: persistent, grad_dtype,
  *                 accumulates local gradients until the step's single reduction.
@@ -33,7 +35,14 @@
  *                 (see [Note: exchange reduction] in reduce.c).
  *   WEIGHT_SUB, GRAD_SUB  HFSDP only ([Note: optimizer sharded across replicas] in replicas.c):
  *                 views of this rank's sub-shard (1/replicas) of WEIGHT_SHARD and GRAD_SHARD,
- *                 the shards of the all-gather and reduce-scatter across the replicas. */
+ *                 the shards of the all-gather and reduce-scatter across the replicas.
+ *   GATHER_WIRE, GATHER_WIRE_SHARD  quantized weights ([Note: quantized communication] in
+ *                 wire.c): the all-gather's output, W wire pieces (uint8, temporary; it replaces
+ *                 GATHER), and a view of this rank's piece, its input.
+ *   GRAD_WIRE     quantized gradients: this rank's W pieces, the exchange's input (uint8,
+ *                 temporary); EXCHANGE is then uint8 too: every rank's piece of this rank's slice.
+ *   OUTER_WIRE, OUTER_WIRE_SUB  HFSDP with quantized weights across replicas: the replicas'
+ *                 all-gather output (one piece per replica, uint8, temporary) and this rank's. */
 #ifndef MFSDP_PIPELINE_H
 #define MFSDP_PIPELINE_H
 
@@ -61,6 +70,11 @@ typedef enum mfsdp_buf_kind {
   MFSDP_BUF_EXCHANGE,
   MFSDP_BUF_WEIGHT_SUB,
   MFSDP_BUF_GRAD_SUB,
+  MFSDP_BUF_GATHER_WIRE,
+  MFSDP_BUF_GATHER_WIRE_SHARD,
+  MFSDP_BUF_GRAD_WIRE,
+  MFSDP_BUF_OUTER_WIRE,
+  MFSDP_BUF_OUTER_WIRE_SUB,
   MFSDP_BUF_COUNT
 } mfsdp_buf_kind;
 
@@ -85,6 +99,19 @@ typedef enum mfsdp_grad_state {
   MFSDP_G_REDUCED = 3   /* persistent GRAD holds reduced values (no_shard / ZeRO-1) */
 } mfsdp_grad_state;
 
+/* What of a bucket crosses the wire quantized, in the format of [Note: quantized wire format]
+ * (core/mfsdp_quant.h); see [Note: quantized communication] in wire.c. Each wire is
+ * MFSDP_WIRE_PLAIN (the buffer's own dtype, as without quantization: a zero-initialised spec
+ * communicates as before) or MFSDP_WIRE_QUANT(an mfsdp_quant_mode). */
+#define MFSDP_WIRE_PLAIN 0
+#define MFSDP_WIRE_QUANT(mode) ((mode) + 1)
+typedef struct mfsdp_wire_spec {
+  int32_t weights;       /* the all-gather of weights inside the replica (ZeRO-1/2/3 over several ranks) */
+  int32_t grads;         /* the gradient reduction inside the replica, done as an exchange */
+  int32_t outer_weights; /* HFSDP: the all-gather of the updated weights across the replicas */
+  int64_t block;         /* elements per block, >= 1 (even with int4); 0: MFSDP_QUANT_DEFAULT_BLOCK */
+} mfsdp_wire_spec;
+
 typedef struct mfsdp_bucket_spec {
   mfsdp_bucket_layout layout; /* copied; layout.world is the number of shards (1: replicated) */
   int32_t shard_rank;         /* this rank's index among the shards (HFSDP: outer * dp_world + inner) */
@@ -92,6 +119,7 @@ typedef struct mfsdp_bucket_spec {
   int32_t weights_sharded;  /* full weights are temporary (ZeRO-3) */
   int32_t weights_regather; /* optimizer updates a shard of persistent weights (ZeRO-1/2) */
   int32_t grad_mode;        /* mfsdp_grad_mode of its gradients while any item trains (NONE: it never can) */
+  mfsdp_wire_spec wire;     /* quantized communication (zero: none) */
   int32_t frozen;           /* every item frozen at creation: no gradient memory until one trains
                                (mfsdp_pipeline_set_trainable, [Note: requires_grad changes] in trainable.c) */
 } mfsdp_bucket_spec;
@@ -130,15 +158,23 @@ typedef struct mfsdp_backend {
  *   outer_all_reduce      hybrid sharding: across the replicas
  *   outer_reduce_scatter  HFSDP: bytes of the full input
  *   outer_all_gather      HFSDP: bytes of the full output
+ *   quantized_*           the same collectives with quantized pieces ([Note: quantized
+ *                         communication] in wire.c), counted there instead of in the plain kind,
+ *                         in bytes of the wire: what really crossed. quantized_all_reduce (no_shard)
+ *                         adds the gather of the reduced blocks, which goes in the gradient dtype.
  * A reduction done as an exchange ([Note: exchange reduction] in reduce.c) counts as the
  * all-reduce or reduce-scatter it replaces. */
-#define MFSDP_COMM_COUNTERS(X) \
-  X(all_gather)                \
-  X(reduce_scatter)            \
-  X(all_reduce)                \
-  X(outer_all_reduce)          \
-  X(outer_reduce_scatter)      \
-  X(outer_all_gather)
+#define MFSDP_COMM_COUNTERS(X)   \
+  X(all_gather)                  \
+  X(reduce_scatter)              \
+  X(all_reduce)                  \
+  X(outer_all_reduce)            \
+  X(outer_reduce_scatter)        \
+  X(outer_all_gather)            \
+  X(quantized_all_gather)        \
+  X(quantized_reduce_scatter)    \
+  X(quantized_all_reduce)        \
+  X(outer_quantized_all_gather)
 
 typedef struct mfsdp_comm_stats {
 #define MFSDP_COMM_FIELDS_(kind) int64_t kind##s, kind##_bytes;
@@ -221,7 +257,8 @@ mfsdp_status mfsdp_pipeline_set_outer_hold(mfsdp_pipeline* p, const int32_t* buc
 /* The factor gradients of these buckets are multiplied by before the sum (default: the config's). */
 mfsdp_status mfsdp_pipeline_set_prescale(mfsdp_pipeline* p, const int32_t* buckets, int32_t n, double prescale);
 /* Switches every trainable bucket to communicating gradients in `dtype` (-1: the grad dtype).
- * Only temporary buffers change; refused while gradients are half reduced. */
+ * Only temporary buffers change; refused while gradients are half reduced, and for a bucket
+ * whose gradients cross the wire quantized (its staging dtype is its gradient dtype). */
 mfsdp_status mfsdp_pipeline_set_comm_dtype(mfsdp_pipeline* p, int32_t dtype);
 int32_t mfsdp_pipeline_comm_dtype(const mfsdp_pipeline* p, int32_t bucket);
 /* Which items train ([Note: requires_grad changes] in trainable.c): sets the flag of `items` of

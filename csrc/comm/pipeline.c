@@ -9,6 +9,7 @@
  *   reduce.c     the reduction queue: launch in the shared order, complete, exchange reduction
  *   backward.c   the backward protocol (begin, grad_ready, seal, end) and gradient sync/zero
  *   replicas.c   hybrid sharding: the collectives across replicas (HSDP and HFSDP)
+ *   wire.c       quantized communication: the wires that carry block-quantized pieces
  *   trainable.c  which items train, changed at run time; gradient buffers created and freed */
 #include "pipeline_internal.h"
 
@@ -85,7 +86,10 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "backend lacks memory, transport or kernels");
   if (cfg->outer_world > 1 && be->outer == NULL)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "%d replicas but no transport across them", cfg->outer_world);
-  for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(check_spec(cfg, &specs[i], i));
+  for (int32_t i = 0; i < n; ++i) {
+    MFSDP_CHECK(check_spec(cfg, &specs[i], i));
+    MFSDP_CHECK(pl_wire_check(cfg, be, &specs[i], i));
+  }
 
   mfsdp_pipeline* p = calloc(1, sizeof *p);
   if (p == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "pipeline");
@@ -122,6 +126,7 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->spec.layout.param_offsets = bk->param_offsets;
     bk->spec.layout.shard_offsets = bk->shard_offsets;
     set_geometry(bk, cfg);
+    pl_wire_setup(p, bk);
     if (specs[i].grad_mode != MFSDP_GRAD_NONE && !specs[i].frozen) { /* [Note: requires_grad changes] */
       memset(bk->trainable, 1, (size_t)items);
       bk->n_trainable = items;
@@ -356,6 +361,11 @@ mfsdp_status mfsdp_pipeline_set_comm_dtype(mfsdp_pipeline* p, int32_t dtype) {
       return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "communication dtype %s is not floating", mfsdp_dtype_name(dt));
     if (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && bk->gstate != MFSDP_G_CLEAN)
       return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d still holds unreduced gradients", i);
+    if (bk->spec.wire.grads != MFSDP_WIRE_PLAIN && dt != bk->spec.comm_dtype)
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT,
+                        "bucket %d communicates its gradients quantized (%s, staged in %s): its communication dtype "
+                        "cannot change to %s", i, mfsdp_quant_mode_name(bk->spec.wire.grads - 1),
+                        mfsdp_dtype_name(bk->spec.comm_dtype), mfsdp_dtype_name(dt));
   }
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];

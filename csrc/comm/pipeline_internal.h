@@ -102,6 +102,14 @@ typedef struct bucket {
   int64_t* holes; /* [start, end) pairs of the rank-major GRAD not covered by any item's rows */
   int32_t n_holes;
   pl_init_mode init; /* between init_begin and init_end: how the weights are loaded */
+  /* quantized wires ([Note: quantized communication] in wire.c): each one's mfsdp_quant_mode, or
+   * -1 when it carries the buffer's own dtype; the block; elements and bytes of one piece */
+  int8_t q_weights;     /* the all-gather inside the replica: pieces of shard_size elements */
+  int8_t q_grads;       /* the gradient exchange: pieces of q_grad_n elements */
+  int8_t q_outer;       /* HFSDP, the all-gather across replicas: pieces of sub_size elements */
+  int64_t q_block;
+  int64_t q_grad_n;     /* shard_size, or the exchange block of an all-reduce (pl_exchange_block) */
+  int64_t q_gather_piece, q_grad_piece, q_outer_piece; /* bytes */
   /* [Note: requires_grad changes] in trainable.c */
   uint8_t* trainable;  /* per item: it trains now (its gradient is expected in every backward) */
   int32_t n_trainable; /* items that train: the bucket reduces while it is > 0 */
@@ -208,6 +216,17 @@ PL_INTERNAL mfsdp_status pl_complete_all(mfsdp_pipeline* p);
 PL_INTERNAL mfsdp_status pl_rebase(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL mfsdp_status pl_launch_bucket(mfsdp_pipeline* p, int32_t id);
 PL_INTERNAL mfsdp_status pl_launch_in_order(mfsdp_pipeline* p);
+
+/* wire.c */
+PL_INTERNAL mfsdp_status pl_wire_check(const mfsdp_pipeline_config* cfg, const mfsdp_backend* be,
+                                       const mfsdp_bucket_spec* s, int32_t i);
+PL_INTERNAL void pl_wire_setup(const mfsdp_pipeline* p, bucket* bk);
+PL_INTERNAL mfsdp_status pl_wire_start_gather(mfsdp_pipeline* p, bucket* bk);
+PL_INTERNAL mfsdp_status pl_wire_finish_gather(mfsdp_pipeline* p, bucket* bk);
+PL_INTERNAL mfsdp_status pl_wire_exchange(mfsdp_pipeline* p, bucket* bk, const mfsdp_buffer* full, mfsdp_work** work);
+PL_INTERNAL mfsdp_status pl_wire_sum(mfsdp_pipeline* p, bucket* bk, void* dst, int64_t n, double alpha);
+PL_INTERNAL mfsdp_status pl_wire_outer_gather(mfsdp_pipeline* p, bucket* bk);
+PL_INTERNAL mfsdp_status pl_wire_outer_land(mfsdp_pipeline* p, bucket* bk);
 
 /* replicas.c */
 PL_INTERNAL double pl_outer_factor(const mfsdp_pipeline* p);

@@ -28,7 +28,8 @@
  * When the communication dtype is narrower than the main gradients, the pipeline sends the same
  * bytes with an all-to-all (each rank receives every rank's narrow piece of its own slice) and
  * adds the pieces into the main gradient in its own dtype, in rank order: each contribution is
- * rounded once (to the wire dtype) and the sum never is. */
+ * rounded once (to the wire dtype) and the sum never is. Quantized gradients travel the same way,
+ * as wire pieces ([Note: quantized communication] in wire.c). */
 #include "pipeline_internal.h"
 
 /* Low-precision communication, high-precision accumulation: when a reduce-scatter would sum
@@ -39,7 +40,7 @@ int pl_exchanges(const mfsdp_pipeline* p, const bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
   if (s->grad_mode == MFSDP_GRAD_NONE || p->cfg.dp_world < 2) return 0;
   if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && bk->shards < 2) return 0;
-  return mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
+  return bk->q_grads >= 0 || mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
 }
 
 /* An all-reduce done as exchange + gather splits the bucket into dp_world blocks: its comm
@@ -60,7 +61,8 @@ static mfsdp_status sum_exchanged(mfsdp_pipeline* p, bucket* bk, void* dst, int 
   int64_t size = bk->shard_size;
   double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / bk->shards : 1.0;
   if (zero_first) MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, dst, bk->spec.grad_dtype, size));
-  for (int32_t r = 0; r < bk->shards; ++r)
+  if (bk->q_grads >= 0) MFSDP_CHECK(pl_wire_sum(p, bk, dst, size, alpha));
+  for (int32_t r = 0; r < bk->shards && bk->q_grads < 0; ++r)
     MFSDP_CHECK(k->accumulate(p->be.kernels_ctx, dst, bk->spec.grad_dtype,
                               pl_at(&bk->buf[MFSDP_BUF_EXCHANGE], r * size), bk->spec.comm_dtype, size, alpha));
   return pl_release(p, bk, MFSDP_BUF_EXCHANGE);
@@ -79,7 +81,8 @@ static mfsdp_status gather_exchanged(mfsdp_pipeline* p, bucket* bk) {
   double alpha = p->cfg.reduce_op == MFSDP_REDUCE_AVG ? 1.0 / world : 1.0;
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
   MFSDP_CHECK(k->fill_zero(kc, pl_at(g, first), gdt, valid));
-  for (int32_t r = 0; r < world; ++r)
+  if (bk->q_grads >= 0) MFSDP_CHECK(pl_wire_sum(p, bk, pl_at(g, first), valid, alpha));
+  for (int32_t r = 0; r < world && bk->q_grads < 0; ++r)
     MFSDP_CHECK(
         k->accumulate(kc, pl_at(g, first), gdt, pl_at(&bk->buf[MFSDP_BUF_EXCHANGE], r * size), cdt, valid, alpha));
   MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_EXCHANGE));
@@ -198,16 +201,22 @@ static mfsdp_status launch_reduce(mfsdp_pipeline* p, int32_t id) {
   }
   if (exchange) {
     MFSDP_CHECK(pl_materialize(p, bk, MFSDP_BUF_EXCHANGE));
-    st = p->be.transport->all_to_all(p->be.transport_ctx, &bk->buf[MFSDP_BUF_EXCHANGE], &bk->buf[full], &work);
+    if (bk->q_grads >= 0) /* [Note: quantized communication] in wire.c */
+      st = pl_wire_exchange(p, bk, &bk->buf[full], &work);
+    else
+      st = p->be.transport->all_to_all(p->be.transport_ctx, &bk->buf[MFSDP_BUF_EXCHANGE], &bk->buf[full], &work);
   } else if (comm && bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE) {
     st = p->be.transport->all_reduce(p->be.transport_ctx, &bk->buf[full], op, premul, &work);
   } else if (comm) {
     st = p->be.transport->reduce_scatter(p->be.transport_ctx, &bk->buf[slice], &bk->buf[full], op, premul, &work);
   }
   if (st != MFSDP_OK) return pl_comm_failed(p, st);
-  if (exchange || comm) /* an exchange counts as the reduction it replaces */
-    pl_count(bk, bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE ? PL_COMM_all_reduce : PL_COMM_reduce_scatter,
-             reduce_bytes(bk));
+  int all_reduce = bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE;
+  if (bk->q_grads >= 0) /* the wire pieces, and for an all-reduce the gather of the reduced blocks */
+    pl_count(bk, all_reduce ? PL_COMM_quantized_all_reduce : PL_COMM_quantized_reduce_scatter,
+             bk->buf[MFSDP_BUF_GRAD_WIRE].numel + (all_reduce ? reduce_bytes(bk) : 0));
+  else if (exchange || comm) /* an exchange counts as the reduction it replaces */
+    pl_count(bk, all_reduce ? PL_COMM_all_reduce : PL_COMM_reduce_scatter, reduce_bytes(bk));
   bk->reduce_work = work;
   bk->gstate = MFSDP_G_REDUCING;
   bk->launched = 1;

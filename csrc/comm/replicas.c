@@ -104,6 +104,7 @@ mfsdp_status pl_rebase_across_replicas(mfsdp_pipeline* p, bucket* bk) {
  * the bucket's previous collective across them is done; the next unshard waits. */
 mfsdp_status pl_launch_outer_gather(mfsdp_pipeline* p, bucket* bk) {
   MFSDP_CHECK(pl_complete_outer_of(p, bk));
+  if (bk->q_outer >= 0) return pl_wire_outer_gather(p, bk); /* [Note: quantized communication] in wire.c */
   if (pl_own_main(bk))
     MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SUB].data, bk->spec.param_dtype,
                                     bk->buf[MFSDP_BUF_MAIN_SHARD].data, bk->spec.main_dtype, bk->sub_size, 1.0));
@@ -115,12 +116,15 @@ mfsdp_status pl_launch_outer_gather(mfsdp_pipeline* p, bucket* bk) {
   return MFSDP_OK;
 }
 
-/* Waits for one bucket's collective across replicas. */
+/* Waits for one bucket's collective across replicas; a quantized gather then lands (also when
+ * the transport completed it at once and returned no work). */
 mfsdp_status pl_complete_outer_of(mfsdp_pipeline* p, bucket* bk) {
   mfsdp_work* w = bk->outer_work;
+  int gathering = bk->outer_gathering;
   bk->outer_work = NULL;
   bk->outer_gathering = 0;
-  return w == NULL ? MFSDP_OK : pl_comm_failed(p, p->be.outer->wait(p->be.outer_ctx, w));
+  if (w != NULL) MFSDP_CHECK(pl_comm_failed(p, p->be.outer->wait(p->be.outer_ctx, w)));
+  return gathering && bk->q_outer >= 0 ? pl_wire_outer_land(p, bk) : MFSDP_OK;
 }
 
 /* Finishes the reductions across replicas (and, with `gathers`, the weights' gathers too: those

@@ -52,6 +52,7 @@ mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t b, int direct)
   bucket* bk = &p->b[b];
   if (bk->init != PL_INIT_NONE) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_begin twice", b);
   if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(pl_finish_gather(p, bk));
+  MFSDP_CHECK(pl_complete_outer_of(p, bk)); /* HFSDP: a replicas' gather must not land on the loaded values */
   if (!direct || !bk->spec.weights_sharded) {
     MFSDP_CHECK(pl_materialize(p, bk, MFSDP_BUF_WEIGHT));
     MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT));
@@ -164,6 +165,7 @@ static mfsdp_status fill_own_slice(mfsdp_pipeline* p, bucket* bk) {
 
 static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
   MFSDP_CHECK(pl_complete_outer_of(p, bk)); /* HFSDP: the replicas' gather of this step's weights */
+  if (bk->q_weights >= 0) return pl_wire_start_gather(p, bk); /* [Note: quantized communication] */
   MFSDP_CHECK(pl_materialize(p, bk, bk->gather_kind));
   MFSDP_CHECK(fill_own_slice(p, bk));
   bk->wstate = MFSDP_W_GATHERING;
@@ -201,7 +203,9 @@ static mfsdp_status copy_out(mfsdp_pipeline* p, bucket* bk) {
 /* The gather has been issued: wait for it and copy it out; full weights usable after this. */
 mfsdp_status pl_finish_gather(mfsdp_pipeline* p, bucket* bk) {
   MFSDP_CHECK(pl_wait_work(p, &bk->gather_work));
-  if (bk->gather_kind == MFSDP_BUF_GATHER) {
+  if (bk->q_weights >= 0) {
+    MFSDP_CHECK(pl_wire_finish_gather(p, bk));
+  } else if (bk->gather_kind == MFSDP_BUF_GATHER) {
     MFSDP_CHECK(pl_materialize(p, bk, MFSDP_BUF_WEIGHT));
     MFSDP_CHECK(copy_out(p, bk));
     MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_GATHER));
@@ -246,6 +250,7 @@ mfsdp_status mfsdp_pipeline_wait_unshard(mfsdp_pipeline* p, const int32_t* ids, 
 /* Drops an in-flight gather's result (its values are about to be released or are stale). */
 static mfsdp_status abandon_gather(mfsdp_pipeline* p, bucket* bk) {
   MFSDP_CHECK(pl_wait_work(p, &bk->gather_work));
+  MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_GATHER_WIRE));
   return pl_release(p, bk, MFSDP_BUF_GATHER);
 }
 

@@ -1,6 +1,7 @@
 /* bucket_spec.c: the Engine's bucket specs from Python (bucket_spec.h), and the names of the
- * pipeline's enums Python uses with them: GRAD_* (a spec's grad_mode) and BUF_* (buffer kinds,
- * for Engine.tensor and Engine.local_piece). */
+ * pipeline's enums Python uses with them: GRAD_* (a spec's grad_mode), BUF_* (buffer kinds,
+ * for Engine.tensor and Engine.local_piece), QUANT_MODES and quant_wire_bytes (a spec's
+ * quantized wires). */
 #include "bucket_spec.h"
 #include "pieces.h"
 
@@ -48,8 +49,18 @@ static void free_spec(mfsdp_bucket_spec* s) {
   memset(&s->layout, 0, sizeof s->layout);
 }
 
-/* A bucket dict as _C.plan makes it (plus the dtypes and modes the wrapper adds; "frozen" is
- * optional, default 0: [Note: requires_grad changes] in csrc/comm/trainable.c). */
+/* An optional int field (absent: `fallback`). */
+static int dict_long_or(PyObject* d, const char* key, long long fallback, long long* out) {
+  if (PyDict_GetItemString(d, key) == NULL) {
+    *out = fallback;
+    return 0;
+  }
+  return dict_long(d, key, out);
+}
+
+/* A bucket dict as _C.plan makes it (plus the dtypes and modes the wrapper adds, and optionally
+ * its quantized wires: wire_weights, wire_grads, wire_outer_weights as mfsdp_wire_spec codes, and
+ * wire_block; and "frozen", default 0: [Note: requires_grad changes] in csrc/comm/trainable.c). */
 static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
   if (!PyDict_Check(d)) {
     PyErr_SetString(PyExc_TypeError, "bucket spec must be a dict");
@@ -66,12 +77,29 @@ static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
   int64_t* a[4] = {NULL, NULL, NULL, NULL};
   for (int i = 0; i < 4; ++i)
     if ((a[i] = dict_i64s(d, arrays[i], &n[i])) == NULL) break;
-  *s = (mfsdp_bucket_spec){{(int32_t)v[0], n[0], a[0], a[1], a[2], a[3], v[10], v[2]}, (int32_t)v[1],
-                           (int32_t)v[3], (int32_t)v[4], (int32_t)v[5], (int32_t)v[6], (int32_t)v[7], (int32_t)v[8],
-                           (int32_t)v[9]};
-  PyObject* frozen = PyDict_GetItemString(d, "frozen");
-  int bad_flag = frozen != NULL && (s->frozen = PyObject_IsTrue(frozen)) < 0; /* the error is set */
-  if (bad_flag || !a[0] || !a[1] || !a[2] || !a[3] || n[1] != n[0] || n[2] != n[0] || n[3] != n[0]) {
+  long long w[4] = {0, 0, 0, 0};
+  static const char* wires[4] = {"wire_weights", "wire_grads", "wire_outer_weights", "wire_block"};
+  for (int i = 0; i < 4 && !PyErr_Occurred(); ++i) dict_long_or(d, wires[i], 0, &w[i]);
+  *s = (mfsdp_bucket_spec){{(int32_t)v[0], n[0], a[0], a[1], a[2], a[3], v[10], v[2]},
+                           (int32_t)v[1],
+                           (int32_t)v[3],
+                           (int32_t)v[4],
+                           (int32_t)v[5],
+                           (int32_t)v[6],
+                           (int32_t)v[7],
+                           (int32_t)v[8],
+                           (int32_t)v[9],
+                           {(int32_t)w[0], (int32_t)w[1], (int32_t)w[2], w[3]}};
+  PyObject* frozen = PyErr_Occurred() ? NULL : PyDict_GetItemString(d, "frozen");
+  if (frozen != NULL) {
+    int flag = PyObject_IsTrue(frozen); /* -1: the error is set */
+    s->frozen = flag > 0;
+  }
+  if (PyErr_Occurred()) {
+    free_spec(s);
+    return -1;
+  }
+  if (!a[0] || !a[1] || !a[2] || !a[3] || n[1] != n[0] || n[2] != n[0] || n[3] != n[0]) {
     free_spec(s);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bucket spec: item tables of different lengths");
     return -1;
@@ -103,8 +131,39 @@ void mfsdp_free_bucket_specs(mfsdp_bucket_spec* specs, int32_t n) {
   PyMem_Free(specs);
 }
 
+PyDoc_STRVAR(quant_wire_bytes_doc,
+             "quant_wire_bytes(mode, n, block) -> bytes of one rank's piece of n elements on a quantized wire\n"
+             "([Note: quantized wire format] in csrc/core/mfsdp_quant.h); mode is a QUANT_MODES code.");
+
+static PyObject* py_quant_wire_bytes(PyObject* module, PyObject* args) {
+  int mode;
+  long long n, block;
+  if (!PyArg_ParseTuple(args, "iLL:quant_wire_bytes", &mode, &n, &block)) return NULL;
+  int64_t bytes = mfsdp_quant_wire_bytes(mode, n, block);
+  if (bytes < 0)
+    return PyErr_Format(PyExc_ValueError, "quant_wire_bytes: no %s pieces of %lld elements in blocks of %lld",
+                        mfsdp_quant_mode_name(mode), n, block);
+  return PyLong_FromLongLong((long long)bytes);
+}
+
+static PyMethodDef bucket_spec_methods[] = {
+    {"quant_wire_bytes", py_quant_wire_bytes, METH_VARARGS, quant_wire_bytes_doc},
+    {NULL, NULL, 0, NULL},
+};
+
 int mfsdp_register_bucket_spec(PyObject* module, module_state* st) {
   (void)st;
+  PyObject* modes = PyDict_New();
+  for (int m = 0; modes != NULL && m < MFSDP_NUM_QUANT_MODES; ++m) {
+    PyObject* code = PyLong_FromLong(m);
+    if (code == NULL || PyDict_SetItemString(modes, mfsdp_quant_mode_name(m), code) < 0) Py_CLEAR(modes);
+    Py_XDECREF(code);
+  }
+  int added = modes != NULL && PyModule_AddObjectRef(module, "QUANT_MODES", modes) == 0;
+  Py_XDECREF(modes);
+  if (!added || PyModule_AddIntConstant(module, "QUANT_DEFAULT_BLOCK", MFSDP_QUANT_DEFAULT_BLOCK) < 0 ||
+      PyModule_AddFunctions(module, bucket_spec_methods) < 0)
+    return -1;
   if (PyModule_AddIntConstant(module, "GRAD_NONE", MFSDP_GRAD_NONE) < 0 ||
       PyModule_AddIntConstant(module, "GRAD_ALL_REDUCE", MFSDP_GRAD_ALL_REDUCE) < 0 ||
       PyModule_AddIntConstant(module, "GRAD_SCATTER_IN_PLACE", MFSDP_GRAD_SCATTER_IN_PLACE) < 0 ||
@@ -113,7 +172,8 @@ int mfsdp_register_bucket_spec(PyObject* module, module_state* st) {
   static const char* kinds[MFSDP_BUF_COUNT] = {"WEIGHT",     "GATHER",   "WEIGHT_SHARD", "MAIN_SHARD",
                                                "GRAD",       "GRAD_SLICE", "GRAD_SHARD", "OPT_GRAD",
                                                "COMM",       "COMM_SLICE", "EXCHANGE",   "WEIGHT_SUB",
-                                               "GRAD_SUB"};
+                                               "GRAD_SUB",   "GATHER_WIRE", "GATHER_WIRE_SHARD", "GRAD_WIRE",
+                                               "OUTER_WIRE", "OUTER_WIRE_SUB"};
   for (int k = 0; k < MFSDP_BUF_COUNT; ++k) {
     char name[32];
     snprintf(name, sizeof name, "BUF_%s", kinds[k]);

@@ -278,3 +278,329 @@ void run_pipeline_cases(const pipe_rig* rig, int max_world, int force_comm) {
   }
 }
 
+
+/* ---- quantized communication ([Note: quantized communication] in csrc/comm/wire.c) ----
+ * Every value is checked exactly against a reference built from the CPU kernels: the gathered
+ * weights are dequantize(quantize(every rank's shard)), and a reduced gradient is the sum, in
+ * rank order, of dequantize(quantize(every rank's pre-scaled piece)), added in the main gradient
+ * dtype. The reference sees every rank's values because they are functions of the rank. On the
+ * emulated device the CUDA kernels must give the same bits (they are bit-identical to the CPU
+ * ones) through the native transport. */
+
+typedef struct quant_case {
+  const char* name;
+  int world, grad_mode, weights_sharded, regather, micro;
+  int param_dtype, main_dtype, grad_dtype;
+  int wmode, gmode; /* mfsdp_quant_mode, or -1: plain */
+  int64_t block;
+  int op;
+  int direct_init;
+} quant_case;
+
+typedef struct quant_thread {
+  const quant_case* c;
+  const pipe_rig* rig;
+  void* world;
+  int rank, force_comm;
+} quant_thread;
+
+/* A value of `dtype` (exactly what a store into it keeps) as a double. */
+static double rounded(int dtype, double v) {
+  unsigned char tmp[8];
+  store_from_double(tmp, dtype, 0, v);
+  return load_as_double(tmp, dtype, 0);
+}
+
+/* This rank's main weight of item i element j after init (and `steps` updates of +1): the
+ * float32 value, through the compute dtype unless set directly (init_end derives the main
+ * weights from the full compute weights). */
+static double q_main_value(const quant_case* c, int item, int64_t j, int steps) {
+  double v = (float)init_value(item, j);
+  if (!c->direct_init) v = rounded(c->param_dtype, v);
+  v = rounded(c->main_dtype, v);
+  for (int s = 0; s < steps; ++s) v = rounded(c->main_dtype, v + 1.0);
+  return v;
+}
+
+/* The expected full compute weights (parameter-major, param dtype) of a gather: every owner's
+ * shard in the main dtype (the gather's source), quantized and dequantized when `quantized`. */
+static void q_expected_weights(const quant_case* c, const mfsdp_bucket_plan* bp, int quantized, int steps,
+                               void* out) {
+  const mfsdp_bucket_layout* L = &bp->layout;
+  int64_t S = L->shard_size, esz = mfsdp_dtype_size(c->main_dtype), psz = mfsdp_dtype_size(c->param_dtype);
+  char* shard = calloc((size_t)S, (size_t)esz);
+  char* deq = calloc((size_t)S, (size_t)psz);
+  int64_t wire_bytes = quantized ? mfsdp_quant_wire_bytes(c->wmode, S, c->block) : 0;
+  uint8_t* wire = malloc((size_t)(wire_bytes + 16));
+  for (int32_t r = 0; r < L->world; ++r) {
+    memset(shard, 0, (size_t)(S * esz));
+    for (int i = 0; i < L->n_items; ++i) {
+      int64_t first, n;
+      mfsdp_piece_of(L->numels[i], L->pieces[i], r, &first, &n);
+      for (int64_t k = 0; k < n; ++k)
+        store_from_double(shard, c->main_dtype, L->shard_offsets[i] + k, q_main_value(c, bp->params[i], first + k, steps));
+    }
+    if (quantized) {
+      CHECK_OK(mfsdp_cpu_quantize(wire, c->wmode, c->block, shard, c->main_dtype, S, 1));
+      CHECK_OK(mfsdp_cpu_dequantize(deq, c->param_dtype, wire, c->wmode, c->block, S, 1.0, 0));
+    } else {
+      CHECK_OK(mfsdp_cpu_copy(deq, c->param_dtype, shard, c->main_dtype, S, 1.0));
+    }
+    for (int i = 0; i < L->n_items; ++i) {
+      int64_t first, n;
+      mfsdp_piece_of(L->numels[i], L->pieces[i], r, &first, &n);
+      if (n > 0)
+        memcpy((char*)out + (L->param_offsets[i] + first) * psz, deq + L->shard_offsets[i] * psz, (size_t)(n * psz));
+    }
+  }
+  free(shard);
+  free(deq);
+  free(wire);
+}
+
+/* Rank r's gradients of every item in microbatch mb, into the rank-major piece `slice` of the
+ * staging buffer (n_elems elements of grad dtype starting at rank-major element `from`), the way
+ * the pipeline stages them: ZeRO-2/3 copy each microbatch pre-scaled; no_shard/ZeRO-1 add the
+ * microbatches unscaled, then scale the local sum once (copy with alpha for no_shard). */
+static void q_stage(const quant_case* c, const mfsdp_bucket_plan* bp, int r, double prescale, int mb_only,
+                    int64_t from, int64_t n_elems, void* out) {
+  const mfsdp_bucket_layout* L = &bp->layout;
+  int gdt = c->grad_dtype;
+  int64_t full = (int64_t)L->world * L->shard_size;
+  void* local = calloc((size_t)full, (size_t)mfsdp_dtype_size(gdt));
+  for (int mb = 0; mb < c->micro; ++mb) {
+    if (mb_only >= 0 && mb != mb_only) continue;
+    for (int i = 0; i < L->n_items; ++i)
+      for (int32_t o = 0; o < L->world; ++o) {
+        int64_t first, n;
+        mfsdp_piece_of(L->numels[i], L->pieces[i], o, &first, &n);
+        float* g = malloc((size_t)(n + 1) * sizeof *g);
+        for (int64_t k = 0; k < n; ++k) g[k] = (float)grad_value(r, mb, bp->params[i], first + k);
+        void* dst = (char*)local + ((int64_t)o * L->shard_size + L->shard_offsets[i]) * mfsdp_dtype_size(gdt);
+        if (c->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE)
+          CHECK_OK(mfsdp_cpu_copy(dst, gdt, g, MFSDP_F32, n, prescale));
+        else
+          CHECK_OK(mfsdp_cpu_accumulate(dst, gdt, g, MFSDP_F32, n, 1.0));
+        free(g);
+      }
+  }
+  if (c->grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) CHECK_OK(mfsdp_cpu_scale(local, gdt, full, prescale));
+  if (c->grad_mode == MFSDP_GRAD_ALL_REDUCE) CHECK_OK(mfsdp_cpu_copy(local, gdt, local, gdt, full, prescale));
+  memset(out, 0, (size_t)(n_elems * mfsdp_dtype_size(gdt))); /* padding past the buffer (the exchange block) */
+  int64_t avail = full - from < n_elems ? full - from : n_elems;
+  if (avail > 0)
+    memcpy(out, (char*)local + from * mfsdp_dtype_size(gdt), (size_t)(avail * mfsdp_dtype_size(gdt)));
+  free(local);
+}
+
+/* dst (grad dtype, elements [0, n) of a piece of piece_n) += sum over ranks, in rank order, of
+ * dequantize(quantize(that rank's staged piece)) * alpha: the reduction's reference. */
+static void q_reduce_piece(const quant_case* c, const mfsdp_bucket_plan* bp, double prescale, int mb_only,
+                           int64_t from, int64_t piece_n, int64_t n, double alpha, void* dst) {
+  int gdt = c->grad_dtype;
+  void* staged = calloc((size_t)piece_n + 1, (size_t)mfsdp_dtype_size(gdt));
+  int64_t bytes = mfsdp_quant_wire_bytes(c->gmode, piece_n, c->block);
+  uint8_t* wire = malloc((size_t)(bytes + 16));
+  for (int r = 0; r < c->world; ++r) {
+    q_stage(c, bp, r, prescale, mb_only, from, piece_n, staged);
+    CHECK_OK(mfsdp_cpu_quantize(wire, c->gmode, c->block, staged, gdt, piece_n, 1));
+    mfsdp_quant_item item = {wire, 0, 0, n};
+    CHECK_OK(mfsdp_cpu_dequantize_pack(dst, gdt, &item, 1, c->gmode, c->block, piece_n, alpha, 1));
+  }
+  free(staged);
+  free(wire);
+}
+
+static void* quant_worker(void* arg) {
+  quant_thread* t = arg;
+  const quant_case* c = t->c;
+  int W = c->world, r = t->rank;
+  mfsdp_param_info infos[N_ITEMS];
+  for (int i = 0; i < N_ITEMS; ++i) infos[i] = (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0};
+  int shard_world = c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
+  mfsdp_plan plan;
+  CHECK_OK(mfsdp_plan_build(infos, N_ITEMS, shard_world, 0, 16, &plan));
+  mfsdp_bucket_plan* bp = &plan.buckets[0];
+  const mfsdp_bucket_layout* L = &bp->layout;
+  int comm = W > 1 || t->force_comm;
+  mfsdp_bucket_spec spec = {*L, L->world > 1 ? r : 0, c->param_dtype, c->main_dtype, c->grad_dtype, c->grad_dtype,
+                            c->weights_sharded && comm, c->regather && comm, c->grad_mode,
+                            {c->wmode >= 0 ? MFSDP_WIRE_QUANT(c->wmode) : MFSDP_WIRE_PLAIN,
+                             c->gmode >= 0 ? MFSDP_WIRE_QUANT(c->gmode) : MFSDP_WIRE_PLAIN, MFSDP_WIRE_PLAIN,
+                             c->block}};
+  int gathered = spec.weights_sharded || (spec.weights_regather && L->world > 1);
+  int qw = c->wmode >= 0 && gathered, qg = c->gmode >= 0 && W > 1;
+  mfsdp_backend be;
+  void* dev = NULL;
+  mfsdp_pipeline* p = NULL;
+  if (t->rig->rank_setup(t->world, r, &be, &dev) != 0) {
+    CHECK(0, "%s rank %d: rig %s setup failed: %s", c->name, r, t->rig->name, mfsdp_last_error());
+    goto out;
+  }
+  double prescale = c->op == MFSDP_REDUCE_AVG ? 1.0 : 1.0 / W;
+  mfsdp_pipeline_config cfg = {W, r, prescale, c->op, 1 << 20, t->force_comm};
+  CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
+  if (p == NULL) goto done;
+  CHECK_OK(mfsdp_pipeline_init_begin(p, 0, c->direct_init));
+  for (int i = 0; i < L->n_items; ++i) {
+    float* v = malloc((size_t)L->numels[i] * sizeof *v + 4);
+    for (int64_t j = 0; j < L->numels[i]; ++j) v[j] = (float)init_value(bp->params[i], j);
+    CHECK_OK(mfsdp_pipeline_set_item(p, 0, i, v, MFSDP_F32, L->numels[i]));
+    t->rig->rank_sync(dev);
+    free(v);
+  }
+  CHECK_OK(mfsdp_pipeline_init_end(p, 0));
+  int32_t ids[1] = {0};
+  const mfsdp_buffer* weight = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT);
+  size_t psz = (size_t)mfsdp_dtype_size(c->param_dtype);
+  void* want = calloc((size_t)L->weight_size + 1, psz);
+  /* two gathers: of the loaded weights (ZeRO-3; ZeRO-1/2 hold them already), and after an update */
+  for (int steps = 0; steps < 2; ++steps) {
+    if (steps == 1) { /* the optimizer: main += 1 on this rank's rows; install; gather */
+      t->rig->rank_sync(dev); /* the host writes what init_end's kernels wrote */
+      for (int i = 0; i < L->n_items; ++i) {
+        int32_t where;
+        int64_t off, n;
+        CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_MAIN_SHARD, &where, &off, &n));
+        const mfsdp_buffer* main = mfsdp_pipeline_buffer(p, 0, where);
+        for (int64_t k = off; k < off + n; ++k)
+          store_from_double(main->data, main->dtype, k, load_as_double(main->data, main->dtype, k) + 1.0);
+      }
+      CHECK_OK(mfsdp_pipeline_install_main_weights(p, 0));
+    } else if (!spec.weights_sharded) {
+      continue;
+    }
+    CHECK_OK(mfsdp_pipeline_unshard(p, ids, 1));
+    CHECK_OK(mfsdp_pipeline_wait_unshard(p, ids, 1));
+    t->rig->rank_sync(dev);
+    q_expected_weights(c, bp, qw, steps, want);
+    int64_t wrong = 0;
+    for (int i = 0; i < L->n_items; ++i)
+      wrong += count_differences((char*)weight->data + L->param_offsets[i] * psz,
+                                 (char*)want + L->param_offsets[i] * psz, c->param_dtype, L->numels[i]);
+    CHECK(wrong == 0, "%s world %d rank %d (%s): %lld gathered weights differ from dequantize(quantize(shard)) after "
+          "%d updates", c->name, W, r, t->rig->name, (long long)wrong, steps);
+    if (spec.weights_sharded) CHECK_OK(mfsdp_pipeline_reshard(p, ids, 1));
+  }
+  free(want);
+
+  /* gradients of several microbatches, one syncing backward at the end */
+  for (int mb = 0; mb < c->micro; ++mb) {
+    CHECK_OK(mfsdp_pipeline_begin_backward(p, mb == c->micro - 1));
+    float* grads[N_ITEMS] = {0};
+    for (int i = L->n_items - 1; i >= 0; --i) {
+      float* g = grads[i] = malloc((size_t)L->numels[i] * sizeof *g + 4);
+      for (int64_t j = 0; j < L->numels[i]; ++j) g[j] = (float)grad_value(r, mb, bp->params[i], j);
+      CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, L->numels[i], NULL));
+    }
+    CHECK_OK(mfsdp_pipeline_end_backward(p));
+    t->rig->rank_sync(dev);
+    for (int i = 0; i < L->n_items; ++i) free(grads[i]);
+  }
+  CHECK_OK(mfsdp_pipeline_sync_grads(p));
+  t->rig->rank_sync(dev);
+  /* the reference of this rank's reduced slice (grad dtype), then as the optimizer sees it */
+  int gdt = c->grad_dtype;
+  double alpha = c->op == MFSDP_REDUCE_AVG ? 1.0 / W : 1.0;
+  int64_t S = L->shard_size, full = (int64_t)L->world * S;
+  int64_t block = (full + W - 1) / W; /* no_shard: the exchange's block per rank */
+  void* ref = calloc((size_t)full + 1, (size_t)mfsdp_dtype_size(gdt));
+  if (!qg) { /* plain gradients: checked against the exact sum below */
+  } else if (c->grad_mode == MFSDP_GRAD_ALL_REDUCE) {
+    for (int q = 0; q < W; ++q) { /* every rank's block, gathered */
+      int64_t valid = full - q * block < block ? full - q * block : block;
+      if (valid > 0)
+        q_reduce_piece(c, bp, prescale, -1, q * block, block, valid, alpha,
+                       (char*)ref + q * block * mfsdp_dtype_size(gdt));
+    }
+  } else if (c->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
+    for (int mb = 0; mb < c->micro; ++mb) /* each backward's reduction added to the main gradient */
+      q_reduce_piece(c, bp, prescale, mb, (int64_t)r * S, S, S, alpha, (char*)ref + (int64_t)r * S * mfsdp_dtype_size(gdt));
+  } else {
+    q_reduce_piece(c, bp, prescale, -1, (int64_t)r * S, S, S, alpha, (char*)ref + (int64_t)r * S * mfsdp_dtype_size(gdt));
+  }
+  const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_OPT_GRAD);
+  int64_t wrong = 0, checked = 0;
+  for (int i = 0; i < L->n_items; ++i) {
+    int32_t where;
+    int64_t off, first, n;
+    CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_OPT_GRAD, &where, &off, &n));
+    mfsdp_piece_of(L->numels[i], L->pieces[i], spec.shard_rank, &first, &n);
+    int64_t at = (c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 0 : (int64_t)r * S) + L->shard_offsets[i];
+    for (int64_t k = 0; k < n; ++k) {
+      double g = load_as_double(ref, gdt, at + k), got = load_as_double(og->data, c->main_dtype, off + k);
+      double expect = rounded(c->main_dtype, g);
+      if (!qg) { /* plain gradients: the exact sum, to the collectives' rounding */
+        double exact = 0;
+        for (int mb = 0; mb < c->micro; ++mb)
+          for (int q = 0; q < W; ++q) exact += grad_value(q, mb, bp->params[i], first + k) * prescale * alpha;
+        expect = fabs(got - exact) <= 1e-5 * (fabs(exact) + 1e-3) ? got : exact;
+      }
+      checked++;
+      if (got != expect && wrong++ < 3)
+        fprintf(stderr, "  %s world %d rank %d item %d elem %lld: got %.9g want %.9g\n", c->name, W, r, i,
+                (long long)(first + k), got, expect);
+    }
+  }
+  free(ref);
+  CHECK(wrong == 0, "%s world %d rank %d (%s): %lld of %lld reduced gradients differ from the sum of "
+        "dequantize(quantize(piece)) in rank order", c->name, W, r, t->rig->name, (long long)wrong, (long long)checked);
+  mfsdp_comm_stats st;
+  mfsdp_pipeline_stats(p, -1, &st);
+  int64_t gpiece = qw ? mfsdp_quant_wire_bytes(c->wmode, S, c->block) : 0;
+  CHECK(!qw || (st.all_gathers == 0 && st.quantized_all_gathers > 0 &&
+                st.quantized_all_gather_bytes == st.quantized_all_gathers * W * gpiece),
+        "%s world %d: %lld plain and %lld quantized gathers of %lld bytes (%lld bytes a piece)", c->name, W,
+        (long long)st.all_gathers, (long long)st.quantized_all_gathers, (long long)st.quantized_all_gather_bytes,
+        (long long)gpiece);
+  int64_t reductions = st.quantized_reduce_scatters + st.quantized_all_reduces;
+  CHECK(!qg || (st.reduce_scatters + st.all_reduces == 0 &&
+                reductions == (c->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? c->micro : 1)),
+        "%s world %d: %lld plain and %lld quantized reductions", c->name, W, (long long)(st.reduce_scatters + st.all_reduces),
+        (long long)reductions);
+  CHECK(qw || qg || st.quantized_all_gathers + reductions == 0, "%s world %d: nothing to quantize, yet quantized",
+        c->name, W);
+done:
+  if (p) t->rig->rank_sync(dev);
+  mfsdp_pipeline_destroy(p);
+  t->rig->rank_teardown(dev);
+out:
+  mfsdp_plan_free(&plan);
+  return NULL;
+}
+
+void run_quantized_cases(const pipe_rig* rig, int max_world, int force_comm) {
+  const int F = MFSDP_F32, B = MFSDP_BF16, D = MFSDP_F64;
+  const int I8 = MFSDP_QUANT_INT8, E4 = MFSDP_QUANT_FP8_E4M3, I4 = MFSDP_QUANT_INT4;
+  const int SUM = MFSDP_REDUCE_SUM, AVG = MFSDP_REDUCE_AVG;
+  const int AR = MFSDP_GRAD_ALL_REDUCE, RSI = MFSDP_GRAD_SCATTER_IN_PLACE, RSA = MFSDP_GRAD_SCATTER_ACCUMULATE;
+  int cases = 0;
+  for (int world = 1; world <= max_world; ++world) {
+    quant_case list[] = {
+        /* name, world, grad_mode, sharded, regather, micro, param, main, grad, wmode, gmode, block, op, direct */
+        {"zero3 int8 weights int8 grads", world, RSA, 1, 0, 2, F, F, F, I8, I8, 6, SUM, 0},
+        {"zero3 bf16 fp8 weights int4 grads x3", world, RSA, 1, 0, 3, B, F, F, E4, I4, 8, SUM, 0},
+        {"zero3 int4 weights, block 128, direct init", world, RSA, 1, 0, 1, F, F, F, I4, -1, 128, SUM, 1},
+        {"zero3 bf16 int8 grads only, avg", world, RSA, 1, 0, 2, B, F, F, -1, I8, 5, AVG, 0},
+        {"zero2 int8 weights fp8 grads", world, RSA, 0, 1, 2, F, F, F, I8, E4, 7, SUM, 0},
+        {"zero1 int8 weights int4 grads x3", world, RSI, 0, 1, 3, F, F, F, I8, I4, 4, SUM, 0},
+        {"zero1 bf16 int4 weights float64 grads", world, RSI, 0, 1, 2, B, F, D, I4, I8, 2, SUM, 0},
+        {"no_shard int8 grads x2", world, AR, 0, 0, 2, F, F, F, -1, I8, 3, SUM, 0},
+        {"no_shard int4 grads avg", world, AR, 0, 0, 1, B, F, F, I8, I4, 64, AVG, 0},
+    };
+    for (size_t k = 0; k < sizeof list / sizeof list[0]; ++k) {
+      const quant_case* c = &list[k];
+      void* w = rig->world_create(world);
+      pthread_t threads[LOOP_MAX_WORLD];
+      quant_thread args[LOOP_MAX_WORLD];
+      for (int r = 0; r < world; ++r) {
+        args[r] = (quant_thread){c, rig, w, r, force_comm};
+        pthread_create(&threads[r], NULL, quant_worker, &args[r]);
+      }
+      for (int r = 0; r < world; ++r) pthread_join(threads[r], NULL);
+      rig->world_destroy(w);
+      cases++;
+    }
+  }
+  printf("%s: %d quantized pipeline cases at worlds 1-%d (%s)\n", rig->name, cases, max_world, rig->name);
+}

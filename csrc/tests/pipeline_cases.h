@@ -23,6 +23,10 @@ typedef struct pipe_rig {
 /* force_comm: issue collectives at world size 1 too (exercises a transport on one device). */
 void run_pipeline_cases(const pipe_rig* rig, int max_world, int force_comm);
 
+/* The quantized wires ([Note: quantized communication] in csrc/comm/wire.c), checked exactly
+ * against the CPU kernels: gathers, gradient exchanges of every strategy, worlds 1..max_world. */
+void run_quantized_cases(const pipe_rig* rig, int max_world, int force_comm);
+
 extern const pipe_rig loop_rig; /* heap memory, thread transport, CPU kernels */
 
 #endif

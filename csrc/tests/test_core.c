@@ -905,6 +905,147 @@ static void test_hybrid_sharding(void) {
       }
 }
 
+/* HFSDP with the weights' gather across replicas quantized (and the gather inside the replica
+ * plain or quantized too): after an update, every rank's full weights must be exactly the
+ * dequantized sub-shards of the replicas' gather, spread by the inner gather (quantized again
+ * when it is). See [Note: quantized communication] in csrc/comm/wire.c. */
+typedef struct hq_thread {
+  loop_world *inner, *outer;
+  int inner_rank, outer_rank, param_dtype, outer_mode, inner_mode;
+} hq_thread;
+
+static double hq_main(int param_dtype, int item, int64_t j) { /* main weight after init and +1 */
+  unsigned char t[8];
+  store_from_double(t, param_dtype, 0, (float)hy_weight(item, j));
+  return (float)(load_as_double(t, param_dtype, 0) + 1.0);
+}
+
+static void* hfsdp_quant_worker(void* arg) {
+  hq_thread* t = arg;
+  int rank = t->outer_rank * HY_INNER + t->inner_rank, W = HY_INNER * HY_OUTER, pdt = t->param_dtype;
+  const int64_t block = 6;
+  mfsdp_param_info infos[3] = {{6 * 4, 4, pdt, 0, 1, 0}, {5, 1, pdt, 0, 1, 0}, {9 * 3, 3, pdt, 0, 1, 0}};
+  mfsdp_plan plan;
+  CHECK_OK(mfsdp_plan_build(infos, 3, W, 0, 16, &plan));
+  const mfsdp_bucket_plan* bp = &plan.buckets[0];
+  const mfsdp_bucket_layout* L = &bp->layout;
+  mfsdp_bucket_spec spec = {*L, rank, pdt, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0, MFSDP_GRAD_SCATTER_ACCUMULATE,
+                            {t->inner_mode >= 0 ? MFSDP_WIRE_QUANT(t->inner_mode) : MFSDP_WIRE_PLAIN, MFSDP_WIRE_PLAIN,
+                             MFSDP_WIRE_QUANT(t->outer_mode), block}};
+  loop_rank in = {t->inner, t->inner_rank}, out = {t->outer, t->outer_rank};
+  mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, &in, &mfsdp_cpu_kernels, NULL,
+                      &loop_transport_ops, &out};
+  mfsdp_pipeline_config cfg = {HY_INNER, t->inner_rank, 1.0 / W, MFSDP_REDUCE_SUM, 1 << 20, 0, HY_OUTER, 1};
+  mfsdp_pipeline* p = NULL;
+  CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
+  if (p == NULL) goto out;
+  CHECK_OK(mfsdp_pipeline_init_begin(p, 0, 0));
+  for (int i = 0; i < L->n_items; ++i) {
+    float* w = malloc((size_t)L->numels[i] * sizeof *w);
+    for (int64_t j = 0; j < L->numels[i]; ++j) w[j] = (float)hy_weight(bp->params[i], j);
+    CHECK_OK(mfsdp_pipeline_set_item(p, 0, i, w, MFSDP_F32, L->numels[i]));
+    free(w);
+  }
+  CHECK_OK(mfsdp_pipeline_init_end(p, 0));
+  for (int i = 0; i < L->n_items; ++i) { /* the optimizer: +1 on this rank's sub-shard */
+    int32_t where;
+    int64_t off, n;
+    CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_MAIN_SHARD, &where, &off, &n));
+    CHECK(where == MFSDP_BUF_MAIN_SHARD, "quantized gathers across replicas keep main weights of their own");
+    float* m = mfsdp_pipeline_buffer(p, 0, where)->data;
+    for (int64_t k = 0; k < n; ++k) m[off + k] += 1.0f;
+  }
+  CHECK_OK(mfsdp_pipeline_install_main_weights(p, 0));
+  int32_t b0 = 0;
+  CHECK_OK(mfsdp_pipeline_unshard(p, &b0, 1));
+  CHECK_OK(mfsdp_pipeline_wait_unshard(p, &b0, 1));
+  /* the reference: inner rank i's collective shard = its twins' sub-shards, each dequantized
+   * from the replicas' wire; then the inner gather (quantized again, or plain) */
+  int64_t Sv = L->shard_size, S = HY_OUTER * Sv, psz = mfsdp_dtype_size(pdt);
+  float* sub = calloc((size_t)Sv, sizeof *sub);
+  char* shard = calloc((size_t)S, (size_t)psz);
+  char* spread = calloc((size_t)S, (size_t)psz);
+  uint8_t* wire = malloc((size_t)(mfsdp_quant_wire_bytes(MFSDP_QUANT_FP8_E4M3, S, block) + 64));
+  char* want = calloc((size_t)L->weight_size, (size_t)psz);
+  for (int i = 0; i < HY_INNER; ++i) {
+    for (int o = 0; o < HY_OUTER; ++o) {
+      int v = o * HY_INNER + i;
+      memset(sub, 0, (size_t)Sv * sizeof *sub);
+      for (int it = 0; it < L->n_items; ++it) {
+        int64_t first, n;
+        mfsdp_piece_of(L->numels[it], L->pieces[it], v, &first, &n);
+        for (int64_t k = 0; k < n; ++k) sub[L->shard_offsets[it] + k] = (float)hq_main(pdt, bp->params[it], first + k);
+      }
+      CHECK_OK(mfsdp_cpu_quantize(wire, t->outer_mode, block, sub, MFSDP_F32, Sv, 1));
+      CHECK_OK(mfsdp_cpu_dequantize(shard + o * Sv * psz, pdt, wire, t->outer_mode, block, Sv, 1.0, 0));
+    }
+    if (t->inner_mode >= 0) {
+      CHECK_OK(mfsdp_cpu_quantize(wire, t->inner_mode, block, shard, pdt, S, 1));
+      CHECK_OK(mfsdp_cpu_dequantize(spread, pdt, wire, t->inner_mode, block, S, 1.0, 0));
+    } else {
+      memcpy(spread, shard, (size_t)(S * psz));
+    }
+    for (int o = 0; o < HY_OUTER; ++o)
+      for (int it = 0; it < L->n_items; ++it) {
+        int64_t first, n;
+        mfsdp_piece_of(L->numels[it], L->pieces[it], o * HY_INNER + i, &first, &n);
+        if (n > 0)
+          memcpy(want + (L->param_offsets[it] + first) * psz, spread + (o * Sv + L->shard_offsets[it]) * psz,
+                 (size_t)(n * psz));
+      }
+  }
+  const mfsdp_buffer* full = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT);
+  int64_t wrong = 0;
+  for (int it = 0; it < L->n_items; ++it)
+    wrong += count_differences((char*)full->data + L->param_offsets[it] * psz, want + L->param_offsets[it] * psz, pdt,
+                               L->numels[it]);
+  if (wrong && rank == 0)
+    for (int k = 0; k < 6; ++k)
+      fprintf(stderr, "  elem %d got %g want %g\n", k, load_as_double(full->data, pdt, k), load_as_double(want, pdt, k));
+  CHECK(wrong == 0, "HFSDP quantized across replicas (%s, inside %s, %s) rank %d: %lld weights differ",
+        mfsdp_quant_mode_name(t->outer_mode), t->inner_mode >= 0 ? mfsdp_quant_mode_name(t->inner_mode) : "plain",
+        mfsdp_dtype_name(pdt), rank, (long long)wrong);
+  mfsdp_comm_stats st;
+  mfsdp_pipeline_stats(p, -1, &st);
+  CHECK(st.outer_quantized_all_gathers == 1 && st.outer_all_gathers == 0 &&
+            st.outer_quantized_all_gather_bytes == HY_OUTER * mfsdp_quant_wire_bytes(t->outer_mode, Sv, block) &&
+            st.quantized_all_gathers == (t->inner_mode >= 0) && st.all_gathers == (t->inner_mode < 0),
+        "HFSDP quantized: %lld/%lld gathers across replicas (%lld bytes), %lld/%lld inside", (long long)st.outer_all_gathers,
+        (long long)st.outer_quantized_all_gathers, (long long)st.outer_quantized_all_gather_bytes,
+        (long long)st.all_gathers, (long long)st.quantized_all_gathers);
+  free(sub);
+  free(shard);
+  free(spread);
+  free(wire);
+  free(want);
+  mfsdp_pipeline_destroy(p);
+out:
+  mfsdp_plan_free(&plan);
+  return NULL;
+}
+
+static void test_hfsdp_quantized(void) {
+  const int combos[4][3] = {{MFSDP_F32, MFSDP_QUANT_INT8, -1},
+                            {MFSDP_BF16, MFSDP_QUANT_INT4, -1},
+                            {MFSDP_F32, MFSDP_QUANT_FP8_E4M3, MFSDP_QUANT_INT8},
+                            {MFSDP_BF16, MFSDP_QUANT_INT8, MFSDP_QUANT_FP8_E4M3}};
+  for (int c = 0; c < 4; ++c) {
+    loop_world inner[HY_OUTER], outer[HY_INNER];
+    for (int o = 0; o < HY_OUTER; ++o) loop_world_init(&inner[o], HY_INNER);
+    for (int i = 0; i < HY_INNER; ++i) loop_world_init(&outer[i], HY_OUTER);
+    pthread_t threads[HY_INNER * HY_OUTER];
+    hq_thread args[HY_INNER * HY_OUTER];
+    for (int o = 0; o < HY_OUTER; ++o)
+      for (int i = 0; i < HY_INNER; ++i) {
+        args[o * HY_INNER + i] = (hq_thread){&inner[o], &outer[i], i, o, combos[c][0], combos[c][1], combos[c][2]};
+        pthread_create(&threads[o * HY_INNER + i], NULL, hfsdp_quant_worker, &args[o * HY_INNER + i]);
+      }
+    for (int r = 0; r < HY_INNER * HY_OUTER; ++r) pthread_join(threads[r], NULL);
+    for (int o = 0; o < HY_OUTER; ++o) loop_world_destroy(&inner[o]);
+    for (int i = 0; i < HY_INNER; ++i) loop_world_destroy(&outer[i]);
+  }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* requires_grad changed at run time ([Note: requires_grad changes] in trainable.c): bucket 0 is
  * created trainable, bucket 1 frozen (no gradient memory); bucket 1 starts training while item 1
@@ -1125,6 +1266,46 @@ static void test_pipeline_misuse(void) {
   CHECK(mfsdp_pipeline_sync_grads(p) == MFSDP_ERR_INVALID_STATE, "sync inside backward");
   CHECK_OK(mfsdp_pipeline_end_backward(p));
   mfsdp_pipeline_destroy(p);
+
+  /* quantized wires ([Note: quantized communication] in csrc/comm/wire.c): refused with the reason */
+  cfg.dp_world = 2;
+  mfsdp_bucket_layout halves = {2, 1, numels, pieces, offsets, offsets, 8, 4};
+  mfsdp_bucket_spec q = {halves, 0, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 1, 0, MFSDP_GRAD_SCATTER_ACCUMULATE,
+                         {MFSDP_WIRE_QUANT(MFSDP_QUANT_INT8), MFSDP_WIRE_QUANT(MFSDP_QUANT_INT4), 0, 0}};
+  CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &q, 1, &p)); /* the default block */
+  mfsdp_pipeline_destroy(p);
+  p = NULL;
+  struct {
+    const char* what;
+    mfsdp_wire_spec wire;
+    int grad_dtype, comm_dtype;
+    const char* says;
+  } refused[] = {
+      {"unknown mode", {7, 0, 0, 16}, MFSDP_F32, MFSDP_F32, "unknown quantization"},
+      {"int4 odd block", {0, MFSDP_WIRE_QUANT(MFSDP_QUANT_INT4), 0, 33}, MFSDP_F32, MFSDP_F32, "and even"},
+      {"negative block", {MFSDP_WIRE_QUANT(MFSDP_QUANT_INT8), 0, 0, -2}, MFSDP_F32, MFSDP_F32, "blocks of -2"},
+      {"bf16 main gradients", {0, MFSDP_WIRE_QUANT(MFSDP_QUANT_INT8), 0, 0}, MFSDP_BF16, MFSDP_BF16,
+       "must be float32 or float64"},
+      {"comm dtype", {0, MFSDP_WIRE_QUANT(MFSDP_QUANT_INT8), 0, 0}, MFSDP_F32, MFSDP_BF16, "staged in"},
+      {"outer without HFSDP", {0, 0, MFSDP_WIRE_QUANT(MFSDP_QUANT_INT8), 0}, MFSDP_F32, MFSDP_F32, "need HFSDP"},
+  };
+  for (size_t k = 0; k < sizeof refused / sizeof refused[0]; ++k) {
+    mfsdp_bucket_spec bad_q = q;
+    bad_q.wire = refused[k].wire;
+    bad_q.grad_dtype = refused[k].grad_dtype;
+    bad_q.comm_dtype = refused[k].comm_dtype;
+    bad_q.main_dtype = MFSDP_F32;
+    mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, &bad_q, 1, &p);
+    CHECK(s == MFSDP_ERR_INVALID_ARGUMENT && p == NULL && strstr(mfsdp_last_error(), refused[k].says),
+          "%s refused: %s", refused[k].what, mfsdp_last_error());
+  }
+  mfsdp_transport_ops no_a2a = loop_transport_ops;
+  no_a2a.all_to_all = NULL;
+  mfsdp_backend be_no_a2a = be;
+  be_no_a2a.transport = &no_a2a;
+  CHECK(mfsdp_pipeline_create(&cfg, &be_no_a2a, &q, 1, &p) == MFSDP_ERR_UNSUPPORTED && p == NULL &&
+            strstr(mfsdp_last_error(), "need an all-to-all"),
+        "quantized gradients on a transport without an all-to-all refused: %s", mfsdp_last_error());
 }
 
 int main(void) {
@@ -1136,6 +1317,8 @@ int main(void) {
   test_hybrid_sharding();
   test_requires_grad_changes();
   run_pipeline_cases(&loop_rig, 4, 0);
+  run_quantized_cases(&loop_rig, 4, 0);
+  test_hfsdp_quantized();
   test_pipeline_misuse();
   if (test_failures) {
     fprintf(stderr, "test_core: %d checks failed\n", test_failures);

@@ -1241,8 +1241,8 @@ static void test_watchdog(void) {
 
 /* ------------------------------------------------------------------------------------------ */
 
-/* `test_emu [scenario]` runs one scenario (emulator, kernels, quant, pipeline, grouped, hfsdp, watchdog,
- * connect, destroy, group-abort, pipeline-destroy, close, interrupt); no argument runs them all. */
+/* `test_emu [scenario]` runs one scenario (emulator, kernels, quant, pipeline, quant-pipeline, grouped, hfsdp,
+ * watchdog, connect, destroy, group-abort, pipeline-destroy, close, interrupt); no argument runs them all. */
 static int wanted(int argc, char** argv, const char* name) { return argc < 2 || strcmp(argv[1], name) == 0; }
 
 int main(int argc, char** argv) {
@@ -1265,6 +1265,13 @@ int main(int argc, char** argv) {
     run_pipeline_cases(&nccl_rig, 4, 0);
     g_defer_streams = 0;
     CHECK(emu_nccl_premul_reductions() > 0, "no_shard / ZeRO-1 float32 reductions pre-multiply inside NCCL");
+  }
+  if (wanted(argc, argv, "quant-pipeline")) { /* the quantized wires through the native transport */
+    run_quantized_cases(&nccl_rig, 4, 0);
+    run_quantized_cases(&nccl_rig, 1, 1);
+    g_defer_streams = 1;
+    run_quantized_cases(&nccl_rig, 4, 0);
+    g_defer_streams = 0;
   }
   if (wanted(argc, argv, "grouped")) test_grouped_unit();
   if (wanted(argc, argv, "hfsdp")) test_hfsdp();

@@ -5,7 +5,9 @@ Each fully_shard call forms one group: the parameters of its module(s) that are 
 the group of a submodule (fully_shard is applied bottom-up, as with FSDP2). The call turns them
 into DTensor parameters at once -- torch's Shard(0) rows, or Replicate() for no_shard groups,
 fsdp_no_shard marks and 0-d parameters -- so an optimizer built afterwards holds them, and it
-swaps the module's class to FSDP<Class>. Nothing is communicated yet.
+swaps the module's class to FSDP<Class>. Nothing is communicated yet. A tensor-parallel parameter
+(a DTensor from parallelize_module on another dim of the same mesh) is sharded the same way,
+its TP shard standing for the whole ([Note: tensor parallelism] in ../_tensor_parallel.py).
 
 At the first forward of a group with no sharded ancestor, the root, one engine is built for
 every group under it (a lazy init, as FSDP2 does). The groups become the engine's units, in
@@ -35,7 +37,7 @@ from .._common import parse_strategy
 from ..no_shard import mark_by_name
 from ._group import dp_mesh_of, form_group
 from ._module import FSDPModule, fsdp_class
-from ._policy import check_policies
+from ._policy import check_policies, check_quant_policy
 from ._root import post_forward, pre_forward
 from ._torch_state import register_torch_state
 
@@ -45,7 +47,7 @@ __all__ = ["fully_shard"]
 def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
                 reshard_after_forward: Optional[bool] = None, shard_placement_fn=None, mp_policy=None,
                 offload_policy=None, ignored_params: Optional[Iterable[nn.Parameter]] = None, dp_mesh_dims=None,
-                zero_dp_strategy: Union[int, str] = "optim_grads_params"):
+                zero_dp_strategy: Union[int, str] = "optim_grads_params", quantized_comm_policy=None):
     """Shards `module` (or a list of modules, one group) the way torch's FSDP2 fully_shard does
     (apply it bottom-up: blocks first, then the root), on megatron_fsdp_c's C engine. Returns the
     module, whose class becomes FSDP<Class> in place, a subclass of torch's FSDPModule (see [Note:
@@ -57,13 +59,19 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     full SPMD mesh and these name its data-parallel dims (shard dims are flattened into one,
     replicate dims into another: HSDP with both, a replicated group with replicate dims only);
     parameters may be DTensors replicated over it. Other dims of size > 1 (tensor parallelism)
-    raise NotImplementedError. mp_policy takes torch's MixedPrecisionPolicy (param_dtype,
-    reduce_dtype, output_dtype, cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may
-    return None or Shard(0); offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy
-    is not supported yet).
+    raise NotImplementedError in this form. Tensor parallelism composes as in torchtitan:
+    parallelize_module(model, mesh["tp"], plan), then fully_shard(block, mesh=mesh["dp"]) (HSDP:
+    mesh["dp_replicate", "dp_shard"]); the parameters become DTensors on the (dp..., tp) mesh
+    placed as FSDP2 places them ([Note: tensor parallelism] in ../_tensor_parallel.py).
+    mp_policy takes torch's MixedPrecisionPolicy (param_dtype, reduce_dtype, output_dtype,
+    cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may return None or Shard(0);
+    offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy is not supported yet).
 
     Beyond torch's arguments: zero_dp_strategy (default "optim_grads_params") gives the group
-    Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2)."""
+    Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2); and
+    quantized_comm_policy (a megatron_fsdp_c.QuantizedCommPolicy) gathers the group's weights and/or
+    reduces its gradients as block-quantized pieces ([Note: quantized communication] in
+    csrc/comm/wire.c)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError("fully_shard expects an nn.Module or a non-empty list of nn.Modules")
@@ -81,6 +89,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
         mp_policy = TorchPolicy()
     check_policies(mp_policy, offload_policy, shard_placement_fn)
+    check_quant_policy(quantized_comm_policy, mp_policy)
     strategy = parse_strategy(zero_dp_strategy)
     spmd_mesh = None
     if dp_mesh_dims is not None:
@@ -93,6 +102,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         mark_by_name(m)
     group = form_group(modules, mesh, strategy, mp_policy, reshard_after_forward, ignored, shard_placement_fn,
                        spmd_mesh)
+    group.quant_policy = quantized_comm_policy
     register_torch_state(group)
     for m in group.modules:
         m.__class__ = fsdp_class(type(m))

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .._common import contiguous_stride
 from .._distributed import DistContext, make_dist_context
 from ..no_shard import is_no_shard
+from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
 __all__ = ["ShardGroup", "dp_mesh_of", "form_group", "group_of"]
 
@@ -47,6 +48,9 @@ class ShardGroup:
     unshard_in_backward: bool = True       # accepted settings with no effect here ([Note: torch's FSDPModule])
     force_sum_reduction: bool = False
     torch_state: Optional[object] = None   # what torch's code finds under its state key (_torch_state.py)
+    tp_specs: List[Optional[TPSpec]] = dataclasses.field(default_factory=list)  # per place: a TP parameter's
+                                           # spec ([Note: tensor parallelism] in ../_tensor_parallel.py), or None
+    quant_policy: Optional[object] = None  # its QuantizedCommPolicy (fully_shard's quantized_comm_policy)
 
 
 def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:
@@ -74,11 +78,13 @@ def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
     model_parallel = [n for n in names if n not in shard + replicate and mesh.size(names.index(n)) > 1]
     if model_parallel:
+        # torch computes with DTensors on the whole SPMD mesh here (the batch a DTensor too); ours
+        # composes TP through the data-parallel sub-mesh instead ([Note: tensor parallelism])
         raise NotImplementedError(
             f"fully_shard(dp_mesh_dims=...) on a mesh with the model-parallel dims {model_parallel} (tensor, "
-            "context or expert parallelism): megatron_fsdp_c's per-module API shards plain data parallelism "
-            "only so far (tensor parallelism is a later issue). Use torch.distributed.fsdp.fully_shard for "
-            "this model, or a mesh whose dims are all data-parallel")
+            "context or expert parallelism) is not supported by megatron_fsdp_c's per-module API (a later issue "
+            "for tensor parallelism in this form). For tensor parallelism use torchtitan's recipe: "
+            "parallelize_module(model, mesh['tp'], plan), then fully_shard(module, mesh=mesh['dp'])")
     key = (id(mesh), shard, replicate)
     if key not in _DP_MESHES:
         if shard and replicate:
@@ -154,10 +160,12 @@ def _group_params(modules, ignored) -> List[tuple]:
     return places
 
 
-def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: torch.device) -> nn.Parameter:
-    """This rank's torch.chunk rows of `p` (or all of it, replicated) as a DTensor Parameter."""
-    shape = p.shape
-    data = p.detach()
+def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: torch.device,
+                tp: Optional[TPSpec] = None, what: str = "") -> nn.Parameter:
+    """This rank's torch.chunk rows of `p` (or all of it, replicated) as a DTensor Parameter; of
+    its TP shard for a TP parameter, on the (data-parallel..., tp) mesh ([Note: tensor parallelism])."""
+    data = (p._local_tensor if tp is not None else p).detach()
+    shape = data.shape
     if not data.is_meta and data.device != device:
         data = data.to(device)
     if replicated:
@@ -170,7 +178,11 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: tor
         placement = Shard(0)
         local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=data.dtype, device="meta") if data.is_meta \
             else data[lo:hi].clone()
-    dt = DTensor.from_local(local, ctx.mesh, ctx.placements(placement), run_check=False, shape=shape, stride=contiguous_stride(shape))
+    mesh, placements = ctx.mesh, ctx.placements(placement)
+    if tp is not None:
+        mesh, placements = spmd_layout(tp, mesh, placements, what)
+        shape = tp.shape
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
@@ -197,10 +209,11 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
     # A parameter a group has sharded carries `_mfsdp_sharded_by`: one registered in two groups (tied
     # weights split across fully_shard calls) is caught instead of silently untied.
     converted = {}  # id(original) -> DTensor Parameter (a parameter tied within the group stays tied)
+    tp_of = {}      # id(original) -> its TPSpec (a DTensor parameter from parallelize_module), or None
     for mod, attr, p in places:
-        if isinstance(p, DTensor):
-            raise ValueError(f"parameter '{attr}' of {type(mod).__name__} is already a DTensor: fully_shard takes "
-                             "plain parameters (tensor parallelism with the per-module API is not supported yet)")
+        what = f"parameter '{attr}' of {type(mod).__name__}"
+        if id(p) not in tp_of:
+            tp_of[id(p)] = dtensor_tp_spec(p, what, ctx.mesh) if isinstance(p, DTensor) else None
         other = getattr(p, "_mfsdp_sharded_by", None)  # not a weak dict: tensors compare by value
         if other is not None and id(p) not in converted:
             raise ValueError(
@@ -215,11 +228,11 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
                                  "megatron_fsdp_c shards dim 0 only; return None or Shard(0)")
         if id(p) not in converted:
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
-            converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device)
+            converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device, tp_of[id(p)], what)
             p._mfsdp_sharded_by = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
-                       mp_policy, reshard_after_forward)
+                       mp_policy, reshard_after_forward, tp_specs=[tp_of[id(p)] for _, _, p in places])
     for m in modules:
         m._mfsdp_group = group
     return group

@@ -7,8 +7,9 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
+from ..mixed_precision import QuantizedCommPolicy
 
-__all__ = ["cast_floats", "check_policies", "engine_policy", "is_torch_policy"]
+__all__ = ["cast_floats", "check_policies", "check_quant_policy", "engine_policy", "is_torch_policy"]
 
 
 def is_torch_policy(mp) -> bool:
@@ -50,3 +51,17 @@ def check_policies(mp_policy, offload_policy, shard_placement_fn) -> None:
             raise TypeError(f"offload_policy must be torch's OffloadPolicy() or None, got {type(offload_policy).__name__}")
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError("shard_placement_fn must be a callable (parameter -> None or Shard(0))")
+
+
+def check_quant_policy(quant, mp_policy) -> None:
+    """fully_shard's quantized_comm_policy (an extension beyond torch's signature, like
+    zero_dp_strategy), refused with the reason before anything is changed."""
+    if quant is None:
+        return
+    if not isinstance(quant, QuantizedCommPolicy):
+        raise TypeError(f"quantized_comm_policy must be a megatron_fsdp_c.QuantizedCommPolicy, got {type(quant).__name__}")
+    if quant.outer_weights is not None:
+        raise ValueError("QuantizedCommPolicy(outer_weights=...) is for HFSDP, which the per-module API does not have")
+    if quant.grads is not None and isinstance(mp_policy, OurPolicy) and mp_policy.grad_comm_dtype is not None:
+        raise ValueError(f"MixedPrecisionPolicy(grad_comm_dtype={mp_policy.grad_comm_dtype}) and QuantizedCommPolicy("
+                         f"grads={quant.grads!r}) both say how gradients cross the wire: drop grad_comm_dtype")

@@ -58,17 +58,22 @@ class RootState(EngineOwner):
                 ends[groups.index(g)] = k
         records, by_param = [], {}
         for u, g in enumerate(groups):
-            for mod, attr, dp in g.places:
+            for (mod, attr, dp), tp in zip(g.places, g.tp_specs):
                 name = f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr
                 r = by_param.get(id(dp))
                 if r is None:
                     compute, policy = engine_policy(g.mp_policy, dp.dtype)
-                    # the compute parameter: pointed at the full weights by load_locals
-                    placeholder = nn.Parameter(torch.empty(0, dtype=compute, device=ctx.device),
-                                               requires_grad=dp.requires_grad)
-                    r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, dp.shape, u, [(mod, attr)])
-                    r.replicated = isinstance(dp.placements[-1], Replicate)  # the shard dim is the last
-                    r.strategy, r.policy, r.dist_param = g.strategy, policy, dp
+                    # the compute parameter: pointed at the full weights by load_locals; a TP
+                    # parameter's is a DTensor on the TP mesh over its gathered TP shard
+                    empty = torch.empty(0, dtype=compute, device=ctx.device)
+                    placeholder = nn.Parameter(empty, requires_grad=dp.requires_grad) if tp is None \
+                        else tp.compute_param(empty, dp.requires_grad)
+                    shape = dp.shape if tp is None else tp.local_shape  # what the engine lays out
+                    r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, shape, u, [(mod, attr)])
+                    # the shard dim is the data-parallel mesh's last (a TP placement follows it)
+                    r.replicated = isinstance(dp.placements[ctx.mesh.ndim - 1], Replicate)
+                    r.strategy, r.policy, r.dist_param, r.tp = g.strategy, policy, dp, tp
+                    r.quant = g.quant_policy
                     # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main
                     # weights planned so, any can start training ([Note: changing requires_grad])
                     r.trains_later = policy is not None

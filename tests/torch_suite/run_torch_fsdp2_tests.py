@@ -23,7 +23,7 @@ the tests torch passes and ours does not. Whole logs go to --log-dir.
 
 Not collected by pytest: torch's files need their own runner (MultiProcessTestCase spawns ranks
 per test), take hours on two cores, and read torch internals we do not promise to mimic (see
-TRIAGE.md at the repository root for the triage of a run).
+TRIAGE.md next to this file for the triage of a run).
 """
 from __future__ import annotations
 

@@ -1,0 +1,686 @@
+"""2-D parallelism: FSDP composed with tensor parallelism ([Note: tensor parallelism] in
+megatron_fsdp_c/_tensor_parallel.py), on both APIs.
+
+One spawn at world 4 (`grid`): (dp 2, tp 2) unless a cell says otherwise. Models: megatron_fsdp_c's
+TPGPT under torch's sequence-parallel plan (every parameter a DTensor; vocab 67 splits unevenly
+over tp and again over dp), and a transformers Llama under its own base TP plan (the decoder
+layers' linears and lm_head split, norms and embeddings plain). The reference trains the
+unparallelised model in one process on the global batch (the dp ranks' batches concatenated).
+
+- Per-module API, torchtitan's recipe (parallelize_module on mesh["tp"], fully_shard per block and
+  on the root on mesh["dp"]): float64 against the reference at rtol 1e-9 (losses, parameters, the
+  last step's gradients and Adam states, clip_grad_norm_'s norm); fp32 against torch's FSDP2 + TP
+  running the same script: bit-identical (both reduce-scatter the same rank-major layout of each
+  TP shard in the same order with gloo; the gradients of sequence-parallel norms are all-reduced
+  over tp by the same DTensor redistribute); the DTensors' placements and local shapes equal
+  FSDP2's.
+- Megatron-style API with tp_dim: torch DTensor TP parameters, and Megatron-core style local shards
+  (tensor_model_parallel/partition_dim, a sequence-parallel model doing its own collectives),
+  float64 against the same reference.
+- 3-D meshes: HSDP + TP (2, 1, 2) and (1, 2, 2) on the per-module API, HSDP and HFSDP + TP on the
+  Megatron-style one, float64 against the same reference.
+- TP-duplicated parameters are bit-identical across the tp group after training, under plain TP
+  (Llama's norms) and sequence parallelism (SequenceParallel norms, Megatron's flagged norms); a
+  Megatron-style model whose sequence-parallel norms are not flagged diverges across tp.
+- DCP: saved at (dp 2, tp 2) after two steps, loaded at (dp 4, tp 1) and (dp 1, tp 4): full tensors
+  of parameters and Adam states, get_model_state_dict(full_state_dict=True), then a third step's
+  parameters, gradients and states, against the reference; a Megatron-style checkpoint of the
+  DTensor model loaded into the local-shard model at (dp 1, tp 4).
+- Bad input: clear errors naming the fix.
+"""
+import copy
+import os
+import shutil
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_fsdp_c.testing import GPTConfig, TPBlock, TPGPT, batch, parallelize_tp
+from conftest import get_run
+
+CFG = GPTConfig(vocab=67, seq=8, d=32, heads=4, layers=2)
+LLAMA_VOCAB = 61
+STEPS = 3
+CLIP = 0.5      # small enough that clip_grad_norm_ scales every step
+RTOL = 1e-9
+GLOBAL_BATCH = 4  # two dp ranks' batches of 2
+CKPT = tempfile.mkdtemp(prefix="mfsdp_tp_ckpt_")  # made once in the parent; the workers share it
+
+
+# -- models and data ----------------------------------------------------------------------------
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      attn_implementation="eager", tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def build(kind, dtype, meta=False):
+    torch.manual_seed(0)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        model = TPGPT(CFG) if kind == "gpt" else llama()
+    return model.to(dtype)
+
+
+def parallelize_llama(model, tp_mesh):
+    """transformers' own TP plan of Llama (config.base_model_tp_plan, and the model's lm_head
+    entry), in torch's styles."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model.model, tp_mesh, {k: styles[v]() for k, v in model.config.base_model_tp_plan.items()})
+    parallelize_module(model, tp_mesh, {k: styles[v]() for k, v in type(model)._tp_plan.items()})
+    return model
+
+
+def blocks_of(kind, model):
+    return list(model.blocks) if kind == "gpt" else list(model.model.layers)
+
+
+def loss_of(kind, model, x, y):
+    if kind == "gpt":
+        return model(x, y)
+    # not labels=: transformers computes that loss from float32 logits even in a float64 model
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def global_batch(kind, step):
+    cfg = CFG if kind == "gpt" else GPTConfig(vocab=LLAMA_VOCAB, seq=8)
+    xs, ys = zip(*(batch(cfg, 2, seed=1000 * step + d) for d in range(2)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def local_batch(kind, step, dp_rank, dp_size):
+    x, y = global_batch(kind, step)
+    n = GLOBAL_BATCH // dp_size
+    return x[n * dp_rank:n * (dp_rank + 1)], y[n * dp_rank:n * (dp_rank + 1)]
+
+
+def full(t):
+    return t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def snapshot(named, opt):
+    """Full tensors of the parameters, their gradients and Adam states (collective)."""
+    params, grads, states = {}, {}, {}
+    for n, p in named:
+        params[n] = full(p)
+        if p.grad is not None:
+            grads[n] = full(p.grad)
+        st = opt.state.get(p, {})
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k in st:
+                states[f"{n}.{k}"] = full(st[k])
+        if "step" in st:
+            states[f"{n}.step"] = torch.as_tensor(st["step"]).detach().clone().double()
+    return dict(params=params, grads=grads, states=states)
+
+
+def train_steps(kind, model, named, opt, dp_group, steps, first_step=0, clip=True):
+    """The training loop every cell runs: the global-batch loss (averaged over dp), clip_grad_norm_'s
+    total norm, and a snapshot after the last step (before zero_grad, so gradients are there)."""
+    dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    out = dict(losses=[], norms=[], snaps={})
+    for step in range(first_step, first_step + steps):
+        x, y = local_batch(kind, step, dp_rank, dp_size)
+        loss = loss_of(kind, model, x, y)
+        loss.backward()
+        if clip:
+            out["norms"].append(full(torch.nn.utils.clip_grad_norm_([p for _, p in named()], CLIP)).item())
+        opt.step()
+        if step == first_step + steps - 1:
+            out["snaps"][step] = snapshot(named(), opt)
+        opt.zero_grad()
+        g = loss.detach().clone()
+        dist.all_reduce(g, group=dp_group)
+        out["losses"].append(g.item() / dp_size)
+    return out
+
+
+def reference(kind, steps=STEPS):
+    """The unparallelised model in one process on the global batch, float64."""
+    model = build(kind, torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    out = dict(losses=[], norms=[], snaps={})
+    for step in range(steps):
+        x, y = global_batch(kind, step)
+        loss = loss_of(kind, model, x, y)
+        loss.backward()
+        if kind == "gpt":
+            out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        out["snaps"][step] = snapshot(model.named_parameters(), opt)
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+    return out
+
+
+# -- Megatron-core style tensor parallelism: local shards, the model communicates itself --------
+
+def _sum(x, group):
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _gather_seq(x, group):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _chunk_seq(x, group):
+    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+_OPS = {"id": lambda x, g: x, "sum": _sum, "gather": _gather_seq, "chunk": _chunk_seq,
+        "reduce_scatter": lambda x, g: _chunk_seq(_sum(x, g), g)}
+
+
+class _Region(torch.autograd.Function):
+    """Megatron-LM's tensor-parallel region functions: one collective forward, its dual backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, fwd, bwd):
+        ctx.group, ctx.bwd = group, bwd
+        return _OPS[fwd](x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _OPS[ctx.bwd](g, ctx.group), None, None, None
+
+
+class MegatronLinear(nn.Module):
+    """Megatron-core's ColumnParallelLinear / RowParallelLinear over a full nn.Linear's weights:
+    this tp rank's shard, flagged tensor_model_parallel/partition_dim. Sequence parallel: the
+    column-parallel input is all-gathered along the sequence, the row-parallel output
+    reduce-scattered, and the row-parallel bias (added to a sequence shard) flagged
+    sequence_parallel, as Megatron-core flags it."""
+
+    def __init__(self, lin: nn.Linear, column: bool, group, sp: bool):
+        super().__init__()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.column, self.group, self.sp = column, group, sp
+        dim = 0 if column else 1
+        self.weight = nn.Parameter(lin.weight.detach().chunk(size, dim)[rank].clone())
+        self.weight.tensor_model_parallel, self.weight.partition_dim = True, dim
+        self.bias = None
+        if lin.bias is not None:
+            self.bias = nn.Parameter(lin.bias.detach().chunk(size, 0)[rank].clone() if column else lin.bias.detach().clone())
+            if column:
+                self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
+            else:
+                self.bias.sequence_parallel = sp
+
+    def forward(self, x):
+        if self.column:
+            x = _Region.apply(x, self.group, "gather" if self.sp else "id", "reduce_scatter" if self.sp else "sum")
+            return F.linear(x, self.weight, self.bias)
+        y = _Region.apply(F.linear(x, self.weight), self.group, "reduce_scatter" if self.sp else "sum",
+                          "gather" if self.sp else "id")
+        return y if self.bias is None else y + self.bias
+
+
+class MegatronGPT(TPGPT):
+    """TPGPT in Megatron-core's style: column/row-parallel local shards in the blocks, embeddings
+    and head TP-duplicated, and (sequence parallel) the blocks and final norm on a sequence shard
+    whose norm parameters are flagged sequence_parallel (unless `flag_norms` is False)."""
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        if self.sp:
+            x = _Region.apply(x, self.group, "chunk", "gather")
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln(x)
+        if self.sp:
+            x = _Region.apply(x, self.group, "gather", "chunk")
+        logits = self.head(x).float() if x.dtype != torch.float64 else self.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def megatronize(model: TPGPT, group, sp=True, flag_norms=True) -> MegatronGPT:
+    model.__class__ = MegatronGPT
+    model.group, model.sp = group, sp
+    for block in model.blocks:
+        for parent, name, column in ((block.attn, "q", True), (block.attn, "k", True), (block.attn, "v", True),
+                                     (block.attn, "proj", False), (block.mlp, "fc", True), (block.mlp, "out", False)):
+            setattr(parent, name, MegatronLinear(getattr(parent, name), column, group, sp))
+    for ln in [b.ln1 for b in model.blocks] + [b.ln2 for b in model.blocks] + [model.ln]:
+        for p in ln.parameters():
+            p.sequence_parallel = sp and flag_norms
+    return model
+
+
+# -- the cells ----------------------------------------------------------------------------------
+
+def mesh_of(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+    names = ("dp", "tp") if len(shape) == 2 else ("dp_replicate", "dp", "tp")
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def dp_mesh(mesh):
+    return mesh["dp"] if mesh.ndim == 2 else mesh["dp_replicate", "dp"]
+
+
+def dp_group(mesh):
+    return mesh["dp"].get_group() if mesh.ndim == 2 else mesh["dp_replicate", "dp"]._flatten().get_group()
+
+
+def per_module(kind, impl, dtype, shape=(2, 2), meta=False):
+    """torchtitan's recipe on the per-module API (ours or torch's FSDP2): the model and optimizer.
+    meta: built on the meta device, parallelized and sharded there, then materialised (to_empty)
+    and initialised (reset_parameters, on the DTensors; on CPU each rank draws its own shard)."""
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from megatron_fsdp_c.experimental import fully_shard
+    mesh = mesh_of(shape)
+    model = build(kind, dtype, meta)
+    if kind == "gpt":
+        parallelize_tp(model, mesh["tp"], sequence_parallel=True)
+    else:
+        parallelize_llama(model, mesh["tp"])
+    for block in blocks_of(kind, model):
+        fully_shard(block, mesh=dp_mesh(mesh))
+    fully_shard(model, mesh=dp_mesh(mesh))
+    if meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, opt, mesh
+
+
+def layout(named):
+    return {n: (str(p.placements), tuple(p.to_local().shape), p.device_mesh.mesh_dim_names) for n, p in named}
+
+
+def tp_duplicated(named):
+    """Local tensors of the parameters replicated over tp (no TP placement, or Replicate() on tp)."""
+    out = {}
+    for n, p in named:
+        names = p.device_mesh.mesh_dim_names
+        if "tp" not in names or p.placements[names.index("tp")].is_replicate():
+            out[n] = p.to_local().detach().clone()
+    return out
+
+
+def per_module_cell(rank, world, kind, impl, dtype, shape=(2, 2), meta=False):
+    model, opt, mesh = per_module(kind, impl, dtype, shape, meta)
+    out = train_steps(kind, model, model.named_parameters, opt, dp_group(mesh), STEPS, clip=kind == "gpt")
+    out["layout"] = layout(model.named_parameters())
+    out["duplicated"] = tp_duplicated(model.named_parameters())
+    return out
+
+
+def strip(named):
+    return lambda: ((n[len("module."):], p) for n, p in named())
+
+
+def megatron_model(kind_of_tp, dtype, shape=(2, 2), flag_norms=True, **kw):
+    """The Megatron-style API with tp_dim: torch DTensor TP parameters ("dtensor") or Megatron-core
+    style local shards ("local")."""
+    import megatron_fsdp_c as mf
+    mesh = mesh_of(shape)
+    model = build("gpt", dtype)
+    if kind_of_tp == "dtensor":
+        parallelize_tp(model, mesh["tp"], sequence_parallel=True)
+    else:
+        megatronize(model, mesh["tp"].get_group(), sp=True, flag_norms=flag_norms)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if mesh.ndim == 3:
+        kw.update(dp_outer_dim="dp_replicate", hybrid_fsdp_group=dp_group(mesh))
+    model, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[TPBlock], device_mesh=mesh, dp_shard_dim="dp",
+                                tp_dim="tp", **kw)
+    return model, opt, mesh
+
+
+def megatron_cell(rank, world, kind_of_tp, dtype, shape=(2, 2), steps=STEPS, flag_norms=True, save=None, **kw):
+    model, opt, mesh = megatron_model(kind_of_tp, dtype, shape, flag_norms, **kw)
+    out = train_steps("gpt", model, strip(model.named_parameters), opt, dp_group(mesh), steps)
+    out["layout"] = layout(strip(model.named_parameters)())
+    out["duplicated"] = tp_duplicated(strip(model.named_parameters)())
+    if save:
+        import megatron_fsdp_c as mf
+        mf.save_checkpoint(save, model, opt)
+    return out
+
+
+def dcp_cell(rank, world, path):
+    """Save at (dp 2, tp 2) after two steps; load at (dp 4, tp 1) and (dp 1, tp 4); a third step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    model, opt, mesh = per_module("gpt", "ours", torch.float64)
+    out = {"saved": train_steps("gpt", model, model.named_parameters, opt, dp_group(mesh), 2)}
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    out["full_state_dict"] = {k: v.detach().clone() for k, v in get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True)).items()}
+    for shape in ((4, 1), (1, 4)):
+        torch.manual_seed(123)  # a different initialisation: what we compare comes from the checkpoint
+        fresh, fresh_opt, fresh_mesh = per_module("gpt", "ours", torch.float64, shape)
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p._local_tensor.normal_()
+        sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(fresh, sd["model"])
+        set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
+        loaded = snapshot(fresh.named_parameters(), fresh_opt)
+        after = train_steps("gpt", fresh, fresh.named_parameters, fresh_opt, dp_group(fresh_mesh), 1, first_step=2)
+        out[shape] = dict(loaded=loaded, after=after, layout=layout(fresh.named_parameters()))
+    return out
+
+
+def megatron_dcp_cell(rank, world, path):
+    """The Megatron-style checkpoint of the DTensor TP model at (dp 2, tp 2) (saved by its cell after
+    training), loaded into the Megatron-core style local-shard model at (dp 1, tp 4)."""
+    import megatron_fsdp_c as mf
+    model, opt, _ = megatron_model("local", torch.float64, (1, 4))
+    mf.load_checkpoint(path, model, opt)
+    return snapshot(strip(model.named_parameters)(), opt)
+
+
+def errors_cell(rank, world):
+    """Bad input, each a clear error naming the fix."""
+    import megatron_fsdp_c as mf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from megatron_fsdp_c.experimental import fully_shard
+    mesh = mesh_of((2, 2))
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+
+    def gpt(plan_mesh=None):
+        model = build("gpt", torch.float32)
+        if plan_mesh is not None:
+            parallelize_tp(model, plan_mesh, sequence_parallel=True)
+        return model
+
+    def mf_shard(model, **kw):
+        kw.setdefault("device_mesh", mesh)
+        kw.setdefault("dp_shard_dim", "dp")
+        return mf.fully_shard(model, fsdp_unit_modules=[TPBlock], **kw)
+
+    def placed(placement):
+        model = build("gpt", torch.float32)
+        lin = model.blocks[0].mlp.fc
+        lin.weight = nn.Parameter(DTensor.from_local(lin.weight.detach()[:64].clone(), mesh["tp"], [placement],
+                                                     run_check=False))
+        return model
+
+    def strided_megatron():
+        model = megatronize(gpt(), mesh["tp"].get_group())
+        model.blocks[0].attn.q.weight.partition_stride = 2
+        return model
+
+    cases = {
+        "tp_dim not on the mesh": lambda: mf_shard(gpt(mesh["tp"]), tp_dim="model"),
+        "tp_dim on an unnamed mesh": lambda: mf_shard(gpt(), device_mesh=init_device_mesh("cpu", (2, 2)),
+                                                      dp_shard_dim=0, tp_dim="tp"),
+        "tp_dim without a mesh": lambda: mf_shard(gpt(), device_mesh=dist.group.WORLD, dp_shard_dim=None, tp_dim="tp"),
+        "tp_dim is the dp dim": lambda: mf_shard(gpt(mesh["tp"]), tp_dim="dp"),
+        "DTensor without tp_dim": lambda: mf_shard(gpt(mesh["tp"])),
+        "Megatron shard without tp_dim": lambda: mf_shard(megatronize(gpt(), mesh["tp"].get_group())),
+        "DTensor on another mesh (Megatron-style API)": lambda: mf_shard(gpt(other["b"]), tp_dim="tp"),
+        "DTensor on another mesh (per-module)": lambda: fully_shard(gpt(other["a"]).blocks[0], mesh=mesh["dp"]),
+        "per-module mesh includes tp": lambda: fully_shard(gpt(mesh["tp"]).blocks[0], mesh=mesh),
+        "Partial placement": lambda: fully_shard(placed(Partial()).blocks[0], mesh=mesh["dp"]),
+        "strided placement": lambda: mf_shard(placed(_StridedShard(0, split_factor=2)), tp_dim="tp"),
+        "2-D TP mesh": lambda: fully_shard(_on_2d_mesh(mesh), mesh=mesh["dp"]),
+        "partition_stride": lambda: mf_shard(strided_megatron(), tp_dim="tp"),
+    }
+    out = {}
+    for label, fn in cases.items():
+        try:
+            fn()
+            out[label] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[label] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _on_2d_mesh(mesh):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    lin = nn.Linear(4, 4)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Replicate(), Replicate()]))
+    return lin
+
+
+def grid(rank, world, path):
+    out, cpu = {}, {}
+    out["cpu seconds"] = cpu  # per cell, this rank (where the suite's time budget goes)
+
+    def cell(key, fn, *args, **kw):
+        start = time.process_time()
+        try:
+            out[key] = ("ok", fn(rank, world, *args, **kw))
+        except Exception:  # noqa: BLE001 - reported by the cell's test
+            out[key] = ("error", traceback.format_exc())
+        cpu[str(key)] = time.process_time() - start
+
+    for kind in ("gpt", "llama"):
+        cell(("per-module", kind, "ours", "float64"), per_module_cell, kind, "ours", torch.float64)
+        for impl in ("ours", "torch"):
+            cell(("per-module", kind, impl, "float32"), per_module_cell, kind, impl, torch.float32)
+    for impl in ("ours", "torch"):
+        cell(("per-module", "gpt", impl, "float32", "meta"), per_module_cell, "gpt", impl, torch.float32, meta=True)
+    for shape in ((2, 1, 2), (1, 2, 2)):
+        cell(("per-module", "gpt", "ours", "float64", shape), per_module_cell, "gpt", "ours", torch.float64, shape)
+    cell(("megatron", "dtensor"), megatron_cell, "dtensor", torch.float64, save=os.path.join(path, "megatron"))
+    cell(("megatron", "local"), megatron_cell, "local", torch.float64)
+    cell(("megatron", "local", "unflagged"), megatron_cell, "local", torch.float64, steps=2, flag_norms=False)
+    cell(("megatron", "local", "hsdp"), megatron_cell, "local", torch.float64, (1, 2, 2))
+    cell(("megatron", "dtensor", "hfsdp"), megatron_cell, "dtensor", torch.float64, (2, 1, 2),
+         outer_dp_sharding_strategy="optim")
+    cell("dcp", dcp_cell, os.path.join(path, "per_module"))
+    cell("megatron dcp", megatron_dcp_cell, os.path.join(path, "megatron"))
+    cell("errors", errors_cell)
+    dist.barrier()
+    if rank == 0:
+        out["reference"] = {kind: reference(kind) for kind in ("gpt", "llama")}
+        shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+def _cells(key):
+    cells = get_run(grid, 4, CKPT)
+    values = []
+    for rank, c in enumerate(cells):
+        status, value = c[key]
+        assert status == "ok", f"{key}, rank {rank}:\n{value}"
+        values.append(value)
+    return values
+
+
+def _reference(kind):
+    return get_run(grid, 4, CKPT)[0]["reference"][kind]
+
+
+def _close(ours, ref, what, rtol=RTOL):
+    assert set(ours) == set(ref), f"{what}: names differ: {sorted(set(ours) ^ set(ref))}"
+    for name in ref:
+        a, b = ours[name].double(), ref[name].double()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * float(b.abs().max().clamp_min(1e-30)),
+                                   msg=lambda m: f"{what} {name}: {m}")
+
+
+def _matches_reference(run, ref, steps=STEPS, first=0):
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"][first:first + steps]),
+                               rtol=RTOL, atol=0)
+    if run["norms"]:
+        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"][first:first + steps]),
+                                   rtol=RTOL, atol=0)
+    assert run["snaps"]
+    for step, snap in run["snaps"].items():
+        for part in ("params", "grads", "states"):
+            _close(snap[part], ref["snaps"][step][part], f"step {step} {part}")
+
+
+def _duplicated_identical(runs, shape=(2, 2)):
+    """Ranks that differ only in their tp coordinate hold bit-identical TP-duplicated tensors."""
+    tp = shape[-1]
+    for r in range(0, 4, tp):
+        for other in range(r + 1, r + tp):
+            a, b = runs[r]["duplicated"], runs[other]["duplicated"]
+            assert a and set(a) == set(b)
+            for name in a:
+                assert torch.equal(a[name], b[name]), f"{name} differs between ranks {r} and {other}"
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_per_module_float64_matches_single_process_reference(kind):
+    """Losses, parameters, the gradients and Adam states of every step, and (gpt) clip_grad_norm_'s
+    norm over the 2-D DTensors, at rtol 1e-9."""
+    for run in _cells(("per-module", kind, "ours", "float64")):
+        _matches_reference(run, _reference(kind))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama", "gpt meta-init"])
+def test_per_module_fp32_is_fsdp2_tp_bit_for_bit(kind):
+    """The same script on torch's FSDP2 + TP: identical losses, norms, parameters, gradients, Adam
+    states, and the same placements and local shapes. 'gpt meta-init': torchtitan's meta-device
+    flow (parallelize and shard on meta, to_empty, initialise the DTensors)."""
+    key = ("gpt", "float32", "meta") if kind == "gpt meta-init" else (kind, "float32")
+    ours, theirs = _cells(("per-module", key[0], "ours") + key[1:]), _cells(("per-module", key[0], "torch") + key[1:])
+    for a, b in zip(ours, theirs):
+        assert a["layout"] == b["layout"]
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        assert a["snaps"].keys() == b["snaps"].keys()
+        for sa, sb in zip(a["snaps"].values(), b["snaps"].values()):
+            for part in ("params", "grads", "states"):
+                assert set(sa[part]) == set(sb[part])
+                for name in sa[part]:
+                    assert torch.equal(sa[part][name], sb[part][name]), (part, name)
+
+
+def test_placements_are_fsdp2s():
+    """Dim-0 TP shards get _StridedShard(0, sf=2) on dp, the rest Shard(0); the TP placement follows;
+    plain parameters (Llama's norms) stay on the dp mesh. Vocab 67 splits 34/33 over tp, then 17/17
+    and 17/16 over dp."""
+    layouts = [r["layout"] for r in _cells(("per-module", "gpt", "ours", "float32"))]
+    assert layouts[0]["embed.tok.weight"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", (17, 32), ("dp", "tp"))
+    assert layouts[3]["embed.tok.weight"][1] == (16, 32)
+    assert layouts[0]["blocks.0.attn.proj.weight"] == ("(Shard(dim=0), Shard(dim=1))", (16, 16), ("dp", "tp"))
+    assert layouts[0]["blocks.0.ln1.weight"] == ("(Shard(dim=0), Replicate())", (16,), ("dp", "tp"))
+    llama_layout = _cells(("per-module", "llama", "ours", "float32"))[0]["layout"]
+    assert llama_layout["model.norm.weight"] == ("(Shard(dim=0),)", (12,), ("dp",))
+    assert llama_layout["model.layers.0.self_attn.o_proj.weight"][0] == "(Shard(dim=0), Shard(dim=1))"
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_tp_duplicated_parameters_stay_identical_across_tp(kind):
+    """gpt: SequenceParallel norms (gradients Partial() over tp, summed by the redistribute);
+    llama: plain TP (norms and embeddings computed from replicated activations)."""
+    _duplicated_identical(_cells(("per-module", kind, "ours", "float64")))
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)])
+def test_hsdp_tp_3d_mesh_matches_reference(shape):
+    runs = _cells(("per-module", "gpt", "ours", "float64", shape))
+    for run in runs:
+        _matches_reference(run, _reference("gpt"))
+        assert run["layout"]["blocks.0.attn.q.weight"][0] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+    _duplicated_identical(runs, shape)
+
+
+@pytest.mark.parametrize("kind_of_tp", ["dtensor", "local"])
+def test_megatron_api_tp_dim_matches_reference(kind_of_tp):
+    """tp_dim with torch DTensor TP parameters, and with Megatron-core style local shards: the
+    state dict's DTensors gain Shard(partition_dim) on tp (Replicate() for TP-duplicated ones)."""
+    runs = _cells(("megatron", kind_of_tp))
+    for run in runs:
+        _matches_reference(run, _reference("gpt"))
+        assert run["layout"]["blocks.0.attn.q.weight"][0] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        assert run["layout"]["blocks.0.attn.proj.weight"][0] == "(Shard(dim=0), Shard(dim=1))"
+        assert run["layout"]["blocks.0.ln1.weight"][0] == "(Shard(dim=0), Replicate())"
+    _duplicated_identical(runs)
+
+
+def test_megatron_sequence_parallel_norms_need_their_flag():
+    """The same Megatron-style model without sequence_parallel on its norms: their gradients are
+    each tp rank's sequence shard's only, so the tp ranks' copies diverge (and the model is wrong)."""
+    runs = _cells(("megatron", "local", "unflagged"))
+    assert not torch.equal(runs[0]["duplicated"]["blocks.0.ln1.weight"], runs[1]["duplicated"]["blocks.0.ln1.weight"])
+    with pytest.raises(AssertionError):
+        _matches_reference(runs[0], _reference("gpt"), steps=2)
+
+
+@pytest.mark.parametrize("variant", ["hsdp", "hfsdp"])
+def test_megatron_api_hybrid_tp_matches_reference(variant):
+    key = ("megatron", "local", "hsdp") if variant == "hsdp" else ("megatron", "dtensor", "hfsdp")
+    runs = _cells(key)
+    for run in runs:
+        _matches_reference(run, _reference("gpt"))
+    placement = run["layout"]["blocks.0.attn.q.weight"][0]
+    assert placement == ("(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))" if variant == "hsdp" else
+                         "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    _duplicated_identical(runs, (1, 2, 2))
+
+
+def test_dcp_across_tp_shapes():
+    """Saved at (dp 2, tp 2) after two steps; loaded at (dp 4, tp 1) and (dp 1, tp 4), where the
+    parameters and Adam states are the reference's after two steps and a third step matches."""
+    ref = _reference("gpt")
+    for run in _cells("dcp"):
+        _matches_reference(run["saved"], ref, steps=2)
+        _close(run["full_state_dict"], ref["snaps"][1]["params"], "full_state_dict")
+        for shape in ((4, 1), (1, 4)):
+            loaded = run[shape]["loaded"]
+            _close(loaded["params"], ref["snaps"][1]["params"], f"{shape} loaded params")
+            _close(loaded["states"], ref["snaps"][1]["states"], f"{shape} loaded Adam states")
+            assert run[shape]["after"]["snaps"].keys() == {2}
+            _matches_reference(run[shape]["after"], ref, steps=1, first=2)
+        # FSDP2's: _StridedShard over the 4 TP shards of dim 0 even on a dp dim of size 1
+        assert run[(1, 4)]["layout"]["embed.tok.weight"][0] == "(_StridedShard(dim=0, sf=4), Shard(dim=0))"
+        assert run[(4, 1)]["layout"]["embed.tok.weight"][0] == "(Shard(dim=0), Shard(dim=0))"
+
+
+def test_megatron_checkpoint_from_dtensor_tp_into_local_shards():
+    ref = _reference("gpt")["snaps"][STEPS - 1]
+    for snap in _cells("megatron dcp"):
+        _close(snap["params"], ref["params"], "params")
+        _close(snap["states"], ref["states"], "Adam states")
+
+
+EXPECTED_ERRORS = {
+    "tp_dim not on the mesh": ("ValueError", "tp_dim='model' is not a dim of the device mesh"),
+    "tp_dim on an unnamed mesh": ("ValueError", "mesh_dim_names"),
+    "tp_dim without a mesh": ("ValueError", "needs device_mesh= the N-D DeviceMesh"),
+    "tp_dim is the dp dim": ("ValueError", "also a data-parallel dim"),
+    "DTensor without tp_dim": ("ValueError", "pass device_mesh= the full mesh, dp_shard_dim="),
+    "Megatron shard without tp_dim": ("ValueError", "pass tp_dim="),
+    "DTensor on another mesh (Megatron-style API)": ("ValueError", "not on device_mesh[tp_dim]"),
+    "DTensor on another mesh (per-module)": ("ValueError", "not a sub-mesh of the same device mesh"),
+    "per-module mesh includes tp": ("ValueError", "mesh=mesh['dp']"),
+    "Partial placement": ("ValueError", "Partial()"),
+    "strided placement": ("ValueError", "placed _StridedShard"),
+    "2-D TP mesh": ("NotImplementedError", "1-D tensor parallelism"),
+    "partition_stride": ("NotImplementedError", "partition_stride=2"),
+}
+
+
+@pytest.mark.parametrize("label", list(EXPECTED_ERRORS))
+def test_bad_input_is_a_clear_error(label):
+    kind, text = EXPECTED_ERRORS[label]
+    for r in _cells("errors"):
+        assert r[label].startswith(kind) and text in r[label], r[label]
