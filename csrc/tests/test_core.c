@@ -1127,9 +1127,11 @@ static void* trainable_worker(void* arg) {
   CHECK_OK(mfsdp_plan_build(infos, RG_BUCKETS * RG_ITEMS, shard_world, 0, 16, &plan));
   mfsdp_bucket_spec specs[RG_BUCKETS];
   int sharded = mode == MFSDP_GRAD_SCATTER_ACCUMULATE && W > 1;
-  for (int b = 0; b < RG_BUCKETS; ++b)
+  for (int b = 0; b < RG_BUCKETS; ++b) {
     specs[b] = (mfsdp_bucket_spec){plan.buckets[b].layout, shard_world > 1 ? r : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32,
-                                   MFSDP_F32, sharded, shard_world > 1 && !sharded, mode, b == 1};
+                                   MFSDP_F32, sharded, shard_world > 1 && !sharded, mode};
+    specs[b].frozen = b == 1;
+  }
   loop_rank lr = {t->world, r};
   mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, &lr, &mfsdp_cpu_kernels, NULL};
   mfsdp_pipeline_config cfg = {W, r, 1.0 / W, MFSDP_REDUCE_SUM, 1, 0}; /* a one-byte queue: every launch completes */
