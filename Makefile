@@ -25,10 +25,14 @@ FUZZ_SECONDS ?= 20
 
 .PHONY: setup example test ctest cuda-check pytest bench bench-quant clean
 
-$(VENV)/.ready: pyproject.toml setup.py
+$(VENV)/.ready: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 numpy pytest matplotlib transformers==5.23.0
+	# tests/test_frameworks.py: accelerate and Lightning, pure Python (~10 MB, seconds). --no-deps: their
+	# other requirements come with transformers above, and Lightning's extras (aiohttp, ...) are not needed.
+	$(PY) -m pip install -q --no-deps accelerate==1.15.0 psutil==7.2.2 lightning==2.6.6 lightning-utilities==0.15.3 \
+	  torchmetrics==1.9.0
 	@touch $@
 
 $(VENV)/.built: $(VENV)/.ready $(wildcard csrc/*/*.c csrc/*/*.h csrc/*/*.cu) setup.py

@@ -115,6 +115,14 @@ def compose_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, what: str) -> Devic
             f"{what} is a DTensor on the tensor-parallel dim {sorted(shared)}, which the data-parallel mesh "
             f"{dp_mesh.mesh_dim_names} given to fully_shard includes: shard over the data-parallel dims only, "
             "e.g. fully_shard(..., mesh=mesh['dp']) (HSDP: mesh=mesh['dp_replicate', 'dp_shard'])")
+    # the tp and data-parallel dims of one mesh meet in this rank only
+    common = sorted(set(tp_mesh.mesh.flatten().tolist()) & set(dp_mesh.mesh.flatten().tolist()))
+    if len(common) > 1:
+        raise ValueError(
+            f"{what} is already a DTensor on a mesh over the data-parallel ranks {common}: fully_shard shards plain "
+            "parameters, or tensor-parallel DTensors on the tp dim of the mesh the data-parallel dims come from "
+            "(parallelize_module(model, mesh['tp'], plan), then fully_shard(..., mesh=mesh['dp'])); for a "
+            "replicated parameter pass the plain tensor (DTensor.full_tensor())")
     try:
         mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
     except (RuntimeError, ValueError, AssertionError, TypeError) as e:

@@ -176,8 +176,10 @@ def reshard_default(rank, world):
 
 def dp_mesh_dims(rank, world, impl, dims):
     """torch 2.13's dp_mesh_dims: a named SPMD mesh whose dims are all data-parallel, parameters
-    DTensors replicated over it (as torch requires); float64 against torch's FSDP2, whose forward
-    takes the batch as a DTensor sharded over the mesh (ours takes the local batch)."""
+    DTensors replicated over it (as torch requires); float64 against torch's FSDP2 on the same
+    script: both compute with DTensors on the SPMD mesh, the batch sharded over it ([Note: SPMD
+    compute parameters] in megatron_fsdp_c/experimental/_root.py). Two microbatches a step, the
+    first with gradient sync off (their DTensor gradients' local tensors are held, then summed)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -195,16 +197,16 @@ def dp_mesh_dims(rank, world, impl, dims):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
-        x = data(step, rank)
-        if impl == "torch":  # FSDP2 computes with DTensors on the SPMD mesh: the batch is sharded over it
-            out = model(DTensor.from_local(x, mesh, [Shard(0)] * mesh.ndim)).to_local()
-        else:  # ours computes with plain tensors (the per-module API has no tensor parallelism yet)
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            x = DTensor.from_local(data(10 * step + micro, rank), mesh, [Shard(0)] * mesh.ndim)
             out = model(x)
-        loss = out.square().mean()
-        loss.backward()
+            assert isinstance(out, DTensor) and all(isinstance(p, DTensor) for p in model.parameters())
+            loss = out.to_local().square().mean()
+            loss.backward()
+            losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
     return dict(losses=losses, params=full_params(model))
 
 

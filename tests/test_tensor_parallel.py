@@ -670,7 +670,7 @@ EXPECTED_ERRORS = {
     "DTensor without tp_dim": ("ValueError", "pass device_mesh= the full mesh, dp_shard_dim="),
     "Megatron shard without tp_dim": ("ValueError", "pass tp_dim="),
     "DTensor on another mesh (Megatron-style API)": ("ValueError", "not on device_mesh[tp_dim]"),
-    "DTensor on another mesh (per-module)": ("ValueError", "not a sub-mesh of the same device mesh"),
+    "DTensor on another mesh (per-module)": ("ValueError", "already a DTensor on a mesh over the data-parallel ranks"),
     "per-module mesh includes tp": ("ValueError", "mesh=mesh['dp']"),
     "Partial placement": ("ValueError", "Partial()"),
     "strided placement": ("ValueError", "placed _StridedShard"),

@@ -51,6 +51,9 @@ class ShardGroup:
     tp_specs: List[Optional[TPSpec]] = dataclasses.field(default_factory=list)  # per place: a TP parameter's
                                            # spec ([Note: tensor parallelism] in ../_tensor_parallel.py), or None
     quant_policy: Optional[object] = None  # its QuantizedCommPolicy (fully_shard's quantized_comm_policy)
+    # (id(module), attribute) -> (SPMD mesh, placements) of a parameter that came as a DTensor with
+    # dp_mesh_dims ([Note: SPMD compute parameters] in _root.py)
+    spmd_specs: dict = dataclasses.field(default_factory=dict)
 
 
 def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:
@@ -98,14 +101,16 @@ def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
 
 def _plain(p: nn.Parameter, spmd_mesh: Optional[DeviceMesh]):
     """A DTensor parameter replicated over the SPMD mesh of dp_mesh_dims (all dims, or a size-1
-    model-parallel one) as the plain tensor it holds; any other parameter as it is."""
+    model-parallel one) as the plain tensor it holds, and its (mesh, placements) (its compute
+    parameter is a DTensor again, see [Note: SPMD compute parameters] in _root.py); any other
+    parameter as it is, with None."""
     if spmd_mesh is None or not isinstance(p, DTensor):
-        return p
+        return p, None
     sizes = p.device_mesh.mesh.shape
     if any(not isinstance(pl, Replicate) and sizes[i] > 1 for i, pl in enumerate(p.placements)):
         raise ValueError(f"a DTensor parameter with placements {p.placements} on mesh {p.device_mesh.mesh_dim_names}: "
                          "with dp_mesh_dims, parameters must be Replicate() on every dim of size > 1")
-    return nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
+    return nn.Parameter(p.to_local(), requires_grad=p.requires_grad), (p.device_mesh, tuple(p.placements))
 
 
 def _mesh_and_context(mesh, device_type: str) -> DistContext:
@@ -194,6 +199,9 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
     the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims)."""
     plain = {}  # a DTensor parameter tied within the group stays tied as a plain one
     places = [(mod, attr, plain.setdefault(id(p), _plain(p, spmd_mesh))) for mod, attr, p in _group_params(modules, ignored)]
+    # by place, not on the parameter: .to_empty() before the first forward replaces it (_module.py's _apply)
+    spmd_specs = {(id(mod), attr): spec for mod, attr, (_, spec) in places if spec is not None}
+    places = [(mod, attr, p) for mod, attr, (p, _) in places]
     devices = {p.device.type for _, _, p in places if not p.is_meta}
     if len(devices) > 1:
         raise ValueError(f"the parameters of this {type(modules[0]).__name__} are on several device types "
@@ -232,7 +240,8 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
             p._mfsdp_sharded_by = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
-                       mp_policy, reshard_after_forward, tp_specs=[tp_of[id(p)] for _, _, p in places])
+                       mp_policy, reshard_after_forward, tp_specs=[tp_of[id(p)] for _, _, p in places],
+                       spmd_specs=spmd_specs)
     for m in modules:
         m._mfsdp_group = group
     return group

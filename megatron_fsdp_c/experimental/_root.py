@@ -1,14 +1,16 @@
 """The root state of the per-module API: at the first forward of a root, one engine for every
 group under it (the lazy init, see [Note: per-module groups] in _fully_shard.py); the owner its
-HookManager sees; and the forward hooks fully_shard registers on every sharded module.
+HookManager sees, with the DTensor compute parameters of dp_mesh_dims ([Note: SPMD compute
+parameters]); and the forward hooks fully_shard registers on every sharded module.
 """
 from __future__ import annotations
 
+import functools
 from typing import List
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C
 from .._common import in_backward
@@ -56,7 +58,7 @@ class RootState(EngineOwner):
             g = getattr(mod, "_mfsdp_group", None)
             if g is not None:
                 ends[groups.index(g)] = k
-        records, by_param = [], {}
+        records, by_param, spmd_specs = [], {}, {}
         for u, g in enumerate(groups):
             for (mod, attr, dp), tp in zip(g.places, g.tp_specs):
                 name = f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr
@@ -79,6 +81,8 @@ class RootState(EngineOwner):
                     r.trains_later = policy is not None
                     r.aliases.append(name)
                     records.append(r)
+                    if (id(mod), attr) in g.spmd_specs:
+                        spmd_specs[r.index] = g.spmd_specs[(id(mod), attr)]
                 else:
                     r.places.append((mod, attr))
                     r.aliases.append(name)
@@ -103,7 +107,46 @@ class RootState(EngineOwner):
         self._track_requires_grad()
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
+        self._spmd_params = {i: self._spmd_param(records[i], *spec) for i, spec in spmd_specs.items()}
         self._swap_params(dist=True)
+
+    # -- compute parameters on the SPMD mesh of dp_mesh_dims ----------------------------------------
+    def _spmd_param(self, r, mesh, placements) -> nn.Parameter:
+        """[Note: SPMD compute parameters]
+        With dp_mesh_dims, parameters that came as DTensors replicated over the full SPMD mesh
+        (torchtitan's full_dtensor backend: parameters, buffers and inputs all DTensors there)
+        compute as DTensors with that mesh and those placements, as FSDP2's unsharded parameters
+        do (torch's _fsdp_param.py wraps the all-gather output in the parameter's original spec):
+        a plain compute parameter would meet DTensor activations ("mixed torch.Tensor and
+        DTensor"). This DTensor Parameter's local tensor is the plain compute parameter's storage
+        (the engine's full weights; _swap_params re-aims it if that moved). Its gradient keeps the
+        placements autograd gave it over the data-parallel dims (Partial: this rank's
+        contribution), and its local tensor goes to the engine through the hooks' gradient hook,
+        as torch reduce-scatters the local tensor of the Partial gradient; the other dims have
+        size 1 (model-parallel dims > 1 are refused by _group.py's dp_mesh_of), so nothing needs
+        redistributing. Parameters that came plain (torchtitan's spmd_types backend, which torch
+        2.13's FSDP2 refuses) compute plain."""
+        sp = nn.Parameter(DTensor.from_local(r.param.detach(), mesh, placements, run_check=False),
+                          requires_grad=r.param.requires_grad)
+        if sp.requires_grad:
+            sp.register_post_accumulate_grad_hook(functools.partial(self.hooks.grad_hook, r.index, r.bucket, r.item,
+                                                                    to_local=_local_of))
+        return sp
+
+    def _swap_params(self, dist: bool) -> None:
+        """EngineOwner's, then the DTensor compute parameters of [Note: SPMD compute parameters]
+        in place of their plain ones."""
+        swapping = self._holds_dist_params != dist
+        super()._swap_params(dist)
+        if not swapping or dist:
+            return
+        records = self.param_buffer.records
+        for i, sp in self._spmd_params.items():
+            r = records[i]
+            if sp._local_tensor.data_ptr() != r.param.data_ptr():
+                sp._local_tensor = r.param.detach()  # the compute parameter was pointed elsewhere
+            for mod, attr in r.places:
+                mod._parameters[attr] = sp
 
     # -- per-group settings, applied to the engine ------------------------------------------------
     def buckets_of(self, g: ShardGroup) -> List[int]:
@@ -265,6 +308,11 @@ class RootState(EngineOwner):
             u.members_left = u.members
         self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
         self._swap_params(dist=True)
+
+
+def _local_of(grad):
+    """The local tensor of an SPMD compute parameter's gradient ([Note: SPMD compute parameters])."""
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 def _post_order(root: nn.Module) -> List[nn.Module]:

@@ -1,0 +1,284 @@
+"""Frameworks' FSDP2 paths with torch's fully_shard swapped for megatron_fsdp_c.experimental.fully_shard
+give torch's numbers on the same script (issue 24): accelerate 1.15.0 (FullyShardedDataParallelPlugin
+(fsdp_version=2), gradient accumulation through its no_sync), Lightning 2.6.6 (Fabric's
+no_backward_sync, the Trainer's accumulate_grad_batches). Each cell trains the same tiny model with
+torch's FSDP2 and with ours in the same process and returns both; the tests compare losses, gradient
+norms and final parameters, and our reduce-scatter counts (a skipped gradient sync is skipped here
+too). accelerate runs in float64 (rtol 1e-9); Lightning's ModelParallelStrategy refuses 64-true, so
+it runs in float32, compared bit for bit: at world 2 each reduced gradient element is the sum of
+two ranks' pieces (the same either way round) scaled by 1/2 (exact, before or after the sum), and
+our per-module groups reduce the same parameters' rows as FSDP2's, so nothing may differ.
+torchtitan is not here: it imports triton (a 285 MB wheel, ~1 GB installed, 46 s to install) and
+costs ~25 s of imports per rank; examples/dropin_torchtitan.py runs it, with its figures.
+
+The frameworks' cells share one spawn at world 2 of their own (group "frameworks"): they set
+process-wide state (accelerate's singletons, the launcher environment Lightning reads), which no other
+module's cells should see. A framework that is not installed skips its test with the import error.
+"""
+import contextlib
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rank_grid
+
+CELLS = rank_grid.Cells(__name__)
+RTOL = 1e-9
+GROUP = "frameworks"
+IMPLS = ("torch", "ours")
+
+
+def missing(module: str):
+    """Why `module` cannot be imported on this rank (None: it can). The cells check on the ranks,
+    so that the pytest process does not pay the frameworks' imports (~5 s for Lightning)."""
+    try:
+        importlib.import_module(module)
+        return None
+    except ImportError as e:
+        return f"{module} is not importable ({type(e).__name__}: {e}); `make setup` installs it"
+
+
+def results(key):
+    """Every rank's value of the cell, or the test skips when the framework is not installed."""
+    values = CELLS.result(key, 2)
+    if "missing" in values[0]:
+        pytest.skip(values[0]["missing"])
+    return values
+
+
+@contextlib.contextmanager
+def torchs_fully_shard_is(impl):
+    """torch.distributed.fsdp.fully_shard is ours while inside (frameworks import it from there at
+    call time), torch's again after."""
+    import torch.distributed.fsdp as tfsdp
+    orig = tfsdp.fully_shard
+    if impl == "ours":
+        from megatron_fsdp_c.experimental import fully_shard
+        tfsdp.fully_shard = fully_shard
+    try:
+        yield
+    finally:
+        tfsdp.fully_shard = orig
+
+
+def fully_shard_of(impl):
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from megatron_fsdp_c.experimental import fully_shard
+    return fully_shard
+
+
+@contextlib.contextmanager
+def launcher_env(rank, world):
+    """The variables torchrun sets, which accelerate and Lightning read to see that the processes
+    exist already (the group is rank_grid's); removed after."""
+    env = dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def batches(rank, n, dtype=torch.float64, dim=8, out=2):
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(4, dim, generator=g, dtype=dtype), torch.randn(4, out, generator=g, dtype=dtype))
+            for _ in range(n)]
+
+
+def grad_norm(model) -> float:
+    return torch.sqrt(sum(p.grad.full_tensor().square().sum() for p in model.parameters())).item()
+
+
+def reduce_scatters(model, impl):
+    return model.comm_stats()["reduce_scatters"] if impl == "ours" else None
+
+
+# -- accelerate ------------------------------------------------------------------------------------
+
+def accelerate_run(rank, world, impl, steps=2, accum=2):
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import FSDPModule
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=1)
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_steps=accum)
+    # On CPU accelerate keeps MULTI_CPU (DDP) whatever the plugin says (its FSDP switch lists GPU-like
+    # types only): tell it FSDP, as a CUDA run would have it.
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with torchs_fully_shard_is(impl):
+        model, opt = acc.prepare(model, opt)
+    sharded = sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule))
+    losses, norms = [], []
+    for x, y in batches(rank, steps * accum):
+        with acc.accumulate(model):
+            loss = (model(x) - y).square().mean()
+            acc.backward(loss)
+            losses.append(loss.item())
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), 1e9)))
+            opt.step()
+            opt.zero_grad()
+    out = dict(losses=losses, norms=norms, sharded=sharded, params={n: p.full_tensor() for n, p in model.named_parameters()},
+               reduce_scatters=reduce_scatters(model, impl), fsdp2=acc.is_fsdp2)
+    AcceleratorState._reset_state(True)
+    return out
+
+
+@CELLS.cell("accelerate", group=GROUP, tests=["test_accelerate"])
+def accelerate_cell(rank, world):
+    if missing("accelerate"):
+        return {"missing": missing("accelerate")}
+    with launcher_env(rank, world):
+        return {impl: accelerate_run(rank, world, impl) for impl in IMPLS}
+
+
+# -- Lightning -------------------------------------------------------------------------------------
+
+def fabric_run(rank, world, impl, steps=2, accum=2):
+    """Fabric's ModelParallelStrategy; gradient accumulation through fabric.no_backward_sync, which
+    Fabric gates on isinstance of torch's FSDPModule."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    fully_shard = fully_shard_of(impl)
+
+    def parallelize(model, mesh):
+        dp = mesh["data_parallel"]
+        fully_shard(model[0], mesh=dp)
+        fully_shard(model[2], mesh=dp)
+        fully_shard(model, mesh=dp)
+        return model
+
+    fabric = Fabric(accelerator="cpu", devices=world, precision="32-true",  # its only full precision
+                    strategy=ModelParallelStrategy(parallelize, data_parallel_size=world, tensor_parallel_size=1))
+    fabric.launch()
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=False):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    model = fabric.setup_module(model)
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    losses, norms = [], []
+    data = batches(rank, steps * accum, torch.float32)
+    for step in range(steps):
+        for micro in range(accum):
+            x, y = data[step * accum + micro]
+            with fabric.no_backward_sync(model, enabled=micro < accum - 1):
+                loss = (model(x) - y).square().mean() / accum
+                fabric.backward(loss)
+            losses.append(loss.item())
+        norms.append(grad_norm(model))
+        opt.step()
+        opt.zero_grad()
+    inner = model.module
+    return dict(losses=losses, norms=norms, params={n: p.full_tensor() for n, p in inner.named_parameters()},
+                reduce_scatters=reduce_scatters(inner, impl))
+
+
+def trainer_run(rank, world, impl, steps=2, accum=2):
+    """The Trainer's ModelParallelStrategy with accumulate_grad_batches (it blocks backward sync for
+    DDP only, so both reduce every microbatch)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    fully_shard = fully_shard_of(impl)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+            self.losses, self.norms = [], []
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            fully_shard(self.net[0], mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch, i):
+            x, y = batch
+            loss = (self.net(x) - y).square().mean()
+            self.losses.append(loss.item())
+            return loss
+
+        def on_before_optimizer_step(self, opt):
+            self.norms.append(grad_norm(self))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = batches(rank, steps * accum, torch.float32)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat([x for x, _ in data]),
+                                                                        torch.cat([y for _, y in data])), batch_size=4)
+    module = Tiny()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, precision="32-true",
+                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                         max_steps=steps, accumulate_grad_batches=accum, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(module, loader)
+    return dict(losses=module.losses, norms=module.norms,
+                params={n: p.full_tensor() for n, p in module.net.named_parameters()},
+                reduce_scatters=reduce_scatters(module.net, impl))
+
+
+@CELLS.cell("lightning", group=GROUP, tests=["test_lightning_fabric", "test_lightning_trainer"])
+def lightning_cell(rank, world):
+    if missing("lightning"):
+        return {"missing": missing("lightning")}
+    with launcher_env(rank, world):
+        return {"fabric": {impl: fabric_run(rank, world, impl) for impl in IMPLS},
+                "trainer": {impl: trainer_run(rank, world, impl) for impl in IMPLS}}
+
+
+# -- the tests -------------------------------------------------------------------------------------
+
+def same_run(torch_run, ours_run, rank, rtol=RTOL):
+    """Losses, gradient norms and final parameters of ours against torch's, on one rank."""
+    for what in ("losses", "norms"):
+        assert ours_run[what] == pytest.approx(torch_run[what], rel=rtol, abs=0), f"rank {rank}: {what}"
+    assert ours_run["params"].keys() == torch_run["params"].keys()
+    for name, p in torch_run["params"].items():
+        torch.testing.assert_close(ours_run["params"][name], p, rtol=rtol, atol=0, msg=f"rank {rank}: {name}")
+
+
+def test_accelerate():
+    """accelerate's FSDP2 path (fsdp2_prepare_model calls torch.distributed.fsdp.fully_shard on every
+    module, then the root) with gradient_accumulation_steps=2: accumulate() turns gradient sync off
+    for the first microbatch (set_requires_gradient_sync), clip_grad_norm_ reads the DTensor
+    gradients. Ours: one reduce-scatter per group and step (no sync, no reduction)."""
+    for rank, runs in enumerate(results("accelerate")):
+        assert runs["torch"]["fsdp2"] and runs["ours"]["fsdp2"]
+        assert runs["ours"]["sharded"] == runs["torch"]["sharded"]  # FSDPLinear x3, FSDPSequential
+        same_run(runs["torch"], runs["ours"], rank)
+        # 2 steps x 1 syncing backward x the 3 Linear groups (the root's group holds no parameter)
+        assert runs["ours"]["reduce_scatters"] == 2 * 3
+
+
+def test_lightning_fabric():
+    """Fabric's no_backward_sync reaches our set_requires_gradient_sync (Fabric checks isinstance of
+    torch's FSDPModule): one reduce-scatter per group and step."""
+    for rank, runs in enumerate(results("lightning")):
+        same_run(runs["fabric"]["torch"], runs["fabric"]["ours"], rank, rtol=0)
+        assert runs["fabric"]["ours"]["reduce_scatters"] == 2 * 2  # 2 steps x the 2 Linear groups
+
+
+def test_lightning_trainer():
+    """The Trainer with accumulate_grad_batches=2: every microbatch's backward reduces (the Trainer
+    skips sync for DDP only), in both."""
+    for rank, runs in enumerate(results("lightning")):
+        same_run(runs["trainer"]["torch"], runs["trainer"]["ours"], rank, rtol=0)
+        assert runs["trainer"]["ours"]["reduce_scatters"] == 4 * 2  # 4 microbatches x 2 groups
