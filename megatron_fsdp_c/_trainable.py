@@ -9,9 +9,10 @@ and training follows it as it does under DDP (find_unused_parameters=True, every
 trainable when DDP was built) and FSDP2:
 - Read at each forward of the root, outside backward (`RequiresGradTracker.sync`): both flags of
   each record against the snapshot of what is applied (`owner._trainable`, a byte per record); a
-  flag that moved wins (the distributed one if both moved) and both parameters get it, so
-  autograd computes exactly the trainable parameters' gradients. A change made inside a forward
-  counts from the next one.
+  flag that moved wins (the distributed one if both moved) and both parameters get it (and the
+  DTensor compute parameter of dp_mesh_dims, with its gradient hook: RootState._trainable_changed
+  in experimental/_root.py), so autograd computes exactly the trainable parameters' gradients. A
+  change made inside a forward counts from the next one.
 - Unfrozen: the engine expects its gradient from now on (a bucket created frozen gets its
   gradient buffers, and its records their `.grad` DTensor views, at its first trainable
   parameter); its gradient hook is registered then, once. It is reduced and attached like any

@@ -13,8 +13,8 @@ afterwards: DDP leaves a parameter frozen at its construction out of its reducer
 unfreezing it later would give it local, unreduced gradients there. Also: gradient memory
 follows, a replicated (fsdp_no_shard) embedding, a rank that disagrees is named, a parameter
 outside the optimizer joins with add_param_group, DCP resume after unfreezing, mixed precision,
-quantized communication. The cells run in the shared spawns ([Note: one spawn per world size] in
-rank_grid.py).
+quantized communication, SPMD compute parameters (dp_mesh_dims) against FSDP2. The cells run
+in the shared spawns ([Note: one spawn per world size] in rank_grid.py).
 """
 import contextlib
 import functools
@@ -336,6 +336,45 @@ def quantized(rank, world):
     return changed, (quantized_end - plain_end).abs().max().item(), (plain_end - start).abs().max().item()
 
 
+def spmd_compute_params(rank, world):
+    """dp_mesh_dims, parameters DTensors replicated over the SPMD mesh (their compute parameters
+    are DTensors too, [Note: SPMD compute parameters] in megatron_fsdp_c/experimental/_root.py):
+    the first Linear frozen at sharding and unfrozen at step 2, when the second is frozen; ours
+    and torch's FSDP2 on the same script, float64 (losses and final parameters)."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    dims = DataParallelMeshDims(shard="dp_shard")
+    out = {}
+    for impl, shard in (("ours", fully_shard_per_module), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                    torch.nn.Linear(8, 4)).double()
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                mod._parameters[name] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]))
+        model[0].requires_grad_(False)
+        for i in (0, 2, 4):
+            shard(model[i], mesh=mesh, dp_mesh_dims=dims)
+        shard(model, mesh=mesh, dp_mesh_dims=dims)
+        opt = adamw(model.parameters())
+        losses = []
+        for step in range(STEPS):
+            if step == 2:
+                model[0].requires_grad_(True)
+                model[2].requires_grad_(False)
+            torch.manual_seed(100 * step + rank)
+            x = DTensor.from_local(torch.randn(4, 8, dtype=torch.float64), mesh, [Shard(0)])
+            loss = model(x).to_local().square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        out[impl] = dict(losses=losses, params={n: p.full_tensor() for n, p in model.named_parameters()})
+    return out
+
+
 # ------------------------------------------------------------------------------------------
 # the cells (one spawn per world size, shared with the other test files: [Note: one spawn per
 # world size] in rank_grid.py)
@@ -362,6 +401,7 @@ CELLS.add("disagreement", disagreement, tests=["test_ranks_that_disagree_are_nam
 CELLS.add("dcp resume", dcp_resume, tests=["test_dcp_resume_after_unfreezing"])
 CELLS.add("mixed precision", mixed_precision, tests=["test_mixed_precision_unfreezing"])
 CELLS.add("quantized", quantized, tests=["test_quantized_unfreezing"])
+CELLS.add("spmd compute parameters", spmd_compute_params, tests=["test_spmd_compute_parameters_match_fsdp2"])
 
 
 @pytest.mark.parametrize("name,world", [(n, w) for n, (_, _, worlds) in PARITY.items() for w in worlds])
@@ -409,3 +449,11 @@ def test_quantized_unfreezing():
     for changed, difference, moved in CELLS.result("quantized", 2):
         assert changed == [False, True, True], changed
         assert moved > 0 and difference < 0.1 * moved, (difference, moved)
+
+
+def test_spmd_compute_parameters_match_fsdp2():
+    for rank, r in enumerate(CELLS.result("spmd compute parameters", 2)):
+        ours, ref = r["ours"], r["torch"]
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+        for n, p in ref["params"].items():
+            torch.testing.assert_close(ours["params"][n], p, rtol=RTOL, atol=ATOL, msg=f"rank {rank}: {n}")

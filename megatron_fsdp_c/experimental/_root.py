@@ -107,6 +107,7 @@ class RootState(EngineOwner):
         self._track_requires_grad()
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
+        self._spmd_hooked = set()  # indices of SPMD compute parameters with their gradient hook
         self._spmd_params = {i: self._spmd_param(records[i], *spec) for i, spec in spmd_specs.items()}
         self._swap_params(dist=True)
 
@@ -129,9 +130,13 @@ class RootState(EngineOwner):
         sp = nn.Parameter(DTensor.from_local(r.param.detach(), mesh, placements, run_check=False),
                           requires_grad=r.param.requires_grad)
         if sp.requires_grad:
-            sp.register_post_accumulate_grad_hook(functools.partial(self.hooks.grad_hook, r.index, r.bucket, r.item,
-                                                                    to_local=_local_of))
+            self._hook_spmd(r, sp)
         return sp
+
+    def _hook_spmd(self, r, sp) -> None:
+        self._spmd_hooked.add(r.index)
+        sp.register_post_accumulate_grad_hook(functools.partial(self.hooks.grad_hook, r.index, r.bucket, r.item,
+                                                                to_local=_local_of))
 
     def _swap_params(self, dist: bool) -> None:
         """EngineOwner's, then the DTensor compute parameters of [Note: SPMD compute parameters]
@@ -170,6 +175,13 @@ class RootState(EngineOwner):
             engine.set_prescale(grads, 1.0 / factor)
 
     def _trainable_changed(self) -> None:
+        records = self.param_buffer.records
+        for i, sp in self._spmd_params.items():  # they follow their plain compute parameters
+            on = bool(self._trainable[i])
+            if sp.requires_grad != on:
+                sp.requires_grad_(on)
+            if on and i not in self._spmd_hooked:
+                self._hook_spmd(records[i], sp)
         for g in self.groups:  # backward prefetch targets name positions in the backward order
             self.configure(g)
 
