@@ -13,8 +13,9 @@ afterwards: DDP leaves a parameter frozen at its construction out of its reducer
 unfreezing it later would give it local, unreduced gradients there. Also: gradient memory
 follows, a replicated (fsdp_no_shard) embedding, a rank that disagrees is named, a parameter
 outside the optimizer joins with add_param_group, DCP resume after unfreezing, mixed precision,
-quantized communication, SPMD compute parameters (dp_mesh_dims) against FSDP2. The cells run
-in the shared spawns ([Note: one spawn per world size] in rank_grid.py).
+quantized communication; against FSDP2: SPMD compute parameters (dp_mesh_dims) and tensor
+parallelism (dp 2 x tp 2). The cells run in the shared spawns ([Note: one spawn per world size]
+in rank_grid.py).
 """
 import contextlib
 import functools
@@ -31,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.experimental import fully_shard as fully_shard_per_module
-from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+from megatron_fsdp_c.testing import GPT, TPGPT, Block, GPTConfig, batch, parallelize_tp
 import rank_grid
 
 CFG = GPTConfig(vocab=32, seq=8, d=16, heads=2, layers=3)
@@ -375,6 +376,37 @@ def spmd_compute_params(rank, world):
     return out
 
 
+def tensor_parallel(rank, world):
+    """dp 2 x tp 2, TPGPT under torch's sequence-parallel plan (every parameter a DTensor on the
+    TP mesh), per-module API: block 0 frozen at sharding and unfrozen at step 2, when block 1 is
+    frozen; ours and torch's FSDP2 + TP on the same script, float64."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    out = {}
+    for impl, shard in (("ours", fully_shard_per_module), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = parallelize_tp(TPGPT(CFG).double(), mesh["tp"], sequence_parallel=True)
+        model.blocks[0].requires_grad_(False)
+        for block in model.blocks:
+            shard(block, mesh=mesh["dp"])
+        shard(model, mesh=mesh["dp"])
+        opt = adamw(model.parameters())
+        losses = []
+        for step in range(STEPS):
+            if step == 2:
+                model.blocks[0].requires_grad_(True)
+                model.blocks[1].requires_grad_(False)
+            x, y = batch(CFG, 2, seed=100 * step + dp_rank)
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        out[impl] = dict(losses=losses, params={n: p.full_tensor() for n, p in model.named_parameters()})
+    return out
+
+
 # ------------------------------------------------------------------------------------------
 # the cells (one spawn per world size, shared with the other test files: [Note: one spawn per
 # world size] in rank_grid.py)
@@ -401,7 +433,10 @@ CELLS.add("disagreement", disagreement, tests=["test_ranks_that_disagree_are_nam
 CELLS.add("dcp resume", dcp_resume, tests=["test_dcp_resume_after_unfreezing"])
 CELLS.add("mixed precision", mixed_precision, tests=["test_mixed_precision_unfreezing"])
 CELLS.add("quantized", quantized, tests=["test_quantized_unfreezing"])
-CELLS.add("spmd compute parameters", spmd_compute_params, tests=["test_spmd_compute_parameters_match_fsdp2"])
+CELLS.add("spmd compute parameters", spmd_compute_params, tests=["test_against_fsdp2"],
+          match=dict(name="spmd compute parameters"))
+CELLS.add("tensor parallel", tensor_parallel, worlds=(4,), tests=["test_against_fsdp2"],
+          match=dict(name="tensor parallel"))
 
 
 @pytest.mark.parametrize("name,world", [(n, w) for n, (_, _, worlds) in PARITY.items() for w in worlds])
@@ -451,8 +486,9 @@ def test_quantized_unfreezing():
         assert moved > 0 and difference < 0.1 * moved, (difference, moved)
 
 
-def test_spmd_compute_parameters_match_fsdp2():
-    for rank, r in enumerate(CELLS.result("spmd compute parameters", 2)):
+@pytest.mark.parametrize("name,world", [("spmd compute parameters", 2), ("tensor parallel", 4)])
+def test_against_fsdp2(name, world):
+    for rank, r in enumerate(CELLS.result(name, world)):
         ours, ref = r["ours"], r["torch"]
         torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
         for n, p in ref["params"].items():
