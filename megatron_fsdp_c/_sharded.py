@@ -7,8 +7,10 @@ unused-parameter flags, attaching gradients, introspection. Both are also the Ho
 [Note: unused parameters]
 The gradient hooks mark each parameter used locally (a byte per parameter, `_used`, cleared when
 its optimizer zeroes it). At each sync one small all-reduce (MAX over those bytes,
-`_used_anywhere`) tells every rank which parameters some rank used; a parameter becomes "has a
-gradient" then (`_has_grad`), and loses it only when zero_grad(set_to_none=True) clears it,
+`_used_anywhere`) tells every rank which parameters some rank used; a backward that reduces
+nothing (every group's sync off) reduces no flags either, they wait for the next sync. A
+parameter becomes "has a gradient" then (`_has_grad`), and loses it only when
+zero_grad(set_to_none=True) clears it,
 exactly torch's own `.grad` life cycle. Parameters used on some ranks only still get the others'
 zeros in the reduction (see [Note: collective order] in csrc/comm/reduce.c). The same all-reduce
 carries the check that every rank trains the same parameters ([Note: changing requires_grad] in
@@ -122,14 +124,18 @@ class EngineOwner:
 
     def _attach_grads(self, records) -> None:
         """`.grad` of each distributed parameter of `records`: its gradient DTensor once some
-        rank used it, None until then (see [Note: unused parameters])."""
+        rank used it, None until then (see [Note: unused parameters]). With nothing to attach (every
+        group's gradient sync off) the flags are not reduced: no collective, as FSDP2 issues none
+        in a backward without sync."""
+        records = [r for r in records if r.grad_dtensor is not None]
+        if not records:
+            return
         used = self._used_anywhere()
         has = self._has_grad
         for r in records:
-            if r.grad_dtensor is not None:
-                if used[r.index]:
-                    has[r.index] = 1
-                r.dist_param.grad = r.grad_dtensor if has[r.index] else None
+            if used[r.index]:
+                has[r.index] = 1
+            r.dist_param.grad = r.grad_dtensor if has[r.index] else None
 
     # -- introspection --------------------------------------------------------------------
     @torch.no_grad()

@@ -95,7 +95,7 @@ def _default_device() -> torch.device:
 def _check_params(module: nn.Module, meta_device_init: bool = False, device=None) -> torch.device:
     devices = {}
     for name, p in module.named_parameters():
-        if p.requires_grad and not p.is_floating_point():
+        if p.requires_grad and p.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise TypeError(
                 f"parameter '{name}' has dtype {p.dtype} and requires grad: only float32/bfloat16/float16/float64 "
                 "parameters can be trained (set requires_grad=False or convert the parameter)"

@@ -5,7 +5,8 @@
    the unit runs; the view stays valid (see [Note: storage resize] in csrc/comm/buffers.c).
 2. The distributed parameter: an nn.Parameter holding a DTensor whose local tensor is a view
    of this rank's rows of the main weights: torch's own Shard(0) (rank r holds the torch.chunk
-   rows [r*ceil(R/W), ...), see [Note: chunked layout] in csrc/core/mfsdp_layout.h), or
+   rows [r*ceil(R/W), ...), see [Note: chunked layout] in csrc/core/mfsdp_layout.h) or Shard(d)
+   of the per-module API's shard_placement_fn (torch.chunk along d, made contiguous), or
    Replicate() for no_shard and replicated parameters. The optimizer steps it in place.
 3. The gradient DTensor: same placement, a view of the optimizer-gradient buffer (OPT_GRAD).
 
@@ -37,6 +38,34 @@ __all__ = ["ParamRecord", "ParamBuffer", "collect_params"]
 
 ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
 
+# [Note: opaque parameter dtypes]
+# A frozen parameter of a dtype the engine has no code for (float8_e4m3fn, complex, uint16, ...)
+# is carried as the opaque integer type of its element size: its buckets are never cast or
+# reduced, only copied and gathered (csrc/core/mfsdp_dtype.h), so its bits travel unchanged.
+# Tensors going into the engine are viewed as that type, and the engine's memory is viewed back
+# as the parameter's dtype wherever a compute parameter or a DTensor shard is made of it.
+_OPAQUE_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def engine_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The engine's element type for parameters of `dtype` (see [Note: opaque parameter dtypes])."""
+    if dtype in _C.DTYPE_CODES:
+        return dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in _OPAQUE_BY_SIZE:
+        raise TypeError(f"parameters of dtype {dtype} ({size}-byte elements) cannot be sharded by megatron_fsdp_c")
+    return _OPAQUE_BY_SIZE[size]
+
+
+def _into_engine(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the engine takes it: contiguous, in the engine's element type."""
+    t = t.contiguous()
+    return t if t.dtype in _C.DTYPE_CODES else t.view(engine_dtype(t.dtype))
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.view(dtype)
+
 
 @dataclasses.dataclass(eq=False)
 class ParamRecord:
@@ -57,6 +86,7 @@ class ParamRecord:
     strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
     policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
     trains_later: bool = False      # frozen at sharding but expected to train: its main weights are planned wide
+    shard_dim: int = 0              # torch's Shard(shard_dim) when sharded ([Note: chunked layout])
     tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
     quant: Optional[QuantizedCommPolicy] = None  # and its quantized communication (None: the model's)
 
@@ -126,6 +156,26 @@ def _row_size(shape: torch.Size) -> int:
     return max(1, math.prod(shape[1:]))
 
 
+def _rows_of(r: ParamRecord) -> tuple:
+    """(row, outer) of `r` for the planner: a row is the elements of one index of the sharded dim,
+    outer the blocks before it ([Note: chunked layout] in csrc/core/mfsdp_layout.h)."""
+    d = r.shard_dim
+    if d == 0 or r.replicated or math.prod(r.shape) == 0:
+        return _row_size(r.shape), 1
+    return math.prod(r.shape[d + 1:]), math.prod(r.shape[:d])
+
+
+def local_shape(shape: torch.Size, dim: int, world: int, rank: int) -> tuple:
+    """The shape of rank `rank`'s Shard(dim) local tensor of a parameter of `shape` over `world`
+    ranks: torch.chunk's piece, so the last ranks may hold fewer rows, or none."""
+    if not shape:
+        return ()
+    rows = shape[dim]
+    chunk = -(-rows // world)
+    lo = min(rank * chunk, rows)
+    return (*shape[:dim], min(lo + chunk, rows) - lo, *shape[dim + 1:])
+
+
 class ParamBuffer:
     """Builds the plan and the engine for one model and keeps the parameter records."""
 
@@ -142,8 +192,9 @@ class ParamBuffer:
             r.trains_later = r.trains_later or id(r.origin) in trains_later
         plan_input = []
         for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
-            plan_input.append((math.prod(r.shape), _row_size(r.shape), codes[r.param.dtype], r.unit,
-                               int(r.param.requires_grad), int(r.replicated)))
+            row, outer = _rows_of(r)
+            plan_input.append((math.prod(r.shape), row, codes[engine_dtype(r.param.dtype)], r.unit,
+                               int(r.param.requires_grad), int(r.replicated), outer))
         shard_world = 1 if strategy == 0 else ctx.pieces
         self.plan = _C.plan(plan_input, shard_world, ctx.piece_rank if shard_world > 1 else 0, bucket_cap,
                             ALIGN_BYTES)
@@ -205,7 +256,7 @@ class ParamBuffer:
         return dict(
             shards=bp["shards"], shard_rank=bp["shard_rank"], shard_size=bp["shard_size"],
             weight_size=bp["weight_size"], numels=bp["numels"], pieces=bp["pieces"],
-            param_offsets=bp["param_offsets"], shard_offsets=bp["shard_offsets"],
+            param_offsets=bp["param_offsets"], shard_offsets=bp["shard_offsets"], outers=bp["outers"],
             param_dtype=codes[dtype], main_dtype=codes[main], grad_dtype=codes[grad], comm_dtype=codes[comm],
             weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
                                 and strategy == 3),
@@ -226,7 +277,7 @@ class ParamBuffer:
             self.engine.init_begin(b)
             for r in by_bucket.get(b, []):
                 data = r.param._local_tensor if r.tp is not None and r.tp.dtensor_compute else r.param
-                self.engine.set_item(b, r.item, data.detach().contiguous())
+                self.engine.set_item(b, r.item, _into_engine(data.detach()))
             self.point_compute_params(by_bucket.get(b, []))  # while the full weights exist
             self.engine.init_end(b)
 
@@ -243,7 +294,7 @@ class ParamBuffer:
                     raise RuntimeError(
                         f"parameter '{r.name}' is still on the meta device at the first forward: materialise the "
                         "model after fully_shard (model.to_empty(device=...) and reset_parameters() / init_weights())")
-                self.engine.set_local(b, r.item, local.to(self.ctx.device).contiguous())
+                self.engine.set_local(b, r.item, _into_engine(local.to(self.ctx.device)))
             self.engine.init_end(b)
         self.engine.install_main_weights(True)  # persistent full weights: this rank's rows in, a gather brings the rest
         self.point_all_compute_params()
@@ -269,7 +320,7 @@ class ParamBuffer:
         for r in records:
             full = self.engine.tensor(r.bucket, _C.BUF_WEIGHT)
             offset = self.plan[r.bucket]["param_offsets"][r.item]
-            view = full.narrow(0, offset, math.prod(r.shape)).view(r.shape)
+            view = _as(full.narrow(0, offset, math.prod(r.shape)), r.param.dtype).view(r.shape)
             if r.tp is not None and r.tp.dtensor_compute:
                 r.param._local_tensor = view  # a DTensor on the TP mesh over the TP shard
             else:
@@ -312,7 +363,7 @@ class ParamBuffer:
                 if id(rec) in done:  # tied: the first module's initialisation wins, as when built eagerly
                     mod._parameters[attr] = rec.param
                     continue
-                self.engine.set_item(rec.bucket, rec.item, fresh.detach().contiguous())
+                self.engine.set_item(rec.bucket, rec.item, _into_engine(fresh.detach()))
                 fresh.requires_grad_(meta_param.requires_grad)
                 fresh.data = torch.empty(0, dtype=fresh.dtype, device=device)  # drop the full copy
                 rec.param = fresh
@@ -377,7 +428,7 @@ class ParamBuffer:
         return report
 
     def placement(self, r: ParamRecord):
-        return Shard(0) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
+        return Shard(r.shard_dim) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
 
     def layout(self, r: ParamRecord) -> tuple:
         """(mesh, placements, global shape) of `r`'s DTensors: the data-parallel mesh, or with TP
@@ -412,15 +463,18 @@ class ParamBuffer:
 
     def local_view(self, r: ParamRecord, kind: int) -> torch.Tensor:
         """This rank's rows of `r` in buffer `kind` (MAIN_SHARD or OPT_GRAD): a view shaped as
-        torch's Shard(0) local tensor (the whole parameter when the bucket is not sharded)."""
+        torch's Shard(d) local tensor (the whole parameter when the bucket is not sharded)."""
         where, offset, n = self.engine.local_piece(r.bucket, r.item, kind)
         # A tensor of its own over the same memory (storage offset 0, keeping the buffer alive):
         # torch pickles a DTensor whose local tensor sits at a storage offset through the
         # wrapper's own (empty) storage and fails, so torch.save(model.state_dict()) would.
         flat = torch.from_dlpack(self.engine.tensor(r.bucket, where).narrow(0, offset, n))
+        if r.param.dtype not in _C.DTYPE_CODES:  # frozen, carried opaque: [Note: opaque parameter dtypes]
+            flat = flat.view(r.param.dtype)
         if self.plan[r.bucket]["shards"] == 1 or r.replicated:
             return flat.view(r.shape)
-        return flat.view(-1, *r.shape[1:]) if len(r.shape) > 1 else flat
+        bp = self.plan[r.bucket]  # rank-major: torch.chunk's piece, contiguous
+        return flat.view(local_shape(r.shape, r.shard_dim, bp["shards"], bp["shard_rank"]))
 
     # -- views used by the wrapper --------------------------------------------------------
     def buckets_of_unit(self, unit: int) -> tuple:

@@ -29,8 +29,9 @@ Behaviours (cell names):
   before): bf16_on_one_submodule; an input made inside the root reaching a bf16 group:
   external_inputs
 - casts re-applied in activation recomputation (inputs and outputs): recompute_casts
-- LayerNorm / BatchNorm1d / BatchNorm2d groups under bf16, BatchNorm with output_dtype only:
-  norm_modules
+- LayerNorm / BatchNorm1d / BatchNorm2d groups under bf16 (BatchNorm's fp32 running statistics
+  refused next to bf16 weights as under FSDP2, and trained once cast down by hand), BatchNorm with
+  output_dtype only, each beside torch's FSDP2: norm_modules
 - megatron_fsdp_c's own MixedPrecisionPolicy (bf16 model, fp32 main weights): our_policy
 - clip_grad_norm_ over DTensor gradients (norms 2, 1, inf): the same total norm and clipped
   gradients as DDP's: clip_grad_norm; with groups of different zero_dp_strategy (Replicate and
@@ -396,28 +397,55 @@ def recompute_casts(rank, world, ck, which):
 @cell("norm_modules[layernorm]", kind="layernorm")
 @cell("norm_modules[batchnorm1d]", kind="batchnorm1d")
 @cell("norm_modules[batchnorm2d]", kind="batchnorm2d")
+@cell("norm_modules[batchnorm1d_buffers_cast]", kind="batchnorm1d", cast_buffers=True)
+@cell("norm_modules[batchnorm2d_buffers_cast]", kind="batchnorm2d", cast_buffers=True)
 @cell("norm_modules[batchnorm_output_dtype_only]", kind="batchnorm_output_dtype_only")
-def norm_modules(rank, world, ck, kind):
-    torch.manual_seed(42)
+def norm_modules(rank, world, ck, kind, cast_buffers=False):
+    """Norm modules under param_dtype=bf16, run with torch's FSDP2 and with ours side by side.
+    FSDP2 casts parameters only: BatchNorm's running statistics stay fp32 buffers, which CPU batch
+    norm refuses next to bf16 weights ("expected scalar type BFloat16 but found Float"; on CUDA,
+    BatchNorm2d's backward refuses them), and torch's test casts the buffers down by hand to train
+    it. The same happens here, with the same error; with the buffers cast, both train, with the same
+    outputs (bit for bit: the same bf16 computation on the same weights)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
     mp = MP(param_dtype=BF16)
-    if kind == "layernorm":
-        model, x = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32)), torch.randn(4, 32)
-    elif kind == "batchnorm1d":
-        model, x = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 32)), torch.randn(4, 32)
-    else:
-        model, x = nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3)), torch.randn(3, 1, 9, 9)
-    if kind == "batchnorm_output_dtype_only":
-        fully_shard(model[1], mp_policy=MP(output_dtype=BF16))
-        for m in (model[0], model[2], model):
-            fully_shard(m, mp_policy=mp)
-    else:
-        for m in (model[0], model[1], model[2], model):
-            fully_shard(m, mp_policy=mp)
-    z = model(x)
-    ck.true("output in bf16", z.dtype == BF16, str(z.dtype))
-    z.sum().backward()
-    for name, p in model.named_parameters():
-        ck.true(f"{name}: fp32 gradient", p.grad is not None and p.grad.dtype == FP32)
+    runs = {}
+    for impl, shard in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        torch.manual_seed(42)
+        if kind == "layernorm":
+            model, x = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32)), torch.randn(4, 32)
+        elif kind == "batchnorm2d":
+            model, x = nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3)), torch.randn(3, 1, 9, 9)
+        else:
+            model, x = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 32)), torch.randn(4, 32)
+        if kind == "batchnorm_output_dtype_only":
+            shard(model[1], mp_policy=MP(output_dtype=BF16))
+            for m in (model[0], model[2], model):
+                shard(m, mp_policy=mp)
+        else:
+            for m in (model[0], model[1], model[2], model):
+                shard(m, mp_policy=mp)
+        if cast_buffers:  # what torch's test_norm_modules_bf16 does to train BatchNorm2d
+            model[1].running_mean = model[1].running_mean.to(BF16)
+            model[1].running_var = model[1].running_var.to(BF16)
+        try:
+            z = model(x)
+            z.sum().backward()
+            runs[impl] = ("ran", z.detach().clone(),
+                          {n: (p.grad.dtype if p.grad is not None else None) for n, p in model.named_parameters()},
+                          {n: b.dtype for n, b in model.named_buffers()})
+        except RuntimeError as e:
+            runs[impl] = ("raised", str(e).splitlines()[0])
+    def outcome(run):  # ("ran",) or ("raised", message)
+        return run[:2] if run[0] == "raised" else run[:1]
+    ck.equal(f"{kind}: what FSDP2 does (ran, or raised and its message)", outcome(runs["ours"]), outcome(runs["torch"]))
+    if runs["ours"][0] == runs["torch"][0] == "ran":
+        ck.equal("output (bf16, bit for bit)", runs["ours"][1], runs["torch"][1])
+        ck.equal("gradient dtypes", sorted(runs["ours"][2].items()), sorted(runs["torch"][2].items()))
+        ck.equal("buffer dtypes", sorted(runs["ours"][3].items()), sorted(runs["torch"][3].items()))
+    expect_error = kind.startswith("batchnorm") and kind != "batchnorm_output_dtype_only" and not cast_buffers
+    ck.true("BatchNorm under param_dtype raises unless its buffers are cast (FSDP2 on CPU does)",
+            (runs["torch"][0] == "raised") == expect_error, str(runs["torch"][:2]))
 
 
 @cell("our_policy")
@@ -475,10 +503,6 @@ def clip_grad_norm(rank, world, ck, norm_type, strategies=None):
 # ------------------------------------------------------------------------------------------
 
 KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
-    'norm_modules[batchnorm1d]':
-        "BatchNorm running stats are buffers kept in fp32 while FSDP2's param_dtype casts the module's compute: the engine casts parameters only",
-    'norm_modules[batchnorm2d]':
-        "BatchNorm running stats are buffers kept in fp32 while FSDP2's param_dtype casts the module's compute: the engine casts parameters only",
     'our_policy':
         "megatron_fsdp_c's own MixedPrecisionPolicy with a bf16 model and fp32 main gradients: the fp32 gradient DTensor cannot be attached to a bf16 parameter (torch's grad_dtype check)",
 }

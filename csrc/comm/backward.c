@@ -70,10 +70,11 @@ static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
     const pending_grad* pg = &bk->pending[j];
     int64_t width = mfsdp_dtype_size(pg->dtype);
     for (int32_t r = 0; r < bk->owners && st == MFSDP_OK; ++r) {
-      int64_t first, n;
-      pl_piece(bk, pg->item, r, &first, &n);
-      st = pl_packer_add(&k, (const char*)pg->src + first * width, pg->dtype,
-                         pl_slot_of(bk, r) + bk->shard_offsets[pg->item], n);
+      mfsdp_runs ru;
+      pl_runs(bk, pg->item, r, &ru);
+      for (int64_t q = 0; q < ru.count && st == MFSDP_OK; ++q)
+        st = pl_packer_add(&k, (const char*)pg->src + (ru.first + q * ru.stride) * width, pg->dtype,
+                           pl_slot_of(bk, r) + bk->shard_offsets[pg->item] + q * ru.len, ru.len);
     }
   }
   if (st == MFSDP_OK) st = pl_packer_flush(&k);

@@ -131,6 +131,10 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
   /* a bucket that can train keeps main weights of its own dtype, also while frozen: unfreezing
    * then changes no weight buffer (the optimizer's parameters keep their tensors) */
   int wide_main = s->grad_mode != MFSDP_GRAD_NONE && s->main_dtype != s->param_dtype;
+  /* The main weights inside WEIGHT (pl_main_in_weight) must be one run per item: an item sharded
+   * on a dim other than 0 has its rows in several, so its bucket keeps a main shard of its own. */
+  int runs = 0;
+  for (int32_t i = 0; i < s->layout.n_items && s->layout.world > 1; ++i) runs |= bk->outers[i] > 1;
 
   MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, s->layout.weight_size, s->param_dtype, s->weights_sharded));
   if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, bk->full_size, s->param_dtype, 1));
@@ -143,8 +147,10 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, bk->gather_kind, bk->shard_start, shard));
   if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SUB, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
   /* a quantized gather overwrites this rank's rows with their dequantized values: main weights
-   * that would live there get storage of their own ([Note: quantized communication] in wire.c) */
-  if (wide_main || (bk->q_weights >= 0 && !keeps_shard) || bk->q_outer >= 0)
+   * that would live there get storage of their own ([Note: quantized communication] in wire.c);
+   * so do main weights whose items run in several pieces (`runs` above) */
+  if (wide_main || (runs && bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded) ||
+      (bk->q_weights >= 0 && !keeps_shard) || bk->q_outer >= 0)
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, sub, s->main_dtype, 0));
   else if (!(bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded)) /* else: pl_main_in_weight */
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
@@ -211,8 +217,7 @@ mfsdp_status pl_compute_holes(bucket* bk) {
     int32_t r = (slot % bk->subs) * bk->shards + slot / bk->subs; /* the owner at this slot */
     int64_t cursor = (int64_t)slot * bk->sub_size;
     for (int32_t i = 0; i < n; ++i) { /* pieces are laid out in item order */
-      int64_t first, len;
-      pl_piece(bk, i, r, &first, &len);
+      int64_t len = pl_piece_size(bk, i, r);
       if (len == 0) continue;
       int64_t start = (int64_t)slot * bk->sub_size + bk->shard_offsets[i];
       if (start > cursor) {

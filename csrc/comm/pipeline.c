@@ -113,11 +113,13 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->pieces = copy_i64(l->pieces, items);
     bk->param_offsets = copy_i64(l->param_offsets, items);
     bk->shard_offsets = copy_i64(l->shard_offsets, items);
+    bk->outers = malloc((size_t)(items ? items : 1) * sizeof *bk->outers);
+    for (int32_t k = 0; bk->outers && k < items; ++k) bk->outers[k] = mfsdp_layout_outer(l, k);
     bk->ready = calloc((size_t)(items ? items : 1), 1);
     bk->pending = calloc((size_t)(items ? items : 1), sizeof *bk->pending);
     bk->trainable = calloc((size_t)(items ? items : 1), 1);
-    if (!bk->numels || !bk->pieces || !bk->param_offsets || !bk->shard_offsets || !bk->ready || !bk->pending ||
-        !bk->trainable) {
+    if (!bk->numels || !bk->pieces || !bk->param_offsets || !bk->shard_offsets || !bk->outers || !bk->ready ||
+        !bk->pending || !bk->trainable) {
       st = MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "bucket %d tables", i);
       goto fail;
     }
@@ -125,6 +127,7 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->spec.layout.pieces = bk->pieces;
     bk->spec.layout.param_offsets = bk->param_offsets;
     bk->spec.layout.shard_offsets = bk->shard_offsets;
+    bk->spec.layout.outers = bk->outers;
     set_geometry(bk, cfg);
     pl_wire_setup(p, bk);
     if (specs[i].grad_mode != MFSDP_GRAD_NONE && !specs[i].frozen) { /* [Note: requires_grad changes] */
@@ -165,6 +168,7 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
     free(bk->pieces);
     free(bk->param_offsets);
     free(bk->shard_offsets);
+    free(bk->outers);
     free(bk->ready);
     free(bk->trainable);
     for (int32_t k = 0; bk->pending && k < bk->n_pending; ++k)
@@ -270,11 +274,12 @@ mfsdp_status mfsdp_pipeline_local_piece(const mfsdp_pipeline* p, int32_t b, int3
   if (kind != MFSDP_BUF_MAIN_SHARD && kind != MFSDP_BUF_OPT_GRAD && kind != MFSDP_BUF_GRAD_SHARD &&
       kind != MFSDP_BUF_WEIGHT_SHARD)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "local_piece: buffer kind %d is not a shard", kind);
-  int64_t first;
-  pl_piece(bk, item, bk->spec.shard_rank, &first, n);
-  if (kind == MFSDP_BUF_MAIN_SHARD && pl_main_in_weight(bk)) {
+  mfsdp_runs ru;
+  pl_runs(bk, item, bk->spec.shard_rank, &ru);
+  *n = ru.count * ru.len;
+  if (kind == MFSDP_BUF_MAIN_SHARD && pl_main_in_weight(bk)) { /* one run: see pl_create_buffers */
     *where = MFSDP_BUF_WEIGHT;
-    *offset = bk->param_offsets[item] + first;
+    *offset = bk->param_offsets[item] + ru.first;
   } else if (!bk->present[kind]) {
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no buffer of kind %d", b, kind);
   } else { /* HFSDP: this rank's sub-shard inside the collective shard */
@@ -291,8 +296,7 @@ mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t b, i
   *count = 0;
   if (!bk->has_grads || item < 0 || item >= bk->spec.layout.n_items)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d has no gradient", b, item);
-  int64_t first, n;
-  pl_piece(bk, item, bk->spec.shard_rank, &first, &n);
+  int64_t n = pl_piece_size(bk, item, bk->spec.shard_rank);
   if (n == 0) return MFSDP_OK;
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD_SHARD];
   return p->be.kernels->count_nonfinite(p->be.kernels_ctx, pl_at(g, bk->sub_start + bk->shard_offsets[item]),

@@ -59,6 +59,7 @@ typedef struct bucket {
   int64_t* pieces;
   int64_t* param_offsets;
   int64_t* shard_offsets;
+  int64_t* outers; /* blocks of each item: 1 unless sharded on a dim other than 0 ([Note: chunked layout]) */
   /* geometry: see [Note: bucket geometry] */
   int32_t shards;      /* collective shards */
   int64_t shard_size;  /* elements of one: subs * sub_size */
@@ -162,9 +163,18 @@ static inline int64_t pl_slot_of(const bucket* bk, int32_t v) {
 }
 
 /* Owner r's piece of item i (it sits at pl_slot_of(r) + shard_offsets[i] in the rank-major
- * layout): elements [*first, +*n) of the item. */
-static inline void pl_piece(const bucket* bk, int32_t i, int32_t r, int64_t* first, int64_t* n) {
-  mfsdp_piece_of(bk->numels[i], bk->pieces[i], r, first, n);
+ * layout) as runs of the item: run j is elements [first + j * stride, +len) of the item and
+ * [j * len, +len) of the piece (one run unless the item is sharded on a dim other than 0, see
+ * [Note: chunked layout] in core/mfsdp_layout.h). */
+static inline void pl_runs(const bucket* bk, int32_t i, int32_t r, mfsdp_runs* out) {
+  mfsdp_piece_runs(bk->numels[i], bk->pieces[i], bk->outers[i], r, out);
+}
+
+/* Elements of owner r's piece of item i (the rest of pieces[i] is padding). */
+static inline int64_t pl_piece_size(const bucket* bk, int32_t i, int32_t r) {
+  mfsdp_runs ru;
+  pl_runs(bk, i, r, &ru);
+  return ru.count * ru.len;
 }
 
 /* The main weights have storage of their own (a wider dtype than the compute weights). */

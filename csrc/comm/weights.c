@@ -28,10 +28,11 @@ static mfsdp_status pack_own_rows(mfsdp_pipeline* p, bucket* bk, void* dst, int3
     int32_t r = o * bk->shards + bk->own_shard;
     int64_t base = whole ? (int64_t)o * bk->sub_size : 0;
     for (int32_t i = 0; i < bk->spec.layout.n_items; ++i) {
-      int64_t first, n;
-      pl_piece(bk, i, r, &first, &n);
-      MFSDP_CHECK(
-          pl_packer_add(&k, pl_at(src, bk->param_offsets[i] + first), src->dtype, base + bk->shard_offsets[i], n));
+      mfsdp_runs ru;
+      pl_runs(bk, i, r, &ru);
+      for (int64_t j = 0; j < ru.count; ++j)
+        MFSDP_CHECK(pl_packer_add(&k, pl_at(src, bk->param_offsets[i] + ru.first + j * ru.stride), src->dtype,
+                                  base + bk->shard_offsets[i] + j * ru.len, ru.len));
     }
   }
   return pl_packer_flush(&k);
@@ -83,19 +84,21 @@ mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t b, int32_t item,
   if (bk->init == PL_INIT_FULL) return MFSDP_OK;
   /* direct: this rank's rows of the item, into the persistent shard buffers (an own WEIGHT_SHARD
    * takes its whole collective shard: under HFSDP the rows of its replicas' twins too) */
-  int64_t first, n, to = bk->shard_offsets[item];
+  int64_t to = bk->shard_offsets[item], width = mfsdp_dtype_size(src_dtype);
+  mfsdp_runs ru;
   if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
     for (int32_t o = 0; o < bk->subs; ++o) {
-      pl_piece(bk, item, o * bk->shards + bk->own_shard, &first, &n);
-      if (n > 0)
-        MFSDP_CHECK(k->copy(p->be.kernels_ctx, pl_at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], (int64_t)o * bk->sub_size + to),
-                            bk->spec.param_dtype, (const char*)src + first * mfsdp_dtype_size(src_dtype), src_dtype, n,
-                            1.0));
+      pl_runs(bk, item, o * bk->shards + bk->own_shard, &ru);
+      for (int64_t j = 0; j < ru.count; ++j)
+        MFSDP_CHECK(k->copy(p->be.kernels_ctx,
+                            pl_at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], (int64_t)o * bk->sub_size + to + j * ru.len),
+                            bk->spec.param_dtype, (const char*)src + (ru.first + j * ru.stride) * width, src_dtype,
+                            ru.len, 1.0));
     }
-  pl_piece(bk, item, bk->spec.shard_rank, &first, &n);
-  if (n > 0 && pl_own_main(bk))
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, pl_at(&bk->buf[MFSDP_BUF_MAIN_SHARD], to), bk->spec.main_dtype,
-                        (const char*)src + first * mfsdp_dtype_size(src_dtype), src_dtype, n, 1.0));
+  pl_runs(bk, item, bk->spec.shard_rank, &ru);
+  for (int64_t j = 0; j < ru.count && pl_own_main(bk); ++j)
+    MFSDP_CHECK(k->copy(p->be.kernels_ctx, pl_at(&bk->buf[MFSDP_BUF_MAIN_SHARD], to + j * ru.len), bk->spec.main_dtype,
+                        (const char*)src + (ru.first + j * ru.stride) * width, src_dtype, ru.len, 1.0));
   return MFSDP_OK;
 }
 
@@ -107,8 +110,9 @@ mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t b, int32_t item
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: set_local outside init_begin(direct)/init_end", b);
   if (item < 0 || item >= bk->spec.layout.n_items)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no item %d", b, item);
-  int64_t first, n;
-  pl_piece(bk, item, bk->spec.shard_rank, &first, &n);
+  mfsdp_runs ru;
+  pl_runs(bk, item, bk->spec.shard_rank, &ru);
+  int64_t n = ru.count * ru.len;
   if (numel != n)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT,
                       "bucket %d item %d: %lld local elements given, this rank holds %lld", b, item, (long long)numel,
@@ -123,8 +127,11 @@ mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t b, int32_t item
     MFSDP_CHECK(k->copy(p->be.kernels_ctx, pl_at(&bk->buf[MFSDP_BUF_MAIN_SHARD], to), bk->spec.main_dtype, src,
                         src_dtype, n, 1.0));
   if (!bk->spec.weights_sharded) /* persistent full weights: this rank's rows (a gather brings the rest) */
-    MFSDP_CHECK(k->copy(p->be.kernels_ctx, pl_at(&bk->buf[MFSDP_BUF_WEIGHT], bk->param_offsets[item] + first),
-                        bk->spec.param_dtype, src, src_dtype, n, 1.0));
+    for (int64_t j = 0; j < ru.count; ++j)
+      MFSDP_CHECK(k->copy(p->be.kernels_ctx,
+                          pl_at(&bk->buf[MFSDP_BUF_WEIGHT], bk->param_offsets[item] + ru.first + j * ru.stride),
+                          bk->spec.param_dtype, (const char*)src + j * ru.len * mfsdp_dtype_size(src_dtype), src_dtype,
+                          ru.len, 1.0));
   return MFSDP_OK;
 }
 
@@ -192,10 +199,11 @@ static mfsdp_status copy_out(mfsdp_pipeline* p, bucket* bk) {
   for (int32_t i = 0; i < bk->spec.layout.n_items; ++i)
     for (int32_t r = 0; r < bk->owners; ++r) {
       if (r == skip) continue;
-      int64_t first, n;
-      pl_piece(bk, i, r, &first, &n);
-      MFSDP_CHECK(pl_packer_add(&k, pl_at(g, pl_slot_of(bk, r) + bk->shard_offsets[i]), g->dtype,
-                                bk->param_offsets[i] + first, n));
+      mfsdp_runs ru;
+      pl_runs(bk, i, r, &ru);
+      for (int64_t j = 0; j < ru.count; ++j)
+        MFSDP_CHECK(pl_packer_add(&k, pl_at(g, pl_slot_of(bk, r) + bk->shard_offsets[i] + j * ru.len), g->dtype,
+                                  bk->param_offsets[i] + ru.first + j * ru.stride, ru.len));
     }
   return pl_packer_flush(&k);
 }

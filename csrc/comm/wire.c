@@ -173,11 +173,12 @@ mfsdp_status pl_wire_finish_gather(mfsdp_pipeline* p, bucket* bk) {
                0, {{0}}};
   for (int32_t i = 0; i < bk->spec.layout.n_items; ++i)
     for (int32_t r = 0; r < bk->owners; ++r) {
-      int64_t first, n;
-      pl_piece(bk, i, r, &first, &n);
-      MFSDP_CHECK(qpacker_add(&k, wire + (r % bk->shards) * bk->q_gather_piece,
-                              (int64_t)(r / bk->shards) * bk->sub_size + bk->shard_offsets[i],
-                              bk->param_offsets[i] + first, n));
+      mfsdp_runs ru; /* one run per block of an item sharded on an inner dim ([Note: chunked layout]) */
+      pl_runs(bk, i, r, &ru);
+      for (int64_t j = 0; j < ru.count; ++j)
+        MFSDP_CHECK(qpacker_add(&k, wire + (r % bk->shards) * bk->q_gather_piece,
+                                (int64_t)(r / bk->shards) * bk->sub_size + bk->shard_offsets[i] + j * ru.len,
+                                bk->param_offsets[i] + ru.first + j * ru.stride, ru.len));
     }
   MFSDP_CHECK(qpacker_flush(&k));
   return pl_release(p, bk, MFSDP_BUF_GATHER_WIRE);

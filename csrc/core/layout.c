@@ -16,11 +16,22 @@ void mfsdp_piece_of(int64_t numel, int64_t piece, int32_t rank, int64_t* first, 
   *n = z - a;
 }
 
+void mfsdp_piece_runs(int64_t numel, int64_t piece, int64_t outer, int32_t rank, mfsdp_runs* out) {
+  if (outer < 1) outer = 1;
+  int64_t len;
+  mfsdp_piece_of(numel / outer, piece / outer, rank, &out->first, &len);
+  out->len = len;
+  out->count = len > 0 ? outer : 0;
+  out->stride = numel / outer;
+}
+
 int mfsdp_layout_is_identity(const mfsdp_bucket_layout* l) {
   if (l->world == 1) return 1; /* built so: pieces are whole items, shard offsets = param offsets */
   return l->n_items == 1 && l->param_offsets[0] == 0 && l->shard_offsets[0] == 0 && l->shard_size == l->pieces[0] &&
-         l->pieces[0] * l->world == l->numels[0];
+         l->pieces[0] * l->world == l->numels[0] && mfsdp_layout_outer(l, 0) == 1;
 }
+
+static int64_t outer_of(const mfsdp_param_info* p) { return p->outer > 1 ? p->outer : 1; }
 
 typedef struct group_builder {
   int32_t unit, dtype, requires_grad, replicated;
@@ -35,6 +46,7 @@ static void free_bucket(mfsdp_bucket_plan* b) {
   free((void*)b->layout.pieces);
   free((void*)b->layout.param_offsets);
   free((void*)b->layout.shard_offsets);
+  free((void*)b->layout.outers);
   memset(b, 0, sizeof *b);
 }
 
@@ -67,23 +79,25 @@ static mfsdp_status layout_bucket(mfsdp_bucket_plan* b, const group_builder* g, 
   int64_t* pieces = malloc(count * sizeof *pieces);
   int64_t* param_offsets = malloc(count * sizeof *param_offsets);
   int64_t* shard_offsets = malloc(count * sizeof *shard_offsets);
+  int64_t* outers = malloc(count * sizeof *outers);
   b->unit = g->unit;
   b->dtype = g->dtype;
   b->requires_grad = g->requires_grad;
   b->replicated = g->replicated;
   b->params = malloc(count * sizeof *b->params);
   b->row_sizes = malloc(count * sizeof *b->row_sizes);
-  b->layout = (mfsdp_bucket_layout){world, n, numels, pieces, param_offsets, shard_offsets, 0, 0};
-  if (!b->params || !b->row_sizes || !numels || !pieces || !param_offsets || !shard_offsets)
+  b->layout = (mfsdp_bucket_layout){world, n, numels, pieces, param_offsets, shard_offsets, 0, 0, outers};
+  if (!b->params || !b->row_sizes || !numels || !pieces || !param_offsets || !shard_offsets || !outers)
     return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "bucket of %d items", n);
   int64_t weight_cursor = 0, shard_cursor = 0;
   for (int32_t i = 0; i < n; ++i) {
     const mfsdp_param_info* p = &params[items[i]];
-    int64_t rows = p->numel / p->row;
+    int64_t outer = outer_of(p), rows = p->numel / (outer * p->row);
     b->params[i] = items[i];
     b->row_sizes[i] = p->row;
     numels[i] = p->numel;
-    pieces[i] = world == 1 ? p->numel : (rows + world - 1) / world * p->row;
+    outers[i] = outer;
+    pieces[i] = world == 1 ? p->numel : outer * ((rows + world - 1) / world) * p->row;
     param_offsets[i] = align_up(weight_cursor, align);
     shard_offsets[i] = world == 1 ? param_offsets[i] : align_up(shard_cursor, align);
     weight_cursor = param_offsets[i] + numels[i];
@@ -132,9 +146,9 @@ mfsdp_status mfsdp_plan_build(const mfsdp_param_info* params, int32_t n_params, 
     const mfsdp_param_info* p = &params[i];
     if (!mfsdp_dtype_valid(p->dtype))
       return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "parameter %d has unsupported dtype code %d", i, p->dtype);
-    if (p->numel < 0 || p->row < 1 || p->numel % p->row != 0)
-      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "parameter %d: numel %lld is not whole rows of %lld", i,
-                        (long long)p->numel, (long long)p->row);
+    if (p->numel < 0 || p->row < 1 || p->outer < 0 || p->numel % (outer_of(p) * p->row) != 0)
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "parameter %d: numel %lld is not %lld blocks of whole rows of %lld",
+                        i, (long long)p->numel, (long long)outer_of(p), (long long)p->row);
   }
 
   group_builder* groups = calloc((size_t)(n_params ? n_params : 1), sizeof *groups);
@@ -186,7 +200,13 @@ mfsdp_status mfsdp_layout_validate(const mfsdp_bucket_layout* l, const int64_t* 
     if (numel < 0 || piece < 0 || (numel > 0 && piece == 0) || piece * l->world < numel)
       return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "layout item %d: %lld elements in pieces of %lld", i,
                         (long long)numel, (long long)piece);
-    if (row_sizes && (piece % row_sizes[i] != 0 || numel % row_sizes[i] != 0))
+    int64_t outer = mfsdp_layout_outer(l, i);
+    if (l->outers != NULL && l->outers[i] < 1)
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "layout item %d: %lld blocks", i, (long long)l->outers[i]);
+    if (piece % outer != 0 || numel % outer != 0)
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "layout item %d: %lld elements / piece %lld are not %lld blocks", i,
+                        (long long)numel, (long long)piece, (long long)outer);
+    if (row_sizes && (piece % (outer * row_sizes[i]) != 0 || numel % (outer * row_sizes[i]) != 0))
       return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "layout item %d: piece %lld splits a row of %lld", i,
                         (long long)piece, (long long)row_sizes[i]);
     if (l->param_offsets[i] < 0 || l->param_offsets[i] + numel > l->weight_size || l->shard_offsets[i] < 0 ||
@@ -222,11 +242,11 @@ mfsdp_status mfsdp_plan_validate(const mfsdp_plan* plan, const mfsdp_param_info*
       }
       seen[p] = 1;
       const mfsdp_param_info* info = &params[p];
-      int64_t rows = info->numel / info->row;
-      int64_t want_piece = l->world == 1 ? info->numel : (rows + l->world - 1) / l->world * info->row;
+      int64_t outer = outer_of(info), rows = info->numel / (outer * info->row);
+      int64_t want_piece = l->world == 1 ? info->numel : outer * ((rows + l->world - 1) / l->world) * info->row;
       if (info->dtype != b->dtype || info->unit != b->unit || !!info->requires_grad != b->requires_grad ||
           !!info->replicated != b->replicated || l->numels[i] != info->numel || b->row_sizes[i] != info->row ||
-          l->pieces[i] != want_piece) {
+          mfsdp_layout_outer(l, i) != outer || l->pieces[i] != want_piece) {
         st = MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d item %d: key, shape or piece mismatch", bi, i);
         goto exit;
       }

@@ -21,6 +21,14 @@
  * bucket is not sharded (world 1), or holds one parameter whose pieces need no padding: then a
  * gather runs in place and nothing is copied (mfsdp_layout_is_identity).
  *
+ * A parameter sharded on another dim d (torch's Shard(d), e.g. for Muon-style optimizers) is
+ * `outer` = shape[:d].numel() blocks, each of whole rows of dim d (a row is shape[d+1:].numel()
+ * elements); every block is split by the same torch.chunk rule, and a rank's piece is its rows
+ * of every block, block after block: rank r's piece is exactly torch.chunk(w, world, dim=d)[r]
+ * made contiguous, the local tensor of torch's Shard(d) DTensor. In the parameter-major layout
+ * its rows of block j start at j * (rows * row) + r * c * row (mfsdp_piece_runs), so a copy
+ * between the layouts moves `outer` runs per rank instead of one; dim 0 is outer = 1.
+ *
  * Grouping: parameters are grouped by the key (unit, dtype, requires_grad, replicated), groups
  * in first-seen order, items in registration order. Groups outside every unit are cut into
  * buckets of at most bucket_cap elements. Offsets in both layouts and the shard size are
@@ -28,6 +36,7 @@
 #ifndef MFSDP_LAYOUT_H
 #define MFSDP_LAYOUT_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "mfsdp_status.h"
@@ -43,6 +52,7 @@ typedef struct mfsdp_param_info {
   int32_t unit;          /* FSDP unit index, -1 outside every unit */
   int32_t requires_grad;
   int32_t replicated;    /* fsdp_no_shard: one full copy per rank, never sharded */
+  int64_t outer;         /* blocks before the sharded dim: shape[:d].numel() for Shard(d); 0 or 1: dim 0 */
 } mfsdp_param_info;
 
 /* Where a bucket's items live; shared by the planner and the pipeline. */
@@ -55,12 +65,13 @@ typedef struct mfsdp_bucket_layout {
   const int64_t* shard_offsets; /* start of each item's piece inside every shard */
   int64_t weight_size;          /* parameter-major elements */
   int64_t shard_size;           /* rank-major elements per rank; world * shard_size in all */
+  const int64_t* outers;        /* blocks of each item (see [Note: chunked layout]); NULL: 1 each */
 } mfsdp_bucket_layout;
 
 typedef struct mfsdp_bucket_plan {
   int32_t unit, dtype, requires_grad, replicated;
   int32_t* params;     /* caller's parameter indices, in layout order */
-  int64_t* row_sizes;  /* elements per dim-0 row of each item */
+  int64_t* row_sizes;  /* elements per row (one index of the sharded dim) of each item */
   mfsdp_bucket_layout layout; /* its arrays are owned by the plan */
 } mfsdp_bucket_plan;
 
@@ -80,6 +91,21 @@ void mfsdp_plan_free(mfsdp_plan* plan);
 /* Rank `rank`'s rows of an item of `numel` elements cut in pieces of `piece` elements:
  * elements [*first, *first + *n) of the item; *n is 0 for a rank past the last row. */
 void mfsdp_piece_of(int64_t numel, int64_t piece, int32_t rank, int64_t* first, int64_t* n);
+
+/* Rank `rank`'s rows of an item of `numel` elements in `outer` blocks (1: sharded on dim 0), cut
+ * in pieces of `piece` elements (all blocks together), as `count` runs of `len` elements: run j
+ * is elements [first + j * stride, +len) of the item (parameter-major) and elements
+ * [j * len, +len) of the rank's piece (rank-major). count is 0 for a rank past the last row;
+ * with outer = 1 there is one run, mfsdp_piece_of's. */
+typedef struct mfsdp_runs {
+  int64_t first, len, count, stride;
+} mfsdp_runs;
+void mfsdp_piece_runs(int64_t numel, int64_t piece, int64_t outer, int32_t rank, mfsdp_runs* out);
+
+/* Item i's blocks in `layout` (1 when it has no outers table). */
+static inline int64_t mfsdp_layout_outer(const mfsdp_bucket_layout* layout, int32_t i) {
+  return layout->outers != NULL && layout->outers[i] > 1 ? layout->outers[i] : 1;
+}
 
 /* 1 when the rank-major and parameter-major layouts are the same memory order. */
 int mfsdp_layout_is_identity(const mfsdp_bucket_layout* layout);

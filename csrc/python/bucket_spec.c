@@ -46,6 +46,7 @@ static void free_spec(mfsdp_bucket_spec* s) {
   PyMem_Free((void*)s->layout.pieces);
   PyMem_Free((void*)s->layout.param_offsets);
   PyMem_Free((void*)s->layout.shard_offsets);
+  PyMem_Free((void*)s->layout.outers);
   memset(&s->layout, 0, sizeof s->layout);
 }
 
@@ -103,6 +104,16 @@ static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
     free_spec(s);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bucket spec: item tables of different lengths");
     return -1;
+  }
+  /* optional: blocks of each item ([Note: chunked layout]); absent, every item is sharded on dim 0 */
+  if (PyDict_GetItemString(d, "outers") != NULL) {
+    int32_t n_outers = 0;
+    s->layout.outers = dict_i64s(d, "outers", &n_outers);
+    if (s->layout.outers == NULL || n_outers != n[0]) {
+      free_spec(s);
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bucket spec: item tables of different lengths");
+      return -1;
+    }
   }
   return 0;
 }

@@ -6,10 +6,11 @@
 PyDoc_STRVAR(plan_doc,
              "plan(params, shard_world, rank, bucket_cap, align_bytes) -> list[dict]\n\n"
              "Groups parameters into buckets and lays each out (csrc/core/mfsdp_layout.h).\n"
-             "params: sequence of (numel, row, dtype_code, unit, requires_grad, replicated).\n"
+             "params: sequence of (numel, row, dtype_code, unit, requires_grad, replicated[, outer]);\n"
+             "outer: the blocks before the sharded dim (shape[:d].numel() for Shard(d); 1: dim 0).\n"
              "Each bucket dict carries its key, item parameter indices, both layouts (param_offsets,\n"
-             "shard_offsets, pieces, weight_size, shard_size) and `local`: (first, n) of this rank's\n"
-             "rows of every item. The plan is validated.");
+             "shard_offsets, pieces, outers, weight_size, shard_size) and `local`: (first, n) of this\n"
+             "rank's rows of every item (first: of its first run, n: all of them). The plan is validated.");
 
 static PyObject* to_tuple_i64(const int64_t* v, int32_t n) {
   PyObject* t = PyTuple_New(n);
@@ -34,13 +35,14 @@ static PyObject* bucket_to_dict(const mfsdp_bucket_plan* b, int32_t rank) {
   PyObject* param_offsets = to_tuple_i64(l->param_offsets, l->n_items);
   PyObject* shard_offsets = to_tuple_i64(l->shard_offsets, l->n_items);
   PyObject* row_sizes = to_tuple_i64(b->row_sizes, l->n_items);
+  PyObject* outers = to_tuple_i64(l->outers, l->n_items);
   PyObject* d = NULL;
-  if (!params || !local || !numels || !pieces || !param_offsets || !shard_offsets || !row_sizes) goto exit;
+  if (!params || !local || !numels || !pieces || !param_offsets || !shard_offsets || !row_sizes || !outers) goto exit;
   for (int32_t i = 0; i < l->n_items; ++i) {
-    int64_t first, n;
-    mfsdp_piece_of(l->numels[i], l->pieces[i], r, &first, &n);
+    mfsdp_runs ru;
+    mfsdp_piece_runs(l->numels[i], l->pieces[i], mfsdp_layout_outer(l, i), r, &ru);
     PyObject* p = PyLong_FromLong(b->params[i]);
-    PyObject* s = Py_BuildValue("(LL)", (long long)first, (long long)n);
+    PyObject* s = Py_BuildValue("(LL)", (long long)ru.first, (long long)(ru.count * ru.len));
     if (!p || !s) {
       Py_XDECREF(p);
       Py_XDECREF(s);
@@ -56,7 +58,9 @@ static PyObject* bucket_to_dict(const mfsdp_bucket_plan* b, int32_t rank) {
                     shard_offsets, "row_sizes", row_sizes, "weight_size", (long long)l->weight_size, "shard_size",
                     (long long)l->shard_size, "bucket_size", (long long)l->world * l->shard_size, "n_items",
                     l->n_items, "local", local);
-  if (d && PyDict_SetItemString(d, "identity", mfsdp_layout_is_identity(l) ? Py_True : Py_False) < 0) Py_CLEAR(d);
+  if (d && (PyDict_SetItemString(d, "identity", mfsdp_layout_is_identity(l) ? Py_True : Py_False) < 0 ||
+            PyDict_SetItemString(d, "outers", outers) < 0))
+    Py_CLEAR(d);
 exit:
   Py_XDECREF(params);
   Py_XDECREF(local);
@@ -65,6 +69,7 @@ exit:
   Py_XDECREF(param_offsets);
   Py_XDECREF(shard_offsets);
   Py_XDECREF(row_sizes);
+  Py_XDECREF(outers);
   return d;
 }
 
@@ -86,12 +91,16 @@ static PyObject* py_plan(PyObject* module, PyObject* args) {
     goto exit;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    long long numel, row;
+    long long numel, row, outer = 1;
     int dtype, unit, rg, rep;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "LLiiii:plan entry", &numel, &row, &dtype, &unit, &rg,
-                          &rep))
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "LLiiii|L:plan entry", &numel, &row, &dtype, &unit, &rg,
+                          &rep, &outer))
       goto exit;
-    infos[i] = (mfsdp_param_info){numel, row, dtype, unit, rg, rep};
+    if (outer < 1) {
+      PyErr_Format(PyExc_ValueError, "plan entry %zd: outer %lld < 1", i, outer);
+      goto exit;
+    }
+    infos[i] = (mfsdp_param_info){numel, row, dtype, unit, rg, rep, outer};
   }
   mfsdp_status s = mfsdp_plan_build(infos, (int32_t)n, shard_world, cap, align_bytes, &plan);
   if (s == MFSDP_OK) s = mfsdp_plan_validate(&plan, infos, (int32_t)n);

@@ -44,6 +44,7 @@ typedef struct pipe_case {
   int per_token;     /* prescale 1 (sum) instead of 1/world */
   int fail_after;    /* inject a collective failure; -1: none */
   int direct_init;   /* initialise shards directly (meta-device path) */
+  int blocked;       /* items sharded on an inner dim: BLOCKED's outers ([Note: chunked layout]) */
 } pipe_case;
 
 typedef struct pipe_thread {
@@ -57,6 +58,20 @@ typedef struct pipe_thread {
 
 static const int64_t SHAPES[][2] = {{12, 4}, {5, 1}, {6, 2}, {3, 1}, {8, 8}};
 #define N_ITEMS 5
+/* (numel, row, outer) for the blocked cases: torch's Shard(1) of shapes (3, 4, 2), (5,), (2, 6, 3),
+ * (8, 1) -- one row per block, so every rank but the first holds nothing -- and Shard(0) of (1, 8). */
+static const int64_t BLOCKED[N_ITEMS][3] = {{24, 2, 3}, {5, 1, 1}, {36, 3, 2}, {8, 1, 8}, {8, 8, 1}};
+
+/* Rank r's piece of item i as runs ([Note: chunked layout]); its element count. */
+static int64_t piece_runs(const mfsdp_bucket_layout* L, int i, int r, mfsdp_runs* ru) {
+  mfsdp_piece_runs(L->numels[i], L->pieces[i], mfsdp_layout_outer(L, i), r, ru);
+  return ru->count * ru->len;
+}
+
+/* The item element at position k of a piece (rank-major) given as runs. */
+static int64_t piece_elem(const mfsdp_runs* ru, int64_t k) {
+  return ru->first + (k / ru->len) * ru->stride + k % ru->len;
+}
 
 static double init_value(int item, int64_t j) { return 0.25 * item + 0.001 * (double)j; }
 static double grad_value(int rank, int mb, int item, int64_t j) {
@@ -72,7 +87,8 @@ static void* pipe_worker(void* arg) {
   int W = c->world, r = t->rank;
   mfsdp_param_info infos[N_ITEMS];
   for (int i = 0; i < N_ITEMS; ++i)
-    infos[i] = (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0};
+    infos[i] = c->blocked ? (mfsdp_param_info){BLOCKED[i][0], BLOCKED[i][1], c->param_dtype, 0, 1, 0, BLOCKED[i][2]}
+                          : (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0, 1};
   int shard_world = c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
   mfsdp_plan plan;
   CHECK_OK(mfsdp_plan_build(infos, N_ITEMS, shard_world, 0, 16, &plan));
@@ -172,16 +188,20 @@ static void* pipe_worker(void* arg) {
   double scale = c->op == MFSDP_REDUCE_AVG ? 1.0 / W : prescale;
   double tol = tolerance(c->comm_dtype) + tolerance(c->grad_dtype);
   wrong = 0;
-  for (int i = 0; i < L->n_items; ++i) { /* this rank's rows of each item: its Shard(0) piece */
+  for (int i = 0; i < L->n_items; ++i) { /* this rank's rows of each item: its Shard(d) piece, run after run */
     int32_t where;
-    int64_t at_off, first, n;
+    int64_t at_off, n;
     CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_OPT_GRAD, &where, &at_off, &n));
-    mfsdp_piece_of(L->numels[i], L->pieces[i], spec.shard_rank, &first, &n);
-    for (int64_t j = first; j < first + n; ++j) {
+    mfsdp_runs ru;
+    mfsdp_piece_runs(L->numels[i], L->pieces[i], mfsdp_layout_outer(L, i), spec.shard_rank, &ru);
+    CHECK(n == ru.count * ru.len, "%s rank %d item %d: local piece of %lld elements, runs of %lld", c->name, r, i,
+          (long long)n, (long long)(ru.count * ru.len));
+    for (int64_t at = 0; at < ru.count * ru.len; ++at) {
+      int64_t j = ru.first + (at / (ru.len ? ru.len : 1)) * ru.stride + at % (ru.len ? ru.len : 1); /* in the item */
       double want = 0;
       for (int mb = 0; mb < c->micro; ++mb)
         for (int k = 0; k < W; ++k) want += grad_value(k, mb, bp->params[i], j) * scale;
-      double got = load_as_double(og->data, c->main_dtype, at_off + j - first);
+      double got = load_as_double(og->data, c->main_dtype, at_off + at);
       if (fabs(got - want) > tol * (fabs(want) + 1e-3)) {
         if (wrong < 3) fprintf(stderr, "  %s rank %d item %d elem %lld: got %g want %g\n", c->name, r, i, (long long)j, got, want);
         wrong++;
@@ -273,6 +293,12 @@ void run_pipeline_cases(const pipe_rig* rig, int max_world, int force_comm) {
         {"zero3 direct init", world, RSA, 1, 0, 1, 0, F, F, F, F, SUM, 0, -1, 1},
         {"zero3 direct init bf16 + fp32 main", world, RSA, 1, 0, 1, 0, B, F, F, F, SUM, 0, -1, 1},
         {"zero1 direct init", world, RSI, 0, 1, 1, 0, F, F, F, F, SUM, 0, -1, 1},
+        /* items sharded on an inner dim: every copy between the layouts moves one run per block */
+        {"zero3 blocked", world, RSA, 1, 0, 2, 0, F, F, F, F, SUM, 0, -1, 0, 1},
+        {"zero3 blocked direct init bf16 + fp32 main", world, RSA, 1, 0, 1, 0, B, F, F, F, SUM, 0, -1, 1, 1},
+        {"zero2 blocked", world, RSA, 0, 1, 2, 0, F, F, F, F, SUM, 0, -1, 0, 1},
+        {"zero1 blocked direct init", world, RSI, 0, 1, 3, 1, F, F, F, F, SUM, 0, -1, 1, 1},
+        {"no_shard blocked", world, AR, 0, 0, 2, 1, F, F, F, F, SUM, 0, -1, 0, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) run_pipe_case(&cases[k], rig, force_comm);
   }
@@ -295,6 +321,7 @@ typedef struct quant_case {
   int64_t block;
   int op;
   int direct_init;
+  int blocked; /* BLOCKED's items: sharded on an inner dim */
 } quant_case;
 
 typedef struct quant_thread {
@@ -335,10 +362,11 @@ static void q_expected_weights(const quant_case* c, const mfsdp_bucket_plan* bp,
   for (int32_t r = 0; r < L->world; ++r) {
     memset(shard, 0, (size_t)(S * esz));
     for (int i = 0; i < L->n_items; ++i) {
-      int64_t first, n;
-      mfsdp_piece_of(L->numels[i], L->pieces[i], r, &first, &n);
+      mfsdp_runs ru;
+      int64_t n = piece_runs(L, i, r, &ru);
       for (int64_t k = 0; k < n; ++k)
-        store_from_double(shard, c->main_dtype, L->shard_offsets[i] + k, q_main_value(c, bp->params[i], first + k, steps));
+        store_from_double(shard, c->main_dtype, L->shard_offsets[i] + k,
+                          q_main_value(c, bp->params[i], piece_elem(&ru, k), steps));
     }
     if (quantized) {
       CHECK_OK(mfsdp_cpu_quantize(wire, c->wmode, c->block, shard, c->main_dtype, S, 1));
@@ -347,10 +375,11 @@ static void q_expected_weights(const quant_case* c, const mfsdp_bucket_plan* bp,
       CHECK_OK(mfsdp_cpu_copy(deq, c->param_dtype, shard, c->main_dtype, S, 1.0));
     }
     for (int i = 0; i < L->n_items; ++i) {
-      int64_t first, n;
-      mfsdp_piece_of(L->numels[i], L->pieces[i], r, &first, &n);
-      if (n > 0)
-        memcpy((char*)out + (L->param_offsets[i] + first) * psz, deq + L->shard_offsets[i] * psz, (size_t)(n * psz));
+      mfsdp_runs ru;
+      piece_runs(L, i, r, &ru);
+      for (int64_t j = 0; j < ru.count; ++j)
+        memcpy((char*)out + (L->param_offsets[i] + ru.first + j * ru.stride) * psz,
+               deq + (L->shard_offsets[i] + j * ru.len) * psz, (size_t)(ru.len * psz));
     }
   }
   free(shard);
@@ -372,10 +401,10 @@ static void q_stage(const quant_case* c, const mfsdp_bucket_plan* bp, int r, dou
     if (mb_only >= 0 && mb != mb_only) continue;
     for (int i = 0; i < L->n_items; ++i)
       for (int32_t o = 0; o < L->world; ++o) {
-        int64_t first, n;
-        mfsdp_piece_of(L->numels[i], L->pieces[i], o, &first, &n);
+        mfsdp_runs ru;
+        int64_t n = piece_runs(L, i, o, &ru);
         float* g = malloc((size_t)(n + 1) * sizeof *g);
-        for (int64_t k = 0; k < n; ++k) g[k] = (float)grad_value(r, mb, bp->params[i], first + k);
+        for (int64_t k = 0; k < n; ++k) g[k] = (float)grad_value(r, mb, bp->params[i], piece_elem(&ru, k));
         void* dst = (char*)local + ((int64_t)o * L->shard_size + L->shard_offsets[i]) * mfsdp_dtype_size(gdt);
         if (c->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE)
           CHECK_OK(mfsdp_cpu_copy(dst, gdt, g, MFSDP_F32, n, prescale));
@@ -416,7 +445,9 @@ static void* quant_worker(void* arg) {
   const quant_case* c = t->c;
   int W = c->world, r = t->rank;
   mfsdp_param_info infos[N_ITEMS];
-  for (int i = 0; i < N_ITEMS; ++i) infos[i] = (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0};
+  for (int i = 0; i < N_ITEMS; ++i)
+    infos[i] = c->blocked ? (mfsdp_param_info){BLOCKED[i][0], BLOCKED[i][1], c->param_dtype, 0, 1, 0, BLOCKED[i][2]}
+                          : (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0, 1};
   int shard_world = c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
   mfsdp_plan plan;
   CHECK_OK(mfsdp_plan_build(infos, N_ITEMS, shard_world, 0, 16, &plan));
@@ -523,9 +554,10 @@ static void* quant_worker(void* arg) {
   int64_t wrong = 0, checked = 0;
   for (int i = 0; i < L->n_items; ++i) {
     int32_t where;
-    int64_t off, first, n;
+    int64_t off, n;
     CHECK_OK(mfsdp_pipeline_local_piece(p, 0, i, MFSDP_BUF_OPT_GRAD, &where, &off, &n));
-    mfsdp_piece_of(L->numels[i], L->pieces[i], spec.shard_rank, &first, &n);
+    mfsdp_runs ru;
+    n = piece_runs(L, i, spec.shard_rank, &ru);
     int64_t at = (c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 0 : (int64_t)r * S) + L->shard_offsets[i];
     for (int64_t k = 0; k < n; ++k) {
       double g = load_as_double(ref, gdt, at + k), got = load_as_double(og->data, c->main_dtype, off + k);
@@ -533,13 +565,13 @@ static void* quant_worker(void* arg) {
       if (!qg) { /* plain gradients: the exact sum, to the collectives' rounding */
         double exact = 0;
         for (int mb = 0; mb < c->micro; ++mb)
-          for (int q = 0; q < W; ++q) exact += grad_value(q, mb, bp->params[i], first + k) * prescale * alpha;
+          for (int q = 0; q < W; ++q) exact += grad_value(q, mb, bp->params[i], piece_elem(&ru, k)) * prescale * alpha;
         expect = fabs(got - exact) <= 1e-5 * (fabs(exact) + 1e-3) ? got : exact;
       }
       checked++;
       if (got != expect && wrong++ < 3)
         fprintf(stderr, "  %s world %d rank %d item %d elem %lld: got %.9g want %.9g\n", c->name, W, r, i,
-                (long long)(first + k), got, expect);
+                (long long)piece_elem(&ru, k), got, expect);
     }
   }
   free(ref);
@@ -587,6 +619,10 @@ void run_quantized_cases(const pipe_rig* rig, int max_world, int force_comm) {
         {"zero1 bf16 int4 weights float64 grads", world, RSI, 0, 1, 2, B, F, D, I4, I8, 2, SUM, 0},
         {"no_shard int8 grads x2", world, AR, 0, 0, 2, F, F, F, -1, I8, 3, SUM, 0},
         {"no_shard int4 grads avg", world, AR, 0, 0, 1, B, F, F, I8, I4, 64, AVG, 0},
+        /* items sharded on an inner dim: the fused dequantizing copy-out moves one run per block */
+        {"zero3 blocked int8 weights int8 grads", world, RSA, 1, 0, 2, F, F, F, I8, I8, 6, SUM, 0, 1},
+        {"zero3 blocked bf16 int4 weights, direct init", world, RSA, 1, 0, 1, B, F, F, I4, -1, 4, SUM, 1, 1},
+        {"zero1 blocked int8 weights fp8 grads", world, RSI, 0, 1, 2, F, F, F, I8, E4, 5, SUM, 0, 1},
     };
     for (size_t k = 0; k < sizeof list / sizeof list[0]; ++k) {
       const quant_case* c = &list[k];

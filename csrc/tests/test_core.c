@@ -583,6 +583,75 @@ static void test_quant(void) {
 /* ------------------------------------------------------------------------------------------ */
 /* layout */
 
+/* Rank r's piece of a (outer, rows, row) tensor sharded on dim 1 as torch makes it:
+ * torch.chunk(w, world, dim=1)[r].contiguous(), as the item's element indices, in order. */
+static int64_t chunk_reference(int64_t outer, int64_t rows, int64_t row, int world, int r, int64_t* out) {
+  int64_t c = (rows + world - 1) / world, lo = r * c < rows ? r * c : rows, hi = lo + c < rows ? lo + c : rows, n = 0;
+  for (int64_t b = 0; b < outer; ++b)
+    for (int64_t q = lo; q < hi; ++q)
+      for (int64_t e = 0; e < row; ++e) out[n++] = (b * rows + q) * row + e;
+  return n;
+}
+
+/* [Note: chunked layout]'s blocks: a parameter sharded on a dim other than 0. */
+static void test_chunked_layout(void) {
+  /* mfsdp_piece_runs against torch.chunk along dim 1, even and uneven, rows fewer than ranks */
+  static const int64_t shapes[][3] = {{3, 4, 2}, {2, 6, 3}, {8, 1, 1}, {5, 7, 1}, {1, 9, 4}, {4, 2, 5}};
+  int64_t want[512];
+  for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; ++k)
+    for (int world = 1; world <= 4; ++world) {
+      int64_t outer = shapes[k][0], rows = shapes[k][1], row = shapes[k][2], numel = outer * rows * row;
+      int64_t piece = outer * ((rows + world - 1) / world) * row;
+      for (int r = 0; r < world; ++r) {
+        int64_t n = chunk_reference(outer, rows, row, world, r, want), wrong = 0;
+        mfsdp_runs ru;
+        mfsdp_piece_runs(numel, piece, outer, r, &ru);
+        CHECK(ru.count * ru.len == n && ru.count * ru.len <= piece,
+              "shape (%lld, %lld, %lld) world %d rank %d: %lld x %lld elements, torch.chunk has %lld", (long long)outer,
+              (long long)rows, (long long)row, world, r, (long long)ru.count, (long long)ru.len, (long long)n);
+        for (int64_t q = 0; q < ru.count && ru.count * ru.len == n; ++q)
+          for (int64_t e = 0; e < ru.len; ++e) wrong += ru.first + q * ru.stride + e != want[q * ru.len + e];
+        CHECK(wrong == 0, "shape (%lld, %lld, %lld) world %d rank %d: %lld elements out of torch.chunk's order",
+              (long long)outer, (long long)rows, (long long)row, world, r, (long long)wrong);
+        if (outer == 1) { /* one block: mfsdp_piece_of's one run */
+          int64_t first, len;
+          mfsdp_piece_of(numel, piece, r, &first, &len);
+          CHECK(ru.count * ru.len == len && (len == 0 || ru.first == first), "outer 1 is mfsdp_piece_of");
+        }
+      }
+    }
+
+  /* the planner: blocked pieces, a blocked item alone is never an in-place gather, validation */
+  mfsdp_param_info params[] = {
+      {24, 2, MFSDP_F32, 0, 1, 0, 3}, /* (3, 4, 2) on dim 1 */
+      {16, 4, MFSDP_F32, 0, 1, 0, 1}, /* (4, 4) on dim 0 */
+      {16, 1, MFSDP_F32, 1, 1, 0, 4}, /* (4, 4) on dim 1, alone in unit 1: evenly split, not identity */
+  };
+  mfsdp_plan plan;
+  CHECK_OK(mfsdp_plan_build(params, 3, 2, 0, 16, &plan));
+  CHECK_OK(mfsdp_plan_validate(&plan, params, 3));
+  CHECK(plan.n_buckets == 2, "two units, two buckets (%d)", plan.n_buckets);
+  const mfsdp_bucket_layout* L = &plan.buckets[0].layout;
+  CHECK(mfsdp_layout_outer(L, 0) == 3 && mfsdp_layout_outer(L, 1) == 1, "outers kept per item");
+  CHECK(L->pieces[0] == 3 * 2 * 2, "(3, 4, 2) over 2 on dim 1: 3 blocks of 2 rows of 2, got %lld",
+        (long long)L->pieces[0]);
+  CHECK(!mfsdp_layout_is_identity(&plan.buckets[1].layout), "a blocked item alone still needs a copy-out");
+  CHECK_OK(mfsdp_layout_validate(L, plan.buckets[0].row_sizes));
+  int64_t saved = ((int64_t*)L->outers)[0];
+  ((int64_t*)L->outers)[0] = 5; /* 24 elements are not 5 blocks */
+  CHECK(mfsdp_layout_validate(L, NULL) == MFSDP_ERR_INVALID_ARGUMENT, "blocks that do not divide the item refused");
+  ((int64_t*)L->outers)[0] = 0;
+  CHECK(mfsdp_layout_validate(L, NULL) == MFSDP_ERR_INVALID_ARGUMENT, "0 blocks refused");
+  ((int64_t*)L->outers)[0] = 2; /* divides, but the plan was made for 3 */
+  CHECK(mfsdp_plan_validate(&plan, params, 3) == MFSDP_ERR_INVALID_STATE, "a plan whose blocks differ refused");
+  ((int64_t*)L->outers)[0] = saved;
+  mfsdp_plan_free(&plan);
+  mfsdp_param_info ragged = {24, 2, MFSDP_F32, 0, 1, 0, 5};
+  CHECK(mfsdp_plan_build(&ragged, 1, 2, 0, 16, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "24 is not 5 blocks of rows of 2");
+  mfsdp_param_info negative = {24, 2, MFSDP_F32, 0, 1, 0, -1};
+  CHECK(mfsdp_plan_build(&negative, 1, 2, 0, 16, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "negative blocks refused");
+}
+
 static void test_layout(void) {
   /* A transformer block (d = 48) at world 4: one bucket; each rank holds torch.chunk rows. */
   mfsdp_param_info block[] = {
@@ -641,6 +710,7 @@ static void test_layout(void) {
   mfsdp_param_info bad = {10, 3, MFSDP_F32, 0, 1, 0};
   CHECK(mfsdp_plan_build(&bad, 1, 2, 0, 16, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "10 is not whole rows of 3");
   CHECK(mfsdp_plan_build(block, n, 0, 0, 16, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "world 0 refused");
+  test_chunked_layout();
 }
 
 /* ------------------------------------------------------------------------------------------ */

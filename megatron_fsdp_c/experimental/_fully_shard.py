@@ -3,7 +3,8 @@
 [Note: per-module groups]
 Each fully_shard call forms one group: the parameters of its module(s) that are not already in
 the group of a submodule (fully_shard is applied bottom-up, as with FSDP2). The call turns them
-into DTensor parameters at once -- torch's Shard(0) rows, or Replicate() for no_shard groups,
+into DTensor parameters at once -- torch's Shard(0) rows (Shard(d) where shard_placement_fn
+says so), or Replicate() for no_shard groups,
 fsdp_no_shard marks and 0-d parameters -- so an optimizer built afterwards holds them, and it
 swaps the module's class to FSDP<Class>. Nothing is communicated yet. A tensor-parallel parameter
 (a DTensor from parallelize_module on another dim of the same mesh) is sharded the same way,
@@ -35,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._common import parse_strategy
 from ..no_shard import mark_by_name
-from ._group import dp_mesh_of, form_group
+from ._group import dp_mesh_of, form_group, post_forward_world
 from ._module import FSDPModule, fsdp_class
 from ._policy import check_policies, check_quant_policy
 from ._root import post_forward, pre_forward
@@ -54,8 +55,10 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     per-module groups] and [Note: torch's FSDPModule] in _module.py). torch 2.13's signature:
 
     reshard_after_forward: None (FSDP2's default) is True for every module but the root (the
-    module whose forward runs first), False there; True/False set it (an int, resharding to a
-    smaller world, is not supported). dp_mesh_dims (torch's DataParallelMeshDims): `mesh` is a
+    module whose forward runs first), False there; True/False set it. An int n (FSDP2: keep the
+    weights sharded over groups of n ranks after forward, gather over them in backward) must
+    divide the shard group's size, as in torch; 1 is False and the group's size is True, as in
+    torch, and any other n behaves as True (see [Note: reshard to a smaller world] in _group.py). dp_mesh_dims (torch's DataParallelMeshDims): `mesh` is a
     full SPMD mesh and these name its data-parallel dims (shard dims are flattened into one,
     replicate dims into another: HSDP with both, a replicated group with replicate dims only);
     parameters may be DTensors replicated over it. Other dims of size > 1 (tensor parallelism)
@@ -64,8 +67,12 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     mesh["dp_replicate", "dp_shard"]); the parameters become DTensors on the (dp..., tp) mesh
     placed as FSDP2 places them ([Note: tensor parallelism] in ../_tensor_parallel.py).
     mp_policy takes torch's MixedPrecisionPolicy (param_dtype, reduce_dtype, output_dtype,
-    cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may return None or Shard(0);
-    offload_policy takes torch's default OffloadPolicy() (CPUOffloadPolicy is not supported yet).
+    cast_forward_inputs) or megatron_fsdp_c's. shard_placement_fn may return None or Shard(dim) for
+    any dim of the parameter, as FSDP2 checks it (a negative dim counts from the last; a dim other
+    than 0 must split evenly over the shard group: NotImplementedError otherwise; a tensor-parallel
+    parameter takes dim 0 only), laid out as [Note: chunked layout] in csrc/core/mfsdp_layout.h
+    says, with one all-gather and one reduce-scatter per bucket as for Shard(0). offload_policy
+    takes torch's default OffloadPolicy() (CPUOffloadPolicy is not supported yet).
 
     Beyond torch's arguments: zero_dp_strategy (default "optim_grads_params") gives the group
     Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2); and
@@ -82,9 +89,9 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         if getattr(m, "_megatron_fsdp_wrapper", None) is not None:
             raise RuntimeError(f"this {type(m).__name__} is already sharded by megatron_fsdp_c.fully_shard (the "
                                "Megatron-FSDP API); use one API per model")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r} (resharding to a "
-                        "smaller world is not supported)")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(f"reshard_after_forward should be a bool or an int representing the group size to reshard "
+                         f"to, not {reshard_after_forward!r}")
     if mp_policy is None:
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
         mp_policy = TorchPolicy()
@@ -100,6 +107,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     ignored = set(ignored_params or ())
     for m in modules:
         mark_by_name(m)
+    if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+        reshard_after_forward = post_forward_world(reshard_after_forward, mesh)
     group = form_group(modules, mesh, strategy, mp_policy, reshard_after_forward, ignored, shard_placement_fn,
                        spmd_mesh)
     group.quant_policy = quantized_comm_policy

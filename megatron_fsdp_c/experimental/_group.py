@@ -5,6 +5,7 @@ data-parallel dims are named)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import List, Optional
 
 import torch
@@ -15,10 +16,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._common import contiguous_stride
 from .._distributed import DistContext, make_dist_context
+from ..param_buffer import local_shape
 from ..no_shard import is_no_shard
+from ._policy import check_param_dtype
 from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
-__all__ = ["ShardGroup", "dp_mesh_of", "form_group", "group_of"]
+__all__ = ["ShardGroup", "dp_mesh_of", "form_group", "group_of", "post_forward_world"]
 
 _CONTEXTS = {}      # (mesh's ranks, device) -> DistContext: one gather communicator per mesh, not per call
 _DEFAULT_MESH = {}  # device type -> the 1-D mesh over all ranks
@@ -99,6 +102,58 @@ def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
     return dp, no_shard
 
 
+def post_forward_world(n: int, mesh: Optional[DeviceMesh]) -> bool:
+    """[Note: reshard to a smaller world]
+    FSDP2's reshard_after_forward=n (an int) keeps, after forward, the weights sharded over groups
+    of n ranks (e.g. a node) and gathers them over those groups in backward: less memory than
+    False, less traffic across nodes than True. It is checked as torch checks it (n must divide
+    the shard group's size); n == 1 is False and n == that size is True, as in torch. Any other n
+    behaves as True: the weights go back to 1/world after forward and backward gathers over the
+    whole shard group. The numbers are the same (a gather moves values, it does not change them),
+    the collectives are the same ones FSDP2 issues (one all-gather per group in backward; torch's
+    CommDebugMode counts the same), and the memory between forward and backward is never more than
+    FSDP2's (1/world of the weights instead of 1/n); what differs is that the backward gather spans
+    every rank of the shard group instead of n of them. Resharding to sub-groups needs a second
+    gather buffer and communicator per sub-group in the engine, which it does not have yet."""
+    if isinstance(mesh, DeviceMesh):
+        size = mesh.size(mesh.ndim - 1)
+    elif mesh is None and dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size()
+    else:
+        return True  # form_group raises the mesh's (or torch.distributed's) error
+    if n < 1 or n > size or size % n != 0:
+        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {size}, but got {n}")
+    if n == 1:
+        warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
+                      "reshard_after_forward=True (bool)", stacklevel=3)
+        return False
+    if n < size:
+        warnings.warn(f"reshard_after_forward={n}: megatron_fsdp_c reshards to all {size} ranks of the shard group "
+                      f"after forward (as reshard_after_forward=True), not to groups of {n}: the same gradients and "
+                      f"collectives, 1/{size} of the weights held between forward and backward instead of 1/{n}, and "
+                      f"the backward's all-gather spans all {size} ranks ([Note: reshard to a smaller world] in "
+                      "megatron_fsdp_c/experimental/_group.py)", stacklevel=3)
+    return True
+
+
+def check_plain_tensor(t: torch.Tensor, what: str) -> None:
+    """A tensor subclass (TwoTensor, Float8Tensor, ...) or a tensor with FSDP2's all-gather extension
+    hooks (fsdp_pre_all_gather / fsdp_post_all_gather) is refused where it is found, naming the
+    limitation: the engine moves plain elements between its own buffers, so it can neither keep the
+    subclass nor call the hooks around its all-gathers (it would fail later, inside the engine)."""
+    if hasattr(t, "fsdp_pre_all_gather") or hasattr(t, "fsdp_post_all_gather"):
+        raise NotImplementedError(
+            f"{what} defines fsdp_pre_all_gather/fsdp_post_all_gather (FSDP2's all-gather extensions): "
+            "megatron_fsdp_c's all-gathers run in its C engine and cannot call them. Use "
+            "torch.distributed.fsdp.fully_shard for this model, or plain parameters")
+    data = t.data if isinstance(t, nn.Parameter) else t
+    if type(data) is not torch.Tensor:
+        raise NotImplementedError(
+            f"{what} is a tensor subclass ({type(data).__name__}): megatron_fsdp_c shards plain tensors only (its C "
+            "engine moves their elements, not a subclass's inner tensors). Use torch.distributed.fsdp.fully_shard "
+            "for this model, or plain parameters")
+
+
 def _plain(p: nn.Parameter, spmd_mesh: Optional[DeviceMesh]):
     """A DTensor parameter replicated over the SPMD mesh of dp_mesh_dims (all dims, or a size-1
     model-parallel one) as the plain tensor it holds, and its (mesh, placements) (its compute
@@ -165,24 +220,23 @@ def _group_params(modules, ignored) -> List[tuple]:
     return places
 
 
-def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: torch.device,
+def _to_dtensor(p: nn.Parameter, ctx: DistContext, dim: Optional[int], device: torch.device,
                 tp: Optional[TPSpec] = None, what: str = "") -> nn.Parameter:
-    """This rank's torch.chunk rows of `p` (or all of it, replicated) as a DTensor Parameter; of
-    its TP shard for a TP parameter, on the (data-parallel..., tp) mesh ([Note: tensor parallelism])."""
+    """This rank's torch.chunk piece of `p` along `dim` (None: all of it, replicated) as a DTensor
+    Parameter, its local tensor contiguous as FSDP2's is; of its TP shard for a TP parameter, on the
+    (data-parallel..., tp) mesh ([Note: tensor parallelism])."""
     data = (p._local_tensor if tp is not None else p).detach()
     shape = data.shape
     if not data.is_meta and data.device != device:
         data = data.to(device)
-    if replicated:
+    if dim is None:
         placement, local = Replicate(), data
     else:
-        rows = shape[0]
-        chunk = -(-rows // ctx.world)
-        lo = min(ctx.rank * chunk, rows)
-        hi = min(lo + chunk, rows)
-        placement = Shard(0)
-        local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=data.dtype, device="meta") if data.is_meta \
-            else data[lo:hi].clone()
+        placement = Shard(dim)
+        lshape = local_shape(shape, dim, ctx.world, ctx.rank)
+        lo = min(ctx.rank * -(-shape[dim] // ctx.world), shape[dim])
+        local = torch.empty(lshape, dtype=data.dtype, device="meta") if data.is_meta \
+            else data.narrow(dim, lo, lshape[dim]).clone(memory_format=torch.contiguous_format)
     mesh, placements = ctx.mesh, ctx.placements(placement)
     if tp is not None:
         mesh, placements = spmd_layout(tp, mesh, placements, what)
@@ -191,12 +245,34 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, replicated: bool, device: tor
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
+def _shard_dim(p: nn.Parameter, placement, what: str, world: int, sharded: bool) -> int:
+    """The dim shard_placement_fn chose for `p` (None: 0), checked as FSDP2 checks it: Shard(-1) is
+    the last dim, a dim past the last is an AssertionError, and a dim other than 0 must split
+    evenly over the shard group (NotImplementedError), with torch's messages."""
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard) or type(placement) is not Shard:
+        raise ValueError(f"shard_placement_fn returned {placement!r} for {what}: megatron_fsdp_c takes None or "
+                         "Shard(dim) (a per-parameter mesh, ShardPlacementResult, or a Shard subclass is not "
+                         "supported)")
+    dim = placement.dim + p.ndim if placement.dim < 0 else placement.dim
+    if p.ndim == 0:
+        return 0  # a 0-d parameter is replicated (no dim to shard)
+    if not 0 <= dim < p.ndim:  # (FSDP2 lets a dim still negative once normalised through; we refuse it too)
+        raise AssertionError(f"Shard dim {dim} is invalid for {p.ndim}D tensor: {p.shape}")
+    if sharded and dim > 0 and p.shape[dim] % world != 0:
+        raise NotImplementedError(f"FSDP does not support uneven sharding on dim {dim}: {p.shape} (world size: "
+                                  f"{world})")
+    return dim
+
+
 def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: int, mp_policy,
                reshard_after_forward: Optional[bool], ignored: set, shard_placement_fn,
                spmd_mesh: Optional[DeviceMesh] = None) -> ShardGroup:
     """One fully_shard call's group: its parameters become DTensor Parameters on the modules, and
     each module points at the group (`_mfsdp_group`). The arguments are checked already; `mesh` is
-    the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims)."""
+    the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims). Every parameter
+    is checked before any is converted, so a refusal leaves the modules as they were."""
     plain = {}  # a DTensor parameter tied within the group stays tied as a plain one
     places = [(mod, attr, plain.setdefault(id(p), _plain(p, spmd_mesh))) for mod, attr, p in _group_params(modules, ignored)]
     # by place, not on the parameter: .to_empty() before the first forward replaces it (_module.py's _apply)
@@ -216,27 +292,34 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
 
     # A parameter a group has sharded carries `_mfsdp_sharded_by`: one registered in two groups (tied
     # weights split across fully_shard calls) is caught instead of silently untied.
-    converted = {}  # id(original) -> DTensor Parameter (a parameter tied within the group stays tied)
-    tp_of = {}      # id(original) -> its TPSpec (a DTensor parameter from parallelize_module), or None
+    dims = {}   # id(original) -> its shard dim, None when replicated (a parameter tied within the group once)
+    tp_of = {}  # id(original) -> its TPSpec (a DTensor parameter from parallelize_module), or None
     for mod, attr, p in places:
         what = f"parameter '{attr}' of {type(mod).__name__}"
         if id(p) not in tp_of:
             tp_of[id(p)] = dtensor_tp_spec(p, what, ctx.mesh) if isinstance(p, DTensor) else None
+        check_plain_tensor(p._local_tensor if tp_of[id(p)] is not None else p, what)
+        check_param_dtype(p, what, mp_policy)
         other = getattr(p, "_mfsdp_sharded_by", None)  # not a weak dict: tensors compare by value
-        if other is not None and id(p) not in converted:
+        if other is not None and id(p) not in dims:
             raise ValueError(
-                f"parameter '{attr}' of {type(mod).__name__} is shared with {other}, which fully_shard already "
-                "sharded in another group: a parameter can belong to one group only. Shard a module containing "
-                "every place it is registered (their common parent), or untie it")
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0
-                                              and type(placement) is Shard):
-                raise ValueError(f"shard_placement_fn returned {placement!r} for '{attr}' of {type(mod).__name__}: "
-                                 "megatron_fsdp_c shards dim 0 only; return None or Shard(0)")
-        if id(p) not in converted:
+                f"{what} is shared with {other}, which fully_shard already sharded in another group: a parameter "
+                "can belong to one group only. Shard a module containing every place it is registered (their "
+                "common parent), or untie it")
+        if id(p) not in dims:
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
-            converted[id(p)] = _to_dtensor(p, ctx, replicated, ctx.device, tp_of[id(p)], what)
+            placement = shard_placement_fn(p) if shard_placement_fn is not None else None
+            dim = _shard_dim(p, placement, what, ctx.world, not replicated)
+            if tp_of[id(p)] is not None and dim != 0 and not replicated:
+                raise NotImplementedError(f"shard_placement_fn returned Shard({dim}) for {what}, a tensor-parallel "
+                                          "DTensor: megatron_fsdp_c shards tensor-parallel parameters on dim 0 only "
+                                          "(return None or Shard(0) for them)")
+            dims[id(p)] = None if replicated else dim
+    converted = {}  # id(original) -> DTensor Parameter
+    for mod, attr, p in places:
+        if id(p) not in converted:
+            converted[id(p)] = _to_dtensor(p, ctx, dims[id(p)], ctx.device, tp_of[id(p)],
+                                           f"parameter '{attr}' of {type(mod).__name__}")
             p._mfsdp_sharded_by = f"{type(modules[0]).__name__} (a group of {len(places)} parameters)"
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,

@@ -9,7 +9,10 @@ from torch.utils._pytree import tree_map
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..mixed_precision import QuantizedCommPolicy
 
-__all__ = ["cast_floats", "check_policies", "check_quant_policy", "engine_policy", "is_torch_policy"]
+__all__ = ["cast_floats", "check_param_dtype", "check_policies", "check_quant_policy", "engine_policy",
+           "is_torch_policy"]
+
+_ENGINE_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the engine casts and sums
 
 
 def is_torch_policy(mp) -> bool:
@@ -18,11 +21,11 @@ def is_torch_policy(mp) -> bool:
 
 
 def engine_policy(mp, param_dtype: torch.dtype):
-    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype`; (dtype,
-    None) for an integer or bool parameter, which is never cast and never trains (FSDP2 shards
-    such parameters as they are; the engine carries them as opaque elements)."""
-    if not param_dtype.is_floating_point:
-        return param_dtype, None
+    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype`."""
+    if param_dtype not in _ENGINE_FLOATS:
+        # Integer (and other non-castable) parameters are frozen and never cast, as FSDP2 keeps
+        # non-floating parameters; the policy is never resolved for them (no gradients).
+        return param_dtype, OurPolicy(main_params_dtype=None)
     if isinstance(mp, OurPolicy):
         return param_dtype, mp
     compute = mp.param_dtype or param_dtype
@@ -31,6 +34,22 @@ def engine_policy(mp, param_dtype: torch.dtype):
     # dtype here ([Note: exchange reduction] in csrc/comm/reduce.c).
     return compute, OurPolicy(main_params_dtype=param_dtype, main_grads_dtype=param_dtype,
                               grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True)
+
+
+def check_param_dtype(p, what: str, mp) -> None:
+    """Parameters of dtypes the engine does not compute with (integers, bool, float8, complex) are
+    sharded and gathered as they are, frozen ([Note: opaque parameter dtypes] in ../param_buffer.py);
+    refused at fully_shard: training one, or a cast the engine cannot make (float8 to param_dtype,
+    which FSDP2 makes since float8 is a floating dtype)."""
+    if p.dtype in _ENGINE_FLOATS:
+        return
+    if p.requires_grad:
+        raise TypeError(f"{what} has dtype {p.dtype} and requires grad: megatron_fsdp_c trains float32/bfloat16/"
+                        "float16/float64 parameters only (set requires_grad=False to shard it frozen, as it is)")
+    target = getattr(mp, "param_dtype", None) if is_torch_policy(mp) else None
+    if p.dtype.is_floating_point and target is not None and target != p.dtype:
+        raise NotImplementedError(f"{what} has dtype {p.dtype}, which megatron_fsdp_c's engine cannot cast to "
+                                  f"param_dtype={target}: shard it in a group without param_dtype, or convert it")
 
 
 def cast_floats(tree, dtype):
@@ -50,7 +69,7 @@ def check_policies(mp_policy, offload_policy, shard_placement_fn) -> None:
         if type(offload_policy).__name__ != "OffloadPolicy":
             raise TypeError(f"offload_policy must be torch's OffloadPolicy() or None, got {type(offload_policy).__name__}")
     if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError("shard_placement_fn must be a callable (parameter -> None or Shard(0))")
+        raise TypeError("shard_placement_fn must be a callable (parameter -> None or Shard(dim))")
 
 
 def check_quant_policy(quant, mp_policy) -> None:

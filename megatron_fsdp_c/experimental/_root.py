@@ -18,7 +18,7 @@ from .._sharded import EngineOwner
 from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
-from ._group import ShardGroup, group_of
+from ._group import ShardGroup, check_plain_tensor, group_of
 from ._policy import cast_floats, engine_policy, is_torch_policy
 
 __all__ = ["RootState", "post_forward", "pre_forward", "state_of"]
@@ -64,6 +64,8 @@ class RootState(EngineOwner):
                 name = f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr
                 r = by_param.get(id(dp))
                 if r is None:
+                    # hooks set on the local shard after fully_shard (FSDP2 finds them there)
+                    check_plain_tensor(dp._local_tensor, f"the local shard of parameter '{name}'")
                     compute, policy = engine_policy(g.mp_policy, dp.dtype)
                     # the compute parameter: pointed at the full weights by load_locals; a TP
                     # parameter's is a DTensor on the TP mesh over its gathered TP shard
@@ -74,11 +76,13 @@ class RootState(EngineOwner):
                     r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, shape, u, [(mod, attr)])
                     # the shard dim is the data-parallel mesh's last (a TP placement follows it)
                     r.replicated = isinstance(dp.placements[ctx.mesh.ndim - 1], Replicate)
+                    r.shard_dim = 0 if r.replicated else dp.placements[ctx.mesh.ndim - 1].dim
                     r.strategy, r.policy, r.dist_param, r.tp = g.strategy, policy, dp, tp
                     r.quant = g.quant_policy
                     # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main
-                    # weights planned so, any can start training ([Note: changing requires_grad])
-                    r.trains_later = policy is not None
+                    # weights planned so, any floating one can start training ([Note: changing
+                    # requires_grad]; mixed_precision.bucket_dtypes ignores the others)
+                    r.trains_later = True
                     r.aliases.append(name)
                     records.append(r)
                     if (id(mod), attr) in g.spmd_specs:

@@ -1,0 +1,93 @@
+"""How megatron_fsdp_c.experimental.fully_shard communicates under gradient accumulation, tested
+after torch's test_fully_shard_training.py::TestFullyShardGradientAccumulation through public
+APIs only (torch's CommDebugMode, the engine's comm_stats). The cells run in the shared spawns
+(see [Note: one spawn per world size] in rank_grid.py).
+
+Behaviours (cell names):
+- a backward with gradient sync off issues no collective after its gathers: no reduce-scatter,
+  and no all-reduce of the used-parameter flags ([Note: unused parameters] in
+  megatron_fsdp_c/_sharded.py), as FSDP2 on a 1-D mesh: no_sync_backward
+- the flags of the backwards without sync wait for the next sync: a parameter one rank used in
+  a microbatch without sync only gets its gradient on every rank; one no rank used keeps
+  .grad None: flags_carried_to_sync
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+import rank_grid
+from checks import recorder_cells, verify
+from data import local_batch
+from megatron_fsdp_c.experimental import fully_shard
+
+CELLS = rank_grid.Cells(__name__)
+cell = recorder_cells(CELLS)
+
+
+def counts(fn):
+    """(all-gathers, reduce-scatters, all-reduces) CommDebugMode sees while fn runs."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    c10d = torch.ops.c10d
+    with CommDebugMode() as cm:
+        fn()
+    c = cm.get_comm_counts()
+    return c[c10d._allgather_base_], c[c10d._reduce_scatter_base_], c[c10d.allreduce_]
+
+
+@cell("no_sync_backward")
+def no_sync_backward(rank, world, ck):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    seen = {}
+    for impl, shard in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        shard(model[1])
+        shard(model)
+        x = local_batch(0, rank, (2, 8)).float()
+        model(x).sum().backward()  # the first step (ours: its lazy init) is not counted
+        for sync in (False, True):
+            model.set_requires_gradient_sync(sync)
+            before = model.comm_stats() if impl == "ours" else None
+            seen[impl, sync] = counts(lambda: model(x).sum().backward())
+            if impl == "ours":
+                after = model.comm_stats()
+                ck.equal(f"sync {sync}: the engine's reduce-scatters",
+                         after["reduce_scatters"] - before["reduce_scatters"], 2 if sync else 0)
+                ck.equal(f"sync {sync}: the engine's all-reduces", after["all_reduces"] - before["all_reduces"], 0)
+    _, rs, ar = seen["ours", False]
+    ck.equal("sync off: no reduce-scatter, no all-reduce (CommDebugMode)", (rs, ar), (0, 0))
+    ck.equal("sync off: torch's counts", seen["ours", False][1:], seen["torch", False][1:])
+    ck.equal("sync on: the reduce-scatters torch issues", seen["ours", True][1], seen["torch", True][1])
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.sometimes = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+
+    def forward(self, x, use):
+        y = self.trunk(x)
+        return self.sometimes(y) if use else y
+
+
+@cell("flags_carried_to_sync")
+def flags_carried_to_sync(rank, world, ck):
+    torch.manual_seed(0)
+    model = Branches().double()
+    fully_shard(model)
+    x = local_batch(0, rank, (2, 8))
+    model.set_requires_gradient_sync(False)
+    model(x, use=rank == 0).sum().backward()  # rank 0 alone uses `sometimes`, without sync
+    model.set_requires_gradient_sync(True)
+    model(x, use=False).sum().backward()
+    for name, p in model.named_parameters():
+        want = not name.startswith("never")
+        ck.true(f"{name}: .grad {'set' if want else 'None'} on every rank", (p.grad is not None) == want,
+                f"grad is {'None' if p.grad is None else 'set'}")
+
+
+@pytest.mark.parametrize("name,world", rank_grid.params(CELLS, CELLS.keys()))
+def test_comm_behaviour(name, world):
+    verify(CELLS, name, world)
