@@ -7,7 +7,7 @@ CC ?= gcc
 
 # The collective pipeline, one file per concern (map at the top of csrc/comm/pipeline.c); setup.py's COMM
 # lists the same files.
-COMM_SRC := $(addprefix csrc/comm/,pipeline.c buffers.c weights.c reduce.c backward.c replicas.c wire.c)
+COMM_SRC := $(addprefix csrc/comm/,pipeline.c buffers.c weights.c reduce.c backward.c replicas.c wire.c trainable.c)
 CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c $(COMM_SRC)
 TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror \
 	             -Wno-unused-parameter -Wno-missing-field-initializers -pthread -D_POSIX_C_SOURCE=200809L \

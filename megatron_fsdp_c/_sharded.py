@@ -12,7 +12,9 @@ nothing (every group's sync off) reduces no flags either, they wait for the next
 parameter becomes "has a gradient" then (`_has_grad`), and loses it only when
 zero_grad(set_to_none=True) clears it,
 exactly torch's own `.grad` life cycle. Parameters used on some ranks only still get the others'
-zeros in the reduction (see [Note: collective order] in csrc/comm/reduce.c).
+zeros in the reduction (see [Note: collective order] in csrc/comm/reduce.c). The same all-reduce
+carries the check that every rank trains the same parameters ([Note: changing requires_grad] in
+_trainable.py).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from . import _C
-from ._common import grad_tensors
+from ._common import grad_tensors, in_backward
+from ._trainable import RequiresGradTracker
 
 if TYPE_CHECKING:
     from ._distributed import DistContext
@@ -48,13 +51,15 @@ def host_trim_bytes() -> int:
 class EngineOwner:
     """A base class: the subclass builds the engine and sets these attributes (a byte per record
     in `_used` and `_has_grad`, see [Note: unused parameters]); `_holds_dist_params` says which
-    parameters the modules hold now."""
+    parameters the modules hold now. After the hooks, it calls `_track_requires_grad()`."""
 
     param_buffer: "ParamBuffer"
     dist_ctx: "DistContext"
     hooks: "HookManager"
     _used: bytearray
     _has_grad: bytearray
+    _trainable: bytearray  # a byte per record: requires_grad as applied ([Note: changing requires_grad])
+    _trainable_tracker: RequiresGradTracker
     _holds_dist_params: bool
     _host_trim_bytes: int
 
@@ -70,6 +75,18 @@ class EngineOwner:
     def _trim_host_heap(self) -> None:
         if self._host_trim_bytes > 0:
             _C.trim_host_heap(self._host_trim_bytes)
+
+    # -- requires_grad ([Note: changing requires_grad] in _trainable.py) ----------------------
+    def _track_requires_grad(self) -> None:
+        self._trainable_tracker = RequiresGradTracker(self)
+
+    def _sync_requires_grad(self) -> None:
+        """At the root's pre-forward: applies requires_grad changes made since the last forward."""
+        if not in_backward():
+            self._trainable_tracker.sync()
+
+    def _trainable_changed(self) -> None:
+        """Called after requires_grad changes were applied (the hooks' orders already follow)."""
 
     # -- parameters -----------------------------------------------------------------------
     def _swap_params(self, dist: bool) -> None:
@@ -92,13 +109,18 @@ class EngineOwner:
 
     # -- gradients ------------------------------------------------------------------------
     def _used_anywhere(self) -> bytes:
-        """The used-parameter bytes OR-ed over the data-parallel ranks (one small collective)."""
+        """The used-parameter bytes OR-ed over the data-parallel ranks (one small collective, which
+        also checks that every rank trains the same parameters)."""
         ctx = self.dist_ctx
+        n = len(self._used)
         if ctx.dp_world == 1:
             return bytes(self._used)
-        flags = torch.frombuffer(bytearray(self._used), dtype=torch.uint8).to(ctx.device)
+        payload = bytearray(self._used) + self._trainable_tracker.payload()
+        flags = torch.frombuffer(payload, dtype=torch.uint8).to(ctx.device)
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=ctx.all_dp_group)
-        return bytes(flags.cpu().numpy()) if flags.is_cuda else bytes(flags.numpy())
+        reduced = bytes(flags.cpu().numpy()) if flags.is_cuda else bytes(flags.numpy())
+        self._trainable_tracker.check_agreement(reduced[n:])
+        return reduced[:n]
 
     def _attach_grads(self, records) -> None:
         """`.grad` of each distributed parameter of `records`: its gradient DTensor once some

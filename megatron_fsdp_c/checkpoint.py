@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .optimizer import init_optimizer_state
+
 __all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict"]
 
 
@@ -83,6 +85,9 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"no checkpoint at '{path}' (no {os.path.join(path, '.metadata')}); nothing was loaded")
+    if optimizer is not None and getattr(optimizer, "_mfsdp", None) is not None:
+        # parameters unfrozen since fully_shard need states for the checkpoint's to load into
+        init_optimizer_state(optimizer)
     live = {"model": model.state_dict()}
     if optimizer is not None:
         live["optimizer"] = optimizer.state_dict()

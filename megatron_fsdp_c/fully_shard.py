@@ -260,7 +260,17 @@ def fully_shard(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     """Shards `module` (fully_shard_model) and, if given, remaps and patches `optimizer`
     (fully_shard_optimizer). Returns (model, optimizer)."""
     preproc = kwargs.pop("preproc_state_dict_for_dcp_ckpt", True)
-    model = fully_shard_model(module, **kwargs)
+    # Frozen parameters the optimizer holds are expected to train later: their main weights are
+    # planned in the policy's dtype ([Note: changing requires_grad] in _trainable.py).
+    later = [p for g in (optimizer.param_groups if optimizer is not None else ()) for p in g["params"]
+             if isinstance(p, nn.Parameter) and not p.requires_grad]
+    for p in later:
+        p._mfsdp_trains_later = True
+    try:
+        model = fully_shard_model(module, **kwargs)
+    finally:
+        for p in later:
+            del p._mfsdp_trains_later
     if optimizer is not None:
         remap_optimizer(model, optimizer)
         fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=preproc)

@@ -73,6 +73,9 @@ class HookOwner(Protocol):
                              is built: the gradient hook sets a record's byte to 1 when its gradient
                              arrives; the owner clears bytes in place and never replaces the
                              bytearray ([Note: unused parameters] in _sharded.py).
+    `_trainable`             a byte per record, taken once: 1 while the record trains (the owner
+                             changes it in place, then calls hook_grads and retrain, [Note:
+                             changing requires_grad] in _trainable.py); read by the gradient hook.
     `_before_backward()`     called once at the start of each backward, before the owner is asked
                              whether it syncs and before engine.begin_backward.
     `_should_sync()`         right after: does this backward sync (reduce and attach gradients)?
@@ -91,6 +94,7 @@ class HookOwner(Protocol):
     param_buffer: "ParamBuffer"
     overlap_param_gather: bool
     _used: bytearray
+    _trainable: bytearray
 
     def _before_backward(self) -> None: ...
 
@@ -147,12 +151,11 @@ class HookManager:
         buf = owner.param_buffer
         sharded = set(buf.weight_sharded_buckets())
         gatherable = set(buf.gatherable_buckets())
-        trainable = set(buf.grad_buckets())
         self.units: List[_Unit] = []
         for u, module in enumerate(unit_modules):
             ids = buf.buckets_of_unit(u)
             self.units.append(_Unit(u, module, tuple(b for b in ids if b in gatherable),
-                                    tuple(b for b in ids if b in sharded), tuple(b for b in ids if b in trainable)))
+                                    tuple(b for b in ids if b in sharded), ()))
         root_ids = buf.buckets_of_unit(-1)
         self.root_buckets = tuple(b for b in root_ids if b in gatherable)
         self.all_sharded = tuple(sorted(sharded))
@@ -161,26 +164,39 @@ class HookManager:
         # trainable ZeRO-3 units; positions before *_done are settled (ran or released), gathers
         # are issued up to *_next.
         self.fwd_seq = [u for u in self.units if u.buckets]
-        ends = {u: k for k, u in enumerate(post_order if post_order is not None else range(len(self.units)))}
-        self.bwd_seq = sorted((u for u in self.fwd_seq if u.releasable and u.grad_buckets), key=lambda u: ends[u.index])
+        self.ends = {u: k for k, u in enumerate(post_order if post_order is not None else range(len(self.units)))}
         for pos, unit in enumerate(self.fwd_seq):
             unit.pos = pos
-        for pos, unit in enumerate(self.bwd_seq):
-            unit.bpos = pos
+        self.retrain()
         self.fwd_next = self.fwd_done = 0
-        self.bwd_next = self.bwd_done = len(self.bwd_seq)
         self.ran = set()  # units run in a forward since the last backward
         self.warned_order = False
         self.in_backward = False
         self.sync_this_backward = False
         self.used = owner._used  # see [Note: unused parameters] in _sharded.py
+        self.trainable = owner._trainable
         self.handles = []
+        self.hooked = set()  # records with a gradient hook
         self.on_unsharded = getattr(owner, "_unit_unsharded", None)
         self.on_resharded = getattr(owner, "_unit_resharded", None)
         self.grouped: List[_Unit] = []  # units of several modules (members > 1): completed at the root post-forward
-        self._set_reduce_order(buf, ends)
+        self._set_reduce_order(buf, self.ends)
         self.register_module_hooks = register_module_hooks
         self._register()
+
+    def retrain(self) -> None:
+        """The units' trainable buckets and the backward gather order over the trainable ZeRO-3
+        units, from the buckets that train now ([Note: changing requires_grad] in _trainable.py).
+        Called outside passes only."""
+        trainable = set(self.owner.param_buffer.grad_buckets())
+        for unit in self.units:
+            unit.grad_buckets = tuple(b for b in self.owner.param_buffer.buckets_of_unit(unit.index) if b in trainable)
+            unit.bpos = -1
+        self.bwd_seq = sorted((u for u in self.fwd_seq if u.releasable and u.grad_buckets),
+                              key=lambda u: self.ends[u.index])
+        for pos, unit in enumerate(self.bwd_seq):
+            unit.bpos = pos
+        self.bwd_next = self.bwd_done = len(self.bwd_seq)
 
     def _set_reduce_order(self, buf, ends) -> None:
         """Reductions in the order backward completes buckets: the unit whose forward ended last
@@ -200,8 +216,13 @@ class HookManager:
                 functools.partial(pre_forward, unit), prepend=True, with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(
                 functools.partial(post_forward, unit), always_call=False))
-        for rec in self.owner.param_buffer.records:
-            if rec.requires_grad:
+        self.hook_grads([rec for rec in self.owner.param_buffer.records if self.trainable[rec.index]])
+
+    def hook_grads(self, records) -> None:
+        """Gradient hooks on the compute parameters of `records` (trainable now), once each."""
+        for rec in records:
+            if rec.index not in self.hooked:
+                self.hooked.add(rec.index)
                 # a TP parameter's gradient: its TP shard ([Note: tensor parallelism] in _tensor_parallel.py)
                 to_local = None if rec.tp is None else rec.tp.local_grad
                 self.handles.append(rec.param.register_post_accumulate_grad_hook(
@@ -211,6 +232,7 @@ class HookManager:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.hooked.clear()
 
     # -- the shared gather order ------------------------------------------------------------
     def _out_of_order(self, unit: _Unit, behind: bool) -> None:
@@ -390,6 +412,12 @@ class HookManager:
         if grad is None:
             return
         param.grad = None
+        if not self.trainable[index]:
+            rec = self.owner.param_buffer.records[index]
+            raise RuntimeError(
+                f"parameter '{rec.name}' got a gradient but was frozen when this pass began: requires_grad was set "
+                "during a forward or backward. Change requires_grad between steps; it is read at each forward "
+                "([Note: changing requires_grad] in megatron_fsdp_c/_trainable.py)")
         if to_local is not None:
             grad = to_local(grad)
         self.used[index] = 1

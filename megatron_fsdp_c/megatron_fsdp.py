@@ -98,9 +98,11 @@ class MegatronFSDP(EngineOwner, nn.Module):
         n = len(records)
         self._used = bytearray(n)      # used locally since the last zero (set by the gradient hooks)
         self._has_grad = bytearray(n)  # what torch would say: .grad is not None
+        self._trainable = bytearray(int(r.requires_grad) for r in records)
         self._record_of = {id(r.dist_param): r for r in records}
         register_model_hooks(self)
         self.hooks = HookManager(self, fsdp_unit_modules)
+        self._track_requires_grad()
         self.register_forward_pre_hook(torch.compiler.disable(self._root_pre_forward, recursive=True), prepend=True)
         self.register_forward_hook(torch.compiler.disable(self._root_post_forward, recursive=True), prepend=True)
         self._swap_params(dist=True)
@@ -134,6 +136,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
     # The root's work runs in this wrapper's own forward hooks, which Dynamo does not trace (see
     # [Note: compile] in hooks.py).
     def _root_pre_forward(self, module, args):
+        self._sync_requires_grad()
         self._swap_params(dist=False)
         self.hooks.root_pre_forward()
 

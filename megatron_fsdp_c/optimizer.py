@@ -95,6 +95,8 @@ class ShardedStepState:
         twin = self.twins.get(id(p))
         if twin is None or twin.data.data_ptr() != p._local_tensor.data_ptr():
             twin = self.twins[id(p)] = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
+        elif twin.requires_grad != p.requires_grad:  # [Note: changing requires_grad] in _trainable.py
+            twin.requires_grad_(p.requires_grad)
         return twin
 
     def wrap(self, key, value, p: DTensor):
@@ -174,17 +176,21 @@ def _sharded_zero_grad(self, set_to_none: bool = True, *, zero_grad_buffer: bool
 
 @torch.no_grad()
 def init_optimizer_state(optimizer) -> None:
-    """Creates every optimizer state now, numerically inert (Megatron-FSDP's trick), so that a
-    fresh optimizer has tensors for a checkpoint to load into: zero gradients, lr and weight decay
-    0, one step, step counters back to 0. Empty shards get (empty) states too, so every rank's
-    state has the same structure."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if not params or all(optimizer.state.get(p) for p in params):
+    """Creates the state of every trainable parameter that has none yet, numerically inert
+    (Megatron-FSDP's trick), so that a fresh optimizer has tensors for a checkpoint to load into:
+    zero gradients, lr and weight decay 0, one step, step counters back to 0. Empty shards get
+    (empty) states too, so every rank's state has the same structure. States that exist are left
+    alone (the step runs over the missing ones only): load_checkpoint calls it again, for
+    parameters unfrozen since ([Note: changing requires_grad] in _trainable.py)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
+    if not params:
         return
+    missing = {id(p) for p in params}
     saved_grads = [p.grad for p in params]
     saved_groups = []
     for g in optimizer.param_groups:
-        saved_groups.append({k: g[k] for k in ("lr", "weight_decay") if k in g})
+        saved_groups.append({k: g[k] for k in ("lr", "weight_decay", "params") if k in g})
+        g["params"] = [p for p in g["params"] if id(p) in missing]
         for k in ("lr", "weight_decay"):
             if k in g:
                 g[k] = torch.zeros_like(g[k]) if isinstance(g[k], torch.Tensor) else 0.0
@@ -197,7 +203,8 @@ def init_optimizer_state(optimizer) -> None:
             g.update(saved)
         for p, grad in zip(params, saved_grads):
             p.grad = grad
-    for state in optimizer.state.values():
+    for p in params:
+        state = optimizer.state.get(p, {})
         if "step" in state:
             if isinstance(state["step"], torch.Tensor):
                 state["step"].zero_()

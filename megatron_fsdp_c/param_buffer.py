@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import _C
 from ._common import contiguous_stride
 from ._distributed import DistContext, check_quant_transport
-from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
+from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy, bucket_dtypes
 from .no_shard import is_no_shard
 from ._tensor_parallel import TPSpec, spmd_layout
 
@@ -85,6 +85,7 @@ class ParamRecord:
     aliases: list = dataclasses.field(default_factory=list)  # every qualified name it is registered under
     strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
     policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
+    trains_later: bool = False      # frozen at sharding but expected to train: its main weights are planned wide
     shard_dim: int = 0              # torch's Shard(shard_dim) when sharded ([Note: chunked layout])
     tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
     quant: Optional[QuantizedCommPolicy] = None  # and its quantized communication (None: the model's)
@@ -186,6 +187,9 @@ class ParamBuffer:
         self.strategy = strategy
         self.ctx = ctx
         codes = _C.DTYPE_CODES
+        trains_later = {id(r.origin) for r in records if getattr(r.origin, "_mfsdp_trains_later", False)}
+        for r in records:
+            r.trains_later = r.trains_later or id(r.origin) in trains_later
         plan_input = []
         for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
             row, outer = _rows_of(r)
@@ -197,25 +201,30 @@ class ParamBuffer:
         dtype_of = {code: dt for dt, code in codes.items()}
         specs = []
         max_grad_bytes = 0
+        self.train_error: Dict[int, str] = {}  # bucket -> why its parameters cannot start training
         for b, bp in enumerate(self.plan):
             first = records[bp["params"][0]] if bp["params"] else None
-            spec = self._bucket_spec(bp, dtype_of[bp["dtype"]], self.strategy_of(first),
+            spec = self._bucket_spec(b, bp, dtype_of[bp["dtype"]], self.strategy_of(first),
                                      (first.policy if first is not None and first.policy else policy),
                                      (first.quant if first is not None and first.quant else quant_policy),
-                                     first.name if first is not None else "")
+                                     first.name if first is not None else "",
+                                     any(records[pi].trains_later for pi in bp["params"]))
             specs.append(spec)
             for i, (pi, local) in enumerate(zip(bp["params"], bp["local"])):
                 rec = records[pi]
                 rec.bucket, rec.item, rec.local = b, i, local
-            if spec["grad_mode"] != _C.GRAD_NONE:
+            if spec["trainable_mode"] != _C.GRAD_NONE:
                 width = torch.empty((), dtype=dtype_of[spec["comm_dtype"]]).element_size()
                 max_grad_bytes = max(max_grad_bytes, bp["bucket_size"] * width)
         if reduce_queue_bytes is None:
             reduce_queue_bytes = 4 * max_grad_bytes  # a few reductions in flight, never the whole model
-        self.specs = specs
+        self.specs = specs  # "grad_mode" follows the engine: GRAD_NONE while the bucket has no gradient buffers
+        self.trainable_items = [int(bp["requires_grad"]) * bp["n_items"] if s["trainable_mode"] else 0
+                                for bp, s in zip(self.plan, specs)]
         if any(s.get("wire_weights") or s.get("wire_grads") or s.get("wire_outer_weights") for s in specs):
             check_quant_transport(ctx)
-        self.engine = _C.Engine(specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
+        engine_specs = [dict(s, grad_mode=s["trainable_mode"]) for s in specs]
+        self.engine = _C.Engine(engine_specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
                                 ctx.device, ctx.transport, single_rank_collectives,
                                 outer_transport=ctx.outer_transport, outer_world=ctx.outer_world,
                                 outer_sharded=ctx.outer_sharded)
@@ -224,28 +233,19 @@ class ParamBuffer:
     def strategy_of(self, record: Optional[ParamRecord]) -> int:
         return self.strategy if record is None or record.strategy is None else record.strategy
 
-    def _bucket_spec(self, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy,
-                     quant: Optional[QuantizedCommPolicy], name: str) -> dict:
-        trainable = bp["requires_grad"] and dtype.is_floating_point
-        main = grad = comm = dtype
-        if trainable:
-            main, grad, comm = policy.resolve(dtype)
-        wire = {}
-        if quant is not None and quant.enabled:
-            wire = quant.wire_spec()
-            if trainable and quant.grads is not None:
-                # [Note: quantized communication] in csrc/comm/wire.c: the pieces are quantized from, and
-                # summed in, the main gradients; the wire format replaces the communication dtype
-                if grad not in (torch.float32, torch.float64):
-                    raise ValueError(
-                        f"QuantizedCommPolicy(grads={quant.grads!r}) sums the dequantized gradients in the main "
-                        f"gradient dtype, which is {grad} for parameter '{name}': use float32 main gradients "
-                        "(MixedPrecisionPolicy(main_grads_dtype=torch.float32), or float32 parameters under "
-                        "torch's MixedPrecisionPolicy)")
-                comm = grad
+    def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy,
+                     quant: Optional[QuantizedCommPolicy], name: str, trains_later: bool) -> dict:
+        """The engine's spec of bucket `b`: every floating bucket gets the gradient mode it trains
+        with, a frozen one marked `frozen` (no gradient memory until a parameter of it starts
+        training, [Note: changing requires_grad] in _trainable.py); train_error[b] says why one cannot."""
+        main, grad, comm, wire, why_not = bucket_dtypes(dtype, bool(bp["requires_grad"]), trains_later, policy,
+                                                        quant, name)
+        can_train = dtype.is_floating_point and not (why_not and why_not[0])
+        if why_not:
+            self.train_error[b] = why_not[1]
         codes = _C.DTYPE_CODES
         sharded = bp["shards"] > 1
-        if not trainable:
+        if not can_train:
             grad_mode = _C.GRAD_NONE
         elif bp["replicated"] or strategy == 0:
             grad_mode = _C.GRAD_ALL_REDUCE
@@ -261,7 +261,8 @@ class ParamBuffer:
             weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
                                 and strategy == 3),
             weights_regather=int(sharded and strategy in (1, 2)),
-            grad_mode=grad_mode,
+            trainable_mode=grad_mode, frozen=int(not bp["requires_grad"]),
+            grad_mode=grad_mode if bp["requires_grad"] else _C.GRAD_NONE,
             **wire,
         )
 
@@ -483,8 +484,8 @@ class ParamBuffer:
         return tuple(b for b, s in enumerate(self.specs) if s["weights_sharded"])
 
     def grad_buckets(self) -> tuple:
-        """Buckets with trainable parameters (they reduce gradients)."""
-        return tuple(b for b, s in enumerate(self.specs) if s["grad_mode"] != _C.GRAD_NONE)
+        """Buckets with trainable parameters now (they reduce gradients)."""
+        return tuple(b for b, n in enumerate(self.trainable_items) if n > 0)
 
     def gatherable_buckets(self) -> tuple:
         """Buckets whose full weights ever need an all-gather (ZeRO-1/2/3 with several ranks)."""

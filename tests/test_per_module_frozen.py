@@ -165,12 +165,7 @@ def unfreeze_after_first_forward(rank, world, ck):
     ck.grads("after unfreezing", model, ref)
 
 
-KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
-    'frozen_across_groups[reshard-unfreeze]':
-        'gradient buffers are planned at the first forward from requires_grad: unfreezing later gives no gradients',
-    'unfreeze_after_first_forward':
-        'gradient buffers are planned at the first forward from requires_grad: unfreezing later gives no gradients',
-}
+KNOWN_GAPS = {}  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
 
 
 @pytest.mark.parametrize("name,world", rank_grid.params(CELLS, CELLS.keys(), KNOWN_GAPS))

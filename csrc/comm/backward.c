@@ -94,12 +94,12 @@ mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t b, int32_t ite
   MFSDP_CHECK(pl_check_bucket(p, b));
   bucket* bk = &p->b[b];
   if (!p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: gradient outside a backward pass", b);
-  if (bk->spec.grad_mode == MFSDP_GRAD_NONE)
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d holds frozen parameters: no gradient expected", b);
   int32_t n_items = bk->spec.layout.n_items;
   if (item < 0 || item >= n_items || numel != bk->numels[item])
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d: gradient of %lld elements, expected %lld", b,
                       item, (long long)numel, item >= 0 && item < n_items ? (long long)bk->numels[item] : -1LL);
+  if (!bk->trainable[item]) /* [Note: requires_grad changes] in trainable.c */
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d item %d is frozen: no gradient expected", b, item);
   if (bk->ready[item])
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d item %d: gradient reported twice in one backward", b, item);
   if (bk->launched || bk->complete)
@@ -113,7 +113,7 @@ mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t b, int32_t ite
   bk->pending[bk->n_pending++] = (pending_grad){src, src_dtype, item, keepalive};
   bk->ready[item] = 1;
   bk->n_ready++;
-  if (bk->n_ready == n_items) {
+  if (bk->n_ready == bk->n_trainable) {
     MFSDP_CHECK(flush_pending(p, bk));
     bk->complete = 1;
     MFSDP_CHECK(pl_launch_in_order(p));
@@ -146,7 +146,7 @@ mfsdp_status mfsdp_pipeline_end_backward(mfsdp_pipeline* p) {
   p->reduce_due = 0; /* no_shard/ZeRO-1 sums left unreduced by this backward: the step's sync reduces them */
   for (int32_t i = 0; i < p->n; ++i)
     if ((p->b[i].spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || p->b[i].spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
-        !p->b[i].launched)
+        pl_reduces(&p->b[i]) && !p->b[i].launched)
       p->reduce_due = 1;
   p->in_backward = 0;
   return MFSDP_OK;
@@ -159,7 +159,7 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
     for (int32_t k = 0; k < p->n; ++k) {
       bucket* bk = &p->b[p->order[k]];
       if ((bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
-          !bk->defer_reduce)
+          pl_reduces(bk) && !bk->defer_reduce)
         MFSDP_CHECK(pl_launch_bucket(p, p->order[k]));
     }
     p->reduce_due = 0;
@@ -185,7 +185,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
   const mfsdp_kernel_ops* k = p->be.kernels;
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
-    if (bk->spec.grad_mode == MFSDP_GRAD_NONE) continue;
+    if (!bk->has_grads) continue;
     int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD : MFSDP_BUF_GRAD;
     MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[target].data, bk->buf[target].dtype, bk->buf[target].numel));
     if (bk->holds_unscaled_sums) { /* discard what was held back */
@@ -205,7 +205,7 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
   MFSDP_CHECK(pl_check_bucket(p, b));
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "zero_grad inside a backward pass");
   bucket* bk = &p->b[b];
-  if (bk->spec.grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
+  if (!bk->has_grads) return MFSDP_OK;
   if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(pl_complete_until(p, b));
   MFSDP_CHECK(pl_complete_outer(p, 0));
   const mfsdp_kernel_ops* k = p->be.kernels;

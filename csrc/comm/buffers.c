@@ -123,20 +123,21 @@ void pl_drop_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
   }
 }
 
-/* Creates the buffers of one bucket per the table in mfsdp_pipeline.h. */
+/* Creates the buffers of one bucket per the table in mfsdp_pipeline.h (the gradient buffers only
+ * when an item trains: pl_create_grad_buffers). */
 mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
-  int64_t shard = bk->shard_size, sub = bk->sub_size, full = bk->full_size;
-  int grads = s->grad_mode != MFSDP_GRAD_NONE;
-  int accumulate = s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE;
-  int wide_main = grads && s->main_dtype != s->param_dtype;
+  int64_t shard = bk->shard_size, sub = bk->sub_size;
+  /* a bucket that can train keeps main weights of its own dtype, also while frozen: unfreezing
+   * then changes no weight buffer (the optimizer's parameters keep their tensors) */
+  int wide_main = s->grad_mode != MFSDP_GRAD_NONE && s->main_dtype != s->param_dtype;
   /* The main weights inside WEIGHT (pl_main_in_weight) must be one run per item: an item sharded
    * on a dim other than 0 has its rows in several, so its bucket keeps a main shard of its own. */
   int runs = 0;
   for (int32_t i = 0; i < s->layout.n_items && s->layout.world > 1; ++i) runs |= bk->outers[i] > 1;
 
   MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, s->layout.weight_size, s->param_dtype, s->weights_sharded));
-  if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, full, s->param_dtype, 1));
+  if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, bk->full_size, s->param_dtype, 1));
   bk->gather_kind = bk->present[MFSDP_BUF_GATHER] ? MFSDP_BUF_GATHER : MFSDP_BUF_WEIGHT;
   /* HFSDP keeps the whole collective shard: the replicas' all-gather fills it once per step */
   int keeps_shard = s->weights_sharded && (!wide_main || bk->subs > 1);
@@ -153,21 +154,7 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, sub, s->main_dtype, 0));
   else if (!(bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded)) /* else: pl_main_in_weight */
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
-  if (grads) {
-    if (accumulate) {
-      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_SHARD, shard, s->grad_dtype, 0));
-    } else { /* persistent full gradients accumulate locally until the step's reduction */
-      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, full, s->grad_dtype, 0));
-      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, bk->shard_start, shard));
-      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, shard));
-    }
-    if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
-    if (s->main_dtype != s->grad_dtype)
-      MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype, 0));
-    else
-      MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
-    MFSDP_CHECK(pl_create_comm_buffers(p, bk));
-  }
+  if (bk->n_trainable > 0) MFSDP_CHECK(pl_create_grad_buffers(p, bk));
   if (bk->q_weights >= 0) {
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER_WIRE, bk->shards * bk->q_gather_piece, MFSDP_U8, 1));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GATHER_WIRE_SHARD, MFSDP_BUF_GATHER_WIRE,
@@ -180,6 +167,44 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
   }
   /* Views exist now; temporaries give their memory back until first use. */
   return pl_release_temporaries(p, bk);
+}
+
+/* The gradient buffers of a bucket (zero, CLEAN), at its creation or when its first item starts
+ * training ([Note: requires_grad changes] in trainable.c). Temporaries among them are released
+ * at once: the weights' buffers are left as they are (a unit may be gathered now). */
+mfsdp_status pl_create_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
+  const mfsdp_bucket_spec* s = &bk->spec;
+  int64_t shard = bk->shard_size, sub = bk->sub_size, full = bk->full_size;
+  if (s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_SHARD, shard, s->grad_dtype, 0));
+  } else { /* persistent full gradients accumulate locally until the step's reduction */
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, full, s->grad_dtype, 0));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, bk->shard_start, shard));
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, shard));
+  }
+  if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
+  if (s->main_dtype != s->grad_dtype)
+    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype, 0));
+  else
+    MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
+  MFSDP_CHECK(pl_create_comm_buffers(p, bk));
+  bk->has_grads = 1;
+  bk->gstate = MFSDP_G_CLEAN;
+  const int temporaries[4] = {MFSDP_BUF_GRAD, MFSDP_BUF_COMM, MFSDP_BUF_EXCHANGE, MFSDP_BUF_GRAD_WIRE};
+  for (int k = 0; k < 4; ++k) MFSDP_CHECK(pl_release(p, bk, temporaries[k]));
+  return MFSDP_OK;
+}
+
+/* Frees every gradient buffer of a bucket (views first); the weights' buffers stay. */
+void pl_drop_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
+  pl_drop_comm_buffers(p, bk);
+  const int kinds[5] = {MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE,
+                        MFSDP_BUF_GRAD};
+  for (int k = 0; k < 5; ++k) drop_buffer(p, bk, kinds[k]);
+  bk->has_grads = 0;
+  bk->gstate = MFSDP_G_CLEAN;
+  bk->holds_unscaled_sums = 0;
+  bk->outer_reduced = 0;
 }
 
 /* The runs of the rank-major GRAD holding no item's rows (see [Note: chunked layout]):

@@ -118,8 +118,10 @@ typedef struct mfsdp_bucket_spec {
   int32_t param_dtype, main_dtype, grad_dtype, comm_dtype;
   int32_t weights_sharded;  /* full weights are temporary (ZeRO-3) */
   int32_t weights_regather; /* optimizer updates a shard of persistent weights (ZeRO-1/2) */
-  int32_t grad_mode;        /* mfsdp_grad_mode */
+  int32_t grad_mode;        /* mfsdp_grad_mode of its gradients while any item trains (NONE: it never can) */
   mfsdp_wire_spec wire;     /* quantized communication (zero: none) */
+  int32_t frozen;           /* every item frozen at creation: no gradient memory until one trains
+                               (mfsdp_pipeline_set_trainable, [Note: requires_grad changes] in trainable.c) */
 } mfsdp_bucket_spec;
 
 typedef struct mfsdp_pipeline_config {
@@ -259,6 +261,17 @@ mfsdp_status mfsdp_pipeline_set_prescale(mfsdp_pipeline* p, const int32_t* bucke
  * whose gradients cross the wire quantized (its staging dtype is its gradient dtype). */
 mfsdp_status mfsdp_pipeline_set_comm_dtype(mfsdp_pipeline* p, int32_t dtype);
 int32_t mfsdp_pipeline_comm_dtype(const mfsdp_pipeline* p, int32_t bucket);
+/* Which items train ([Note: requires_grad changes] in trainable.c): sets the flag of `items` of
+ * one bucket. The first trainable item of a bucket without gradient buffers creates them (zero);
+ * from then on the bucket reduces like any trainable one, each backward expecting exactly the
+ * gradients of its trainable items (the others get zeros). Every rank must make the same changes
+ * between the same two backwards. Refused inside a backward and for a grad mode NONE bucket. */
+mfsdp_status mfsdp_pipeline_set_trainable(mfsdp_pipeline* p, int32_t bucket, const int32_t* items, int32_t n,
+                                          int trainable);
+/* Frees the gradient buffers of buckets none of whose items trains, discarding their values (the
+ * caller knows nobody reads them: no `.grad` is attached). Refused for a bucket with a trainable
+ * item or holding local gradients not yet reduced; a bucket without buffers is left alone. */
+mfsdp_status mfsdp_pipeline_release_grads(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
 /* Finish every in-flight collective. */
 mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p);
 /* Number of NaN/Inf elements in item `item`'s main gradient shard. */

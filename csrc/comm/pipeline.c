@@ -9,7 +9,8 @@
  *   reduce.c     the reduction queue: launch in the shared order, complete, exchange reduction
  *   backward.c   the backward protocol (begin, grad_ready, seal, end) and gradient sync/zero
  *   replicas.c   hybrid sharding: the collectives across replicas (HSDP and HFSDP)
- *   wire.c       quantized communication: the wires that carry block-quantized pieces */
+ *   wire.c       quantized communication: the wires that carry block-quantized pieces
+ *   trainable.c  which items train, changed at run time; gradient buffers created and freed */
 #include "pipeline_internal.h"
 
 #include <stdlib.h>
@@ -34,8 +35,8 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
   mfsdp_status st = mfsdp_layout_validate(l, NULL);
   if (st != MFSDP_OK) return MFSDP_FAIL(st, "bucket %d: %s", i, mfsdp_last_error());
   if (!mfsdp_dtype_valid(s->param_dtype) || s->grad_mode < MFSDP_GRAD_NONE ||
-      s->grad_mode > MFSDP_GRAD_SCATTER_ACCUMULATE)
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: bad dtype or grad mode", i);
+      s->grad_mode > MFSDP_GRAD_SCATTER_ACCUMULATE || (s->frozen != 0 && s->frozen != 1))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: bad dtype, grad mode or frozen flag", i);
   if (s->grad_mode != MFSDP_GRAD_NONE &&
       (!mfsdp_dtype_is_float(s->main_dtype) || !mfsdp_dtype_is_float(s->grad_dtype) ||
        !mfsdp_dtype_is_float(s->comm_dtype) || !mfsdp_dtype_is_float(s->param_dtype)))
@@ -116,8 +117,9 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     for (int32_t k = 0; bk->outers && k < items; ++k) bk->outers[k] = mfsdp_layout_outer(l, k);
     bk->ready = calloc((size_t)(items ? items : 1), 1);
     bk->pending = calloc((size_t)(items ? items : 1), sizeof *bk->pending);
+    bk->trainable = calloc((size_t)(items ? items : 1), 1);
     if (!bk->numels || !bk->pieces || !bk->param_offsets || !bk->shard_offsets || !bk->outers || !bk->ready ||
-        !bk->pending) {
+        !bk->pending || !bk->trainable) {
       st = MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "bucket %d tables", i);
       goto fail;
     }
@@ -128,6 +130,10 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->spec.layout.outers = bk->outers;
     set_geometry(bk, cfg);
     pl_wire_setup(p, bk);
+    if (specs[i].grad_mode != MFSDP_GRAD_NONE && !specs[i].frozen) { /* [Note: requires_grad changes] */
+      memset(bk->trainable, 1, (size_t)items);
+      bk->n_trainable = items;
+    }
     for (int k = 0; k < MFSDP_BUF_COUNT; ++k) bk->owner[k] = -1;
     MFSDP_CHECK_GOTO(pl_compute_holes(bk), st, fail);
     MFSDP_CHECK_GOTO(pl_create_buffers(p, bk), st, fail);
@@ -164,6 +170,7 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
     free(bk->shard_offsets);
     free(bk->outers);
     free(bk->ready);
+    free(bk->trainable);
     for (int32_t k = 0; bk->pending && k < bk->n_pending; ++k)
       if (bk->pending[k].handle) p->be.memory->drop(p->be.memory_ctx, bk->pending[k].handle);
     free(bk->pending);
@@ -287,7 +294,7 @@ mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t b, i
   MFSDP_CHECK(pl_check_bucket(p, b));
   bucket* bk = &p->b[b];
   *count = 0;
-  if (bk->spec.grad_mode == MFSDP_GRAD_NONE || item < 0 || item >= bk->spec.layout.n_items)
+  if (!bk->has_grads || item < 0 || item >= bk->spec.layout.n_items)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d item %d has no gradient", b, item);
   int64_t n = pl_piece_size(bk, item, bk->spec.shard_rank);
   if (n == 0) return MFSDP_OK;
@@ -369,6 +376,10 @@ mfsdp_status mfsdp_pipeline_set_comm_dtype(mfsdp_pipeline* p, int32_t dtype) {
     if (bk->spec.grad_mode == MFSDP_GRAD_NONE) continue;
     int32_t dt = dtype >= 0 ? dtype : bk->spec.grad_dtype;
     if (dt == bk->spec.comm_dtype) continue;
+    if (!bk->has_grads) { /* frozen: its buffers get the new dtype when an item starts training */
+      bk->spec.comm_dtype = dt;
+      continue;
+    }
     pl_drop_comm_buffers(p, bk);
     bk->spec.comm_dtype = dt;
     MFSDP_CHECK(pl_create_comm_buffers(p, bk));

@@ -111,6 +111,10 @@ typedef struct bucket {
   int64_t q_block;
   int64_t q_grad_n;     /* shard_size, or the exchange block of an all-reduce (pl_exchange_block) */
   int64_t q_gather_piece, q_grad_piece, q_outer_piece; /* bytes */
+  /* [Note: requires_grad changes] in trainable.c */
+  uint8_t* trainable;  /* per item: it trains now (its gradient is expected in every backward) */
+  int32_t n_trainable; /* items that train: the bucket reduces while it is > 0 */
+  int8_t has_grads;    /* its gradient buffers exist (from the first trainable item until released) */
   mfsdp_comm_stats stats;
 } bucket;
 
@@ -182,6 +186,11 @@ static inline int pl_own_main(const bucket* bk) {
  * rows inside WEIGHT (no MAIN_SHARD buffer); a gather first packs them into its own slice. */
 static inline int pl_main_in_weight(const bucket* bk) { return !bk->present[MFSDP_BUF_MAIN_SHARD]; }
 
+/* The bucket reduces its gradients in backwards and syncs: some item trains (so its gradient
+ * buffers exist). Every rank agrees on it ([Note: requires_grad changes]), as the shared launch
+ * order needs ([Note: collective order]). */
+static inline int pl_reduces(const bucket* bk) { return bk->n_trainable > 0; }
+
 /* Shared helpers, by the file that defines them (each documented at its definition). */
 
 /* pipeline.c */
@@ -199,6 +208,8 @@ PL_INTERNAL mfsdp_status pl_release_temporaries(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL mfsdp_status pl_create_comm_buffers(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL void pl_drop_comm_buffers(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk);
+PL_INTERNAL mfsdp_status pl_create_grad_buffers(mfsdp_pipeline* p, bucket* bk);
+PL_INTERNAL void pl_drop_grad_buffers(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL mfsdp_status pl_compute_holes(bucket* bk);
 PL_INTERNAL mfsdp_status pl_zero_holes(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL mfsdp_status pl_packer_flush(packer* k);

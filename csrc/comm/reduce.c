@@ -282,8 +282,8 @@ mfsdp_status pl_launch_in_order(mfsdp_pipeline* p) {
   while (p->next < p->n) {
     int32_t id = p->order[p->next];
     bucket* bk = &p->b[id];
-    int reduces = !bk->defer_reduce && (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ||
-                                        (p->sync && bk->spec.grad_mode != MFSDP_GRAD_NONE));
+    int reduces = pl_reduces(bk) && !bk->defer_reduce &&
+                  (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync);
     if (reduces) {
       if (!bk->complete) break;
       MFSDP_CHECK(pl_launch_bucket(p, id));

@@ -279,7 +279,7 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
   MFSDP_CHECK(pl_healthy(p));
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
-    if (bk->spec.grad_mode == MFSDP_GRAD_NONE && !include_frozen) continue;
+    if (!bk->has_grads && !include_frozen) continue; /* no .grad: no optimizer changed it */
     if (!bk->gathered) { /* the shard is the whole bucket: main -> compute weights now */
       if (pl_own_main(bk))
         MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,

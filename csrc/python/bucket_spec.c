@@ -61,7 +61,7 @@ static int dict_long_or(PyObject* d, const char* key, long long fallback, long l
 
 /* A bucket dict as _C.plan makes it (plus the dtypes and modes the wrapper adds, and optionally
  * its quantized wires: wire_weights, wire_grads, wire_outer_weights as mfsdp_wire_spec codes, and
- * wire_block). */
+ * wire_block; and "frozen", default 0: [Note: requires_grad changes] in csrc/comm/trainable.c). */
 static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
   if (!PyDict_Check(d)) {
     PyErr_SetString(PyExc_TypeError, "bucket spec must be a dict");
@@ -91,6 +91,11 @@ static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
                            (int32_t)v[8],
                            (int32_t)v[9],
                            {(int32_t)w[0], (int32_t)w[1], (int32_t)w[2], w[3]}};
+  PyObject* frozen = PyErr_Occurred() ? NULL : PyDict_GetItemString(d, "frozen");
+  if (frozen != NULL) {
+    int flag = PyObject_IsTrue(frozen); /* -1: the error is set */
+    s->frozen = flag > 0;
+  }
   if (PyErr_Occurred()) {
     free_spec(s);
     return -1;

@@ -430,6 +430,22 @@ static PyObject* engine_set_prescale(PyObject* self, PyObject* args) {
   return none_or_fail(self, s);
 }
 
+static PyObject* engine_set_trainable(PyObject* self, PyObject* args) {
+  engine_object* e = (engine_object*)self;
+  int b, trainable;
+  PyObject* items;
+  int32_t stack[MAX_IDS_ON_STACK], *arr, n;
+  if (!PyArg_ParseTuple(args, "iOp:set_trainable", &b, &items, &trainable) || read_ids(items, stack, &arr, &n) < 0)
+    return NULL;
+  mfsdp_status s = ENGINE_CALL(e, mfsdp_pipeline_set_trainable(e->pipeline, b, arr, n, trainable));
+  release_ids(arr, stack);
+  return none_or_fail(self, s);
+}
+
+static PyObject* engine_release_grads(PyObject* self, PyObject* ids) {
+  return over_ids(self, ids, mfsdp_pipeline_release_grads);
+}
+
 /* const accessors (tensor ... stats): ready() after the arguments, no busy ([Note: engine calls]) */
 
 static PyObject* engine_tensor(PyObject* self, PyObject* args) {
@@ -545,6 +561,10 @@ static PyMethodDef engine_methods[] = {
      "set_outer_hold(buckets, hold): skip the all-reduce across replicas (hybrid sharding) for these buckets."},
     {"set_prescale", engine_set_prescale, METH_VARARGS,
      "set_prescale(buckets, factor): gradients of these buckets are multiplied by factor before the sum."},
+    {"set_trainable", engine_set_trainable, METH_VARARGS,
+     "set_trainable(bucket, items, trainable): which items train (the first creates the bucket's gradient buffers)."},
+    {"release_grads", engine_release_grads, METH_O,
+     "release_grads(buckets): free the gradient buffers of buckets none of whose items trains."},
     {"unshard", engine_unshard, METH_O, "unshard(buckets): start all-gathers of the full weights."},
     {"wait_unshard", engine_wait_unshard, METH_O, "wait_unshard(buckets): full weights usable after this."},
     {"reshard", engine_reshard, METH_O, "reshard(buckets): release full weights (ZeRO-3 buckets)."},

@@ -88,6 +88,10 @@ class RootState(Registration, EngineOwner):
                     r.shard_dim = 0 if r.replicated else dp.placements[ctx.mesh.ndim - 1].dim
                     r.strategy, r.policy, r.dist_param, r.tp = g.strategy, policy, dp, tp
                     r.quant = g.quant_policy
+                    # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main
+                    # weights planned so, any floating one can start training ([Note: changing
+                    # requires_grad]; mixed_precision.bucket_dtypes ignores the others)
+                    r.trains_later = True
                     r.aliases.append(name)
                     records.append(r)
                     if (id(mod), attr) in g.spmd_specs:
@@ -101,6 +105,7 @@ class RootState(Registration, EngineOwner):
         self.param_buffer.build_dist_params(self, existing=True)
         self._used = bytearray(len(records))
         self._has_grad = bytearray(len(records))
+        self._trainable = bytearray(int(r.requires_grad) for r in records)
         # [Note: per-group registration]: what each group's modules hold, by unit index
         self._unit_records = [[] for _ in groups]
         for r in records:
@@ -118,8 +123,10 @@ class RootState(Registration, EngineOwner):
             g.unit.members = g.unit.members_left = len(g.modules)
             if len(g.modules) > 1:
                 self.hooks.grouped.append(g.unit)
+        self._track_requires_grad()
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
+        self._spmd_hooked = set()  # indices of SPMD compute parameters with their gradient hook
         self._spmd_params = {i: self._spmd_param(records[i], *spec) for i, spec in spmd_specs.items()}
 
     # -- compute parameters on the SPMD mesh of dp_mesh_dims ----------------------------------------
@@ -142,9 +149,13 @@ class RootState(Registration, EngineOwner):
         sp = nn.Parameter(DTensor.from_local(r.param.detach(), mesh, placements, run_check=False),
                           requires_grad=r.param.requires_grad)
         if sp.requires_grad:
-            sp.register_post_accumulate_grad_hook(functools.partial(self.hooks.grad_hook, r.index, r.bucket, r.item,
-                                                                    to_local=_local_of))
+            self._hook_spmd(r, sp)
         return sp
+
+    def _hook_spmd(self, r, sp) -> None:
+        self._spmd_hooked.add(r.index)
+        sp.register_post_accumulate_grad_hook(functools.partial(self.hooks.grad_hook, r.index, r.bucket, r.item,
+                                                                to_local=_local_of))
 
     # -- per-group settings, applied to the engine ------------------------------------------------
     def buckets_of(self, g: ShardGroup) -> List[int]:
@@ -158,7 +169,8 @@ class RootState(Registration, EngineOwner):
             group_of(m).unit.pos for m in g.forward_prefetch if group_of(m).unit.pos >= 0]
         unit.backward_prefetch = None if g.backward_prefetch is None else [
             group_of(m).unit.bpos for m in g.backward_prefetch if group_of(m).unit.bpos >= 0]
-        grads = [b for b in self.buckets_of(g) if self.param_buffer.specs[b]["grad_mode"] != _C.GRAD_NONE]
+        # every bucket that can train, also while frozen ([Note: changing requires_grad] in ../_trainable.py)
+        grads = [b for b in self.buckets_of(g) if self.param_buffer.specs[b]["trainable_mode"] != _C.GRAD_NONE]
         if grads:
             engine.set_hold(grads, not g.requires_gradient_sync)
             if self.dist_ctx.outer_world > 1:
@@ -166,9 +178,21 @@ class RootState(Registration, EngineOwner):
             factor = g.divide_factor if g.divide_factor is not None else self.dist_ctx.dp_world
             engine.set_prescale(grads, 1.0 / factor)
 
+    def _trainable_changed(self) -> None:
+        records = self.param_buffer.records
+        for i, sp in self._spmd_params.items():  # they follow their plain compute parameters
+            on = bool(self._trainable[i])
+            if sp.requires_grad != on:
+                sp.requires_grad_(on)
+            if on and i not in self._spmd_hooked:
+                self._hook_spmd(records[i], sp)
+        for g in self.groups:  # backward prefetch targets name positions in the backward order
+            self.configure(g)
+
     # -- what the hooks call ----------------------------------------------------------------------
     def root_pre_forward(self, module) -> None:
         self.pass_root = module
+        self._sync_requires_grad()
         for g in self.groups:  # set_post_optim_event: the current stream waits on it once
             if g.post_optim_event is not None:
                 g.post_optim_event.wait()
