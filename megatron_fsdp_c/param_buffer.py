@@ -18,7 +18,6 @@ csrc/core/mfsdp_layout.h, reached through _C.plan.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
 from typing import Dict, List, Optional
@@ -31,106 +30,12 @@ from . import _C
 from ._common import contiguous_stride
 from ._distributed import DistContext, check_quant_transport
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy, bucket_dtypes
-from .no_shard import is_no_shard
-from ._tensor_parallel import TPSpec, spmd_layout
+from .param_record import ParamRecord, as_dtype, into_engine, rows_of, collect_params, engine_dtype, local_shape
+from ._tensor_parallel import spmd_layout
 
-__all__ = ["ParamRecord", "ParamBuffer", "collect_params"]
+__all__ = ["ParamRecord", "ParamBuffer", "collect_params"]  # the records re-exported from param_record.py
 
 ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
-
-# [Note: opaque parameter dtypes]
-# A frozen parameter of a dtype the engine has no code for (float8_e4m3fn, complex, uint16, ...)
-# is carried as the opaque integer type of its element size: its buckets are never cast or
-# reduced, only copied and gathered (csrc/core/mfsdp_dtype.h), so its bits travel unchanged.
-# Tensors going into the engine are viewed as that type, and the engine's memory is viewed back
-# as the parameter's dtype wherever a compute parameter or a DTensor shard is made of it.
-_OPAQUE_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def engine_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The engine's element type for parameters of `dtype` (see [Note: opaque parameter dtypes])."""
-    if dtype in _C.DTYPE_CODES:
-        return dtype
-    size = torch.empty((), dtype=dtype).element_size()
-    if size not in _OPAQUE_BY_SIZE:
-        raise TypeError(f"parameters of dtype {dtype} ({size}-byte elements) cannot be sharded by megatron_fsdp_c")
-    return _OPAQUE_BY_SIZE[size]
-
-
-def _into_engine(t: torch.Tensor) -> torch.Tensor:
-    """`t` as the engine takes it: contiguous, in the engine's element type."""
-    t = t.contiguous()
-    return t if t.dtype in _C.DTYPE_CODES else t.view(engine_dtype(t.dtype))
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.view(dtype)
-
-
-@dataclasses.dataclass(eq=False)
-class ParamRecord:
-    index: int
-    name: str                       # first registered name, relative to the wrapped module
-    param: nn.Parameter             # the compute parameter (the module's own object)
-    shape: torch.Size
-    unit: int                       # FSDP unit index, -1 outside every unit (or shared across units)
-    places: list                    # [(module, attribute)] where the parameter is registered
-    replicated: bool = False        # fsdp_no_shard or 0-d: one full copy per rank
-    bucket: int = -1
-    item: int = -1
-    local: tuple = (0, 0)           # (first element, count) of this rank's rows of the parameter
-    dist_param: Optional[nn.Parameter] = None
-    grad_dtensor: Optional[DTensor] = None
-    origin: Optional[nn.Parameter] = None  # the Parameter object the user saw (meta init replaces it)
-    aliases: list = dataclasses.field(default_factory=list)  # every qualified name it is registered under
-    strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
-    policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
-    trains_later: bool = False      # frozen at sharding but expected to train: its main weights are planned wide
-    shard_dim: int = 0              # torch's Shard(shard_dim) when sharded ([Note: chunked layout])
-    tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
-    quant: Optional[QuantizedCommPolicy] = None  # and its quantized communication (None: the model's)
-
-    def __post_init__(self):
-        self.origin = self.param
-
-    @property
-    def requires_grad(self) -> bool:
-        return self.param.requires_grad
-
-
-def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]:
-    """Every distinct parameter of `root` in registration order, with its unit.
-
-    A parameter registered under modules of two different units (or of a unit and the rest of
-    the model), e.g. tied embeddings, belongs to no unit: it stays gathered for the whole pass.
-    A parameter is replicated if fsdp_no_shard marked any place it is registered, or if it is
-    0-d (a scalar has no rows to shard).
-    """
-    unit_of_module: Dict[int, int] = {}
-    for u, unit in enumerate(units):
-        for sub in unit.modules():
-            unit_of_module.setdefault(id(sub), u)
-    records: Dict[int, ParamRecord] = {}
-    seen_places = set()
-    for mod_name, mod in root.named_modules(remove_duplicate=False):
-        for attr, p in mod._parameters.items():
-            if p is None or (id(mod), attr) in seen_places:
-                continue
-            seen_places.add((id(mod), attr))
-            unit = unit_of_module.get(id(mod), -1)
-            qualified = f"{mod_name}.{attr}" if mod_name else attr
-            rec = records.get(id(p))
-            if rec is None:
-                name = f"{mod_name}.{attr}" if mod_name else attr
-                rec = records[id(p)] = ParamRecord(len(records), name, p, p.shape, unit, [(mod, attr)])
-            else:
-                rec.places.append((mod, attr))
-                if rec.unit != unit:
-                    rec.unit = -1
-            rec.replicated = rec.replicated or is_no_shard(mod, attr) or p.dim() == 0
-            rec.aliases.append(qualified)
-    return list(records.values())
-
 
 class StorageTally:
     """Counts bytes of storage, each storage once: views, aliases and DTensor local tensors
@@ -150,32 +55,6 @@ class StorageTally:
         return s.nbytes()
 
 
-def _row_size(shape: torch.Size) -> int:
-    if len(shape) < 2 or shape[0] == 0:
-        return 1
-    return max(1, math.prod(shape[1:]))
-
-
-def _rows_of(r: ParamRecord) -> tuple:
-    """(row, outer) of `r` for the planner: a row is the elements of one index of the sharded dim,
-    outer the blocks before it ([Note: chunked layout] in csrc/core/mfsdp_layout.h)."""
-    d = r.shard_dim
-    if d == 0 or r.replicated or math.prod(r.shape) == 0:
-        return _row_size(r.shape), 1
-    return math.prod(r.shape[d + 1:]), math.prod(r.shape[:d])
-
-
-def local_shape(shape: torch.Size, dim: int, world: int, rank: int) -> tuple:
-    """The shape of rank `rank`'s Shard(dim) local tensor of a parameter of `shape` over `world`
-    ranks: torch.chunk's piece, so the last ranks may hold fewer rows, or none."""
-    if not shape:
-        return ()
-    rows = shape[dim]
-    chunk = -(-rows // world)
-    lo = min(rank * chunk, rows)
-    return (*shape[:dim], min(lo + chunk, rows) - lo, *shape[dim + 1:])
-
-
 class ParamBuffer:
     """Builds the plan and the engine for one model and keeps the parameter records."""
 
@@ -192,7 +71,7 @@ class ParamBuffer:
             r.trains_later = r.trains_later or id(r.origin) in trains_later
         plan_input = []
         for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
-            row, outer = _rows_of(r)
+            row, outer = rows_of(r)
             plan_input.append((math.prod(r.shape), row, codes[engine_dtype(r.param.dtype)], r.unit,
                                int(r.param.requires_grad), int(r.replicated), outer))
         shard_world = 1 if strategy == 0 else ctx.pieces
@@ -277,7 +156,7 @@ class ParamBuffer:
             self.engine.init_begin(b)
             for r in by_bucket.get(b, []):
                 data = r.param._local_tensor if r.tp is not None and r.tp.dtensor_compute else r.param
-                self.engine.set_item(b, r.item, _into_engine(data.detach()))
+                self.engine.set_item(b, r.item, into_engine(data.detach()))
             self.point_compute_params(by_bucket.get(b, []))  # while the full weights exist
             self.engine.init_end(b)
 
@@ -294,7 +173,7 @@ class ParamBuffer:
                     raise RuntimeError(
                         f"parameter '{r.name}' is still on the meta device at the first forward: materialise the "
                         "model after fully_shard (model.to_empty(device=...) and reset_parameters() / init_weights())")
-                self.engine.set_local(b, r.item, _into_engine(local.to(self.ctx.device)))
+                self.engine.set_local(b, r.item, into_engine(local.to(self.ctx.device)))
             self.engine.init_end(b)
         self.engine.install_main_weights(True)  # persistent full weights: this rank's rows in, a gather brings the rest
         self.point_all_compute_params()
@@ -320,7 +199,7 @@ class ParamBuffer:
         for r in records:
             full = self.engine.tensor(r.bucket, _C.BUF_WEIGHT)
             offset = self.plan[r.bucket]["param_offsets"][r.item]
-            view = _as(full.narrow(0, offset, math.prod(r.shape)), r.param.dtype).view(r.shape)
+            view = as_dtype(full.narrow(0, offset, math.prod(r.shape)), r.param.dtype).view(r.shape)
             if r.tp is not None and r.tp.dtensor_compute:
                 r.param._local_tensor = view  # a DTensor on the TP mesh over the TP shard
             else:
@@ -363,7 +242,7 @@ class ParamBuffer:
                 if id(rec) in done:  # tied: the first module's initialisation wins, as when built eagerly
                     mod._parameters[attr] = rec.param
                     continue
-                self.engine.set_item(rec.bucket, rec.item, _into_engine(fresh.detach()))
+                self.engine.set_item(rec.bucket, rec.item, into_engine(fresh.detach()))
                 fresh.requires_grad_(meta_param.requires_grad)
                 fresh.data = torch.empty(0, dtype=fresh.dtype, device=device)  # drop the full copy
                 rec.param = fresh

@@ -1,0 +1,137 @@
+"""Parameter records: one per distinct parameter of a model (its unit, places, aliases, sharding
+and policies), how they are collected, and how their dtypes and shapes look to the engine."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from . import _C
+from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
+from .no_shard import is_no_shard
+from ._tensor_parallel import TPSpec
+
+__all__ = ["ParamRecord", "as_dtype", "collect_params", "engine_dtype", "into_engine", "local_shape", "rows_of"]
+
+# [Note: opaque parameter dtypes]
+# A frozen parameter of a dtype the engine has no code for (float8_e4m3fn, complex, uint16, ...)
+# is carried as the opaque integer type of its element size: its buckets are never cast or
+# reduced, only copied and gathered (csrc/core/mfsdp_dtype.h), so its bits travel unchanged.
+# Tensors going into the engine are viewed as that type, and the engine's memory is viewed back
+# as the parameter's dtype wherever a compute parameter or a DTensor shard is made of it.
+_OPAQUE_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def engine_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The engine's element type for parameters of `dtype` (see [Note: opaque parameter dtypes])."""
+    if dtype in _C.DTYPE_CODES:
+        return dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in _OPAQUE_BY_SIZE:
+        raise TypeError(f"parameters of dtype {dtype} ({size}-byte elements) cannot be sharded by megatron_fsdp_c")
+    return _OPAQUE_BY_SIZE[size]
+
+
+def into_engine(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the engine takes it: contiguous, in the engine's element type."""
+    t = t.contiguous()
+    return t if t.dtype in _C.DTYPE_CODES else t.view(engine_dtype(t.dtype))
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+@dataclasses.dataclass(eq=False)
+class ParamRecord:
+    index: int
+    name: str                       # first registered name, relative to the wrapped module
+    param: nn.Parameter             # the compute parameter (the module's own object)
+    shape: torch.Size
+    unit: int                       # FSDP unit index, -1 outside every unit (or shared across units)
+    places: list                    # [(module, attribute)] where the parameter is registered
+    replicated: bool = False        # fsdp_no_shard or 0-d: one full copy per rank
+    bucket: int = -1
+    item: int = -1
+    local: tuple = (0, 0)           # (first element, count) of this rank's rows of the parameter
+    dist_param: Optional[nn.Parameter] = None
+    grad_dtensor: Optional[DTensor] = None
+    origin: Optional[nn.Parameter] = None  # the Parameter object the user saw (meta init replaces it)
+    aliases: list = dataclasses.field(default_factory=list)  # every qualified name it is registered under
+    strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
+    policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
+    trains_later: bool = False      # frozen at sharding but expected to train: its main weights are planned wide
+    shard_dim: int = 0              # torch's Shard(shard_dim) when sharded ([Note: chunked layout])
+    tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
+    quant: Optional[QuantizedCommPolicy] = None  # and its quantized communication (None: the model's)
+
+    def __post_init__(self):
+        self.origin = self.param
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+
+def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]:
+    """Every distinct parameter of `root` in registration order, with its unit.
+
+    A parameter registered under modules of two different units (or of a unit and the rest of
+    the model), e.g. tied embeddings, belongs to no unit: it stays gathered for the whole pass.
+    A parameter is replicated if fsdp_no_shard marked any place it is registered, or if it is
+    0-d (a scalar has no rows to shard).
+    """
+    unit_of_module: Dict[int, int] = {}
+    for u, unit in enumerate(units):
+        for sub in unit.modules():
+            unit_of_module.setdefault(id(sub), u)
+    records: Dict[int, ParamRecord] = {}
+    seen_places = set()
+    for mod_name, mod in root.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is None or (id(mod), attr) in seen_places:
+                continue
+            seen_places.add((id(mod), attr))
+            unit = unit_of_module.get(id(mod), -1)
+            qualified = f"{mod_name}.{attr}" if mod_name else attr
+            rec = records.get(id(p))
+            if rec is None:
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                rec = records[id(p)] = ParamRecord(len(records), name, p, p.shape, unit, [(mod, attr)])
+            else:
+                rec.places.append((mod, attr))
+                if rec.unit != unit:
+                    rec.unit = -1
+            rec.replicated = rec.replicated or is_no_shard(mod, attr) or p.dim() == 0
+            rec.aliases.append(qualified)
+    return list(records.values())
+
+
+def row_size(shape: torch.Size) -> int:
+    if len(shape) < 2 or shape[0] == 0:
+        return 1
+    return max(1, math.prod(shape[1:]))
+
+
+def rows_of(r: ParamRecord) -> tuple:
+    """(row, outer) of `r` for the planner: a row is the elements of one index of the sharded dim,
+    outer the blocks before it ([Note: chunked layout] in csrc/core/mfsdp_layout.h)."""
+    d = r.shard_dim
+    if d == 0 or r.replicated or math.prod(r.shape) == 0:
+        return row_size(r.shape), 1
+    return math.prod(r.shape[d + 1:]), math.prod(r.shape[:d])
+
+
+def local_shape(shape: torch.Size, dim: int, world: int, rank: int) -> tuple:
+    """The shape of rank `rank`'s Shard(dim) local tensor of a parameter of `shape` over `world`
+    ranks: torch.chunk's piece, so the last ranks may hold fewer rows, or none."""
+    if not shape:
+        return ()
+    rows = shape[dim]
+    chunk = -(-rows // world)
+    lo = min(rank * chunk, rows)
+    return (*shape[:dim], min(lo + chunk, rows) - lo, *shape[dim + 1:])
