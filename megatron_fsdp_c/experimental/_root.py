@@ -46,7 +46,10 @@ class RootState(Registration, EngineOwner):
                 groups.append(g)
         ctxs = {id(g.ctx) for g in groups}
         if len(ctxs) > 1:
-            raise ValueError("the groups under this root were sharded over different meshes: one mesh per model")
+            raise ValueError(
+                "the groups under this root were sharded over different meshes: one mesh per model. megatron_fsdp_c "
+                "builds one engine per root over one mesh, so a mesh per group (expert parallelism's dp_mod_ep_mesh) is "
+                "not supported yet: pass the same mesh to every fully_shard call under this root")
         self.root = root
         self.groups = groups
         for g in groups:  # FSDP2's default (None): reshard after forward, except the root
