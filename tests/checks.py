@@ -138,6 +138,15 @@ def assert_recorded(per_rank: List[list], what: str = "") -> None:
                              + (f"\n... and {len(problems) - 24} more" if len(problems) > 24 else ""))
 
 
+def outcome(fn: Callable) -> str:
+    """What calling fn gives a user: "accepted", or the exception's type name and message."""
+    try:
+        fn()
+        return "accepted"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+
+
 def raised_by(per_rank: List[list], label: str) -> List[Tuple[str, str]]:
     """(exception type name, message) that each rank recorded under `label` with Checks.raised."""
     out = []

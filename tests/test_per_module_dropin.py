@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from megatron_fsdp_c.experimental import FSDPModule, UnshardHandle
+from checks import outcome
 from conftest import get_run
 
 RTOL = 1e-9
@@ -215,17 +216,10 @@ def dp_mesh_dims_errors(rank, world):
     from torch.distributed.fsdp import DataParallelMeshDims
     from megatron_fsdp_c.experimental import fully_shard
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
-    out = {}
-    for label, fn in {
+    return {label: outcome(fn) for label, fn in {
         "tensor parallel dim": lambda: fully_shard(mlp(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")),
         "unknown dim": lambda: fully_shard(mlp(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")),
-    }.items():
-        try:
-            fn()
-            out[label] = "accepted"
-        except Exception as e:  # noqa: BLE001 - the message is the result
-            out[label] = f"{type(e).__name__}: {e}"
-    return out
+    }.items()}
 
 
 def all_reduce_hook(rank, world, impl):

@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_fsdp_c.testing import GPTConfig, TPBlock, TPGPT, batch, parallelize_tp
+from checks import outcome
 from conftest import get_run
 
 CFG = GPTConfig(vocab=67, seq=8, d=32, heads=4, layers=2)
@@ -447,14 +448,7 @@ def errors_cell(rank, world):
         "2-D TP mesh": lambda: fully_shard(_on_2d_mesh(mesh), mesh=mesh["dp"]),
         "partition_stride": lambda: mf_shard(strided_megatron(), tp_dim="tp"),
     }
-    out = {}
-    for label, fn in cases.items():
-        try:
-            fn()
-            out[label] = "accepted"
-        except Exception as e:  # noqa: BLE001 - the message is the result
-            out[label] = f"{type(e).__name__}: {e}"
-    return out
+    return {label: outcome(fn) for label, fn in cases.items()}
 
 
 def _on_2d_mesh(mesh):
