@@ -44,13 +44,18 @@ setup: $(VENV)/.built
 example: setup
 	$(VENV)/bin/torchrun --nproc_per_node 2 examples/train_gpt.py
 
-csrc/tests/bin/test_core: $(CORE_SRC) $(TEST_HARNESS) csrc/tests/test_core.c $(wildcard csrc/*/*.h)
-	@mkdir -p csrc/tests/bin
-	$(CC) $(TEST_CFLAGS) -o $@ csrc/tests/test_core.c $(TEST_HARNESS_C) $(CORE_SRC) -lm
+# test_core and fuzz_layout link the same sanitized objects: each source compiles once.
+TEST_OBJ_DIR := csrc/tests/bin/obj
+TEST_OBJS := $(patsubst csrc/%.c,$(TEST_OBJ_DIR)/%.o,$(CORE_SRC) $(TEST_HARNESS_C))
+$(TEST_OBJ_DIR)/%.o: csrc/%.c $(wildcard csrc/*/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(TEST_CFLAGS) -c $< -o $@
 
-csrc/tests/bin/fuzz_layout: $(CORE_SRC) csrc/tests/fuzz_layout.c $(TEST_HARNESS) $(wildcard csrc/*/*.h)
-	@mkdir -p csrc/tests/bin
-	$(CC) $(TEST_CFLAGS) -o $@ csrc/tests/fuzz_layout.c $(TEST_HARNESS_C) $(CORE_SRC) -lm
+csrc/tests/bin/test_core: $(TEST_OBJS) $(TEST_OBJ_DIR)/tests/test_core.o
+	$(CC) $(TEST_CFLAGS) -o $@ $^ -lm
+
+csrc/tests/bin/fuzz_layout: $(TEST_OBJS) $(TEST_OBJ_DIR)/tests/fuzz_layout.o
+	$(CC) $(TEST_CFLAGS) -o $@ $^ -lm
 
 csrc/tests/bin/test_emu: $(CORE_SRC) $(TEST_HARNESS) $(EMU_DEPS) $(wildcard csrc/*/*.h)
 	@mkdir -p csrc/tests/bin/emu
@@ -67,9 +72,13 @@ ctest: csrc/tests/bin/test_core csrc/tests/bin/fuzz_layout csrc/tests/bin/test_e
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 csrc/tests/bin/fuzz_layout $(FUZZ_SECONDS)
 
 # The CUDA kernels and the NCCL transport must compile and link wherever nvcc is, GPU or not.
-cuda-check: $(VENV)/.ready
+# The NCCL headers come with the nvidia-nccl-cu13 wheel (installed before pytest starts: see test).
+$(VENV)/.nccl: $(VENV)/.ready
+	@if command -v nvcc >/dev/null 2>&1; then $(PY) -m pip install -q nvidia-nccl-cu13; fi
+	@touch $@
+
+cuda-check: $(VENV)/.nccl
 	@if command -v nvcc >/dev/null 2>&1; then \
-	  $(PY) -m pip install -q nvidia-nccl-cu13 && \
 	  MFSDP_CUDA=1 $(PY) setup.py -q build_ext --build-temp build/cuda/tmp --build-lib build/cuda/lib && \
 	  nvcc -ptx -O3 -std=c++17 -arch=compute_$${MFSDP_CUDA_ARCH:-90} --expt-relaxed-constexpr \
 	    csrc/cuda/kernels.cu -o build/cuda/kernels.ptx && \
@@ -81,7 +90,19 @@ cuda-check: $(VENV)/.ready
 pytest: setup
 	$(PY) -m pytest -q tests
 
-test: ctest cuda-check pytest
+# [Note: make test's two sides]
+# The C side (the sanitized builds, test_core, test_emu, the fuzz run and the CUDA compile check)
+# is single-threaded compiling and running, about 2.5 minutes; pytest's multi-rank spawns leave
+# part of the second core idle. So the C side runs beside pytest, into build/c-side.log, printed
+# when both are done; make test fails if either does. `make ctest`, `make cuda-check` and
+# `make pytest` run one side alone.
+test: setup $(VENV)/.nccl
+	@mkdir -p build && rm -f build/c-side.status
+	@( $(MAKE) --no-print-directory ctest cuda-check > build/c-side.log 2>&1; echo $$? > build/c-side.status ) & \
+	  $(PY) -m pytest -q tests; py=$$?; wait; \
+	  echo "== the C side: make ctest cuda-check (build/c-side.log) =="; cat build/c-side.log; \
+	  c=$$(cat build/c-side.status 2>/dev/null || echo 1); \
+	  echo "== make test: pytest exit $$py, C side exit $$c =="; [ "$$py" = 0 ] && [ "$$c" = 0 ]
 
 bench: setup
 	$(VENV)/bin/python benchmarks/run.py

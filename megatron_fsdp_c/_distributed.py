@@ -159,7 +159,7 @@ def _hybrid_groups(device_mesh, dp_shard_dim, dp_outer_dim, hybrid_fsdp_group, d
         # made by its members only: under tensor parallelism each tp coordinate has its own
         # (replicate, shard) mesh, so the ranks differ between callers
         hybrid_fsdp_group = dist.group.WORLD if ranks == list(range(dist.get_world_size())) else \
-            dist.new_group(ranks, use_local_synchronization=True)
+            own_group("data-parallel", ranks)
     if hybrid_fsdp_group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError("this rank is not a member of hybrid_fsdp_group: pass a group over all data-parallel "
                          "ranks of the mesh, this one included")
@@ -170,6 +170,30 @@ def _hybrid_groups(device_mesh, dp_shard_dim, dp_outer_dim, hybrid_fsdp_group, d
         raise ValueError(f"the mesh's dims do not multiply to the data-parallel size: {dp_outer_dim!r} ({outer}) x "
                          f"{dp_shard_dim!r} ({inner}) = {inner * outer}, but hybrid_fsdp_group has {total} ranks")
     return shard_group, outer_group, mesh2d, hybrid_fsdp_group
+
+
+# [Note: the engine's own groups]
+# The engine makes process groups of its own (a second communicator so that all-gathers never
+# wait behind reductions, one across replicas, one over a sub-mesh's ranks). Each gloo group runs
+# a TCP loop thread that wakes every 10 ms even when idle, and NCCL communicators hold device
+# memory: a process that builds many models (a sweep, an evaluation that reloads, a test suite)
+# must not pay one more per model. So they are made once per (role, ranks, backend, timeout)
+# under the current default group and shared by every model over those ranks. Sharing is safe
+# for the same reason sharing the default group is: every rank issues its collectives on a
+# group in one program order ([Note: collective order] holds per group, not per model).
+_OWN_GROUPS = {}  # (default group id, role, ranks, backend, timeout) -> (default group, group)
+
+
+def own_group(role: str, ranks, backend=None, timeout=None):
+    """The library's process group for `role` over `ranks` (see [Note: the engine's own groups])."""
+    default = dist.distributed_c10d._get_default_group()
+    key = (id(default), role, tuple(ranks), backend, timeout)
+    hit = _OWN_GROUPS.get(key)
+    if hit is None or hit[1] not in dist.distributed_c10d._world.pg_map:  # made, or destroyed since
+        extra = {"timeout": timeout} if timeout is not None else {}
+        group = dist.new_group(ranks=list(ranks), use_local_synchronization=True, backend=backend, **extra)
+        hit = _OWN_GROUPS[key] = (default, group)  # the default group kept alive: its id stays unique
+    return hit[1]
 
 
 def _flat_mesh(mesh2d: DeviceMesh, dp_group) -> DeviceMesh:
@@ -220,15 +244,12 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
     # each collective ends): a collective_timeout goes to the engine's own process groups.
     cuda_timeout = timeout if device.type == "cuda" and not use_nccl else None
     gather_group, reduce_group = group, group
-    extra = {"timeout": cuda_timeout} if cuda_timeout is not None else {}
     if world > 1 and not use_nccl:
         # A second communicator over the same ranks: all-gathers never wait behind reductions.
         ranks = dist.get_process_group_ranks(group)
-        gather_group = dist.new_group(ranks=ranks, use_local_synchronization=True,
-                                      backend=dist.get_backend(group), **extra)
+        gather_group = own_group("gather", ranks, dist.get_backend(group), cuda_timeout)
         if cuda_timeout is not None:
-            reduce_group = dist.new_group(ranks=ranks, use_local_synchronization=True,
-                                          backend=dist.get_backend(group), **extra)
+            reduce_group = own_group("reduce", ranks, dist.get_backend(group), cuda_timeout)
     device_index = device.index if device.type == "cuda" else -1
     if use_nccl:
         from ._nccl import make_nccl_transport
@@ -249,8 +270,7 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
         elif outer_world > 1:
             # its own communicator: reductions across replicas never queue behind the shards' ones
             ranks = dist.get_process_group_ranks(outer_group)
-            own = dist.new_group(ranks=ranks, use_local_synchronization=True, backend=dist.get_backend(outer_group),
-                                 **extra)
+            own = own_group("outer", ranks, dist.get_backend(outer_group), cuda_timeout)
             ctx.outer_transport = _C.TorchTransport(own, own, device_index, timeout,
                                                     alias_safe_reduce=_reduces_in_place_wrongly(own))
         ctx.outer_group, ctx.outer_world, ctx.dp_group = outer_group, outer_world, dp_group

@@ -44,8 +44,9 @@ watchdog (a rank still inside a cell after its timeout dumps its stacks and exit
 run_on_ranks' timeout, all spawns of a grid by a wall-clock budget.
 
 Environment (print with pytest -s): RANK_GRID_TRACE=1 prints each cell's name on every rank as it
-starts; RANK_GRID_DEBUG=1 prints each spawn's size, wall time and slowest cells, and the seconds
-each module's cells took; RANK_GRID_CELL_TIMEOUT_S sets the default watchdog of a cell (300 s).
+starts; RANK_GRID_DEBUG=1 prints each spawn's size, wall time and slowest cells, the seconds
+each module's cells took, and the CPU seconds (summed over ranks: a cost the machine's load does
+not change) by module and of the costliest cells; RANK_GRID_CELL_TIMEOUT_S sets the default watchdog of a cell (300 s).
 """
 from __future__ import annotations
 
@@ -176,6 +177,14 @@ def end_session() -> None:
                   file=sys.stderr)
         print("\n[rank_grid] seconds in cells by module: " + ", ".join(
             f"{m} {s:.1f}" for s, m in sorted(((s, m) for m, s in _SECONDS.items()), reverse=True)), file=sys.stderr)
+        by_module: Dict[str, float] = {}
+        for cid, cpu in _CPU.items():
+            by_module[cid[0]] = by_module.get(cid[0], 0.0) + cpu
+        print("\n[rank_grid] CPU seconds in cells by module (all ranks): " + ", ".join(
+            f"{m} {s:.1f}" for s, m in sorted(((s, m) for m, s in by_module.items()), reverse=True)), file=sys.stderr)
+        print("\n[rank_grid] costliest cells in CPU seconds (all ranks): " + ", ".join(
+            f"{c[0]}::{c[1]}@{c[2]} {s:.1f}" for s, c in sorted(((s, c) for c, s in _CPU.items()), reverse=True)[:40]),
+            file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------
@@ -235,6 +244,15 @@ _RESULTS: Dict[CellId, list] = {}
 _RAN: set = set()  # (group, world) slots whose shared spawn has run
 _LONE: List[CellId] = []  # cells that needed a spawn of their own
 _SECONDS: Dict[str, float] = {}  # module -> seconds its cells took (the slowest rank's)
+_CPU: Dict[CellId, float] = {}  # cell -> CPU seconds, summed over its ranks (load-independent cost)
+
+
+def _read_float(path: str) -> float:
+    try:
+        with open(path) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _values(cid: CellId) -> list:
@@ -376,7 +394,7 @@ def _grid_worker(rank: int, world: int, cells: Sequence[CellId], out_dir: str):
         open(os.path.join(out_dir, f"started.{j}.{rank}"), "w").close()
         if trace:
             print(f"[rank {rank}] cell {cid[0]}::{cid[1]} at world {world}", file=console, flush=True)
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         # a rank stuck where no timeout reaches (a deadlock) dumps every thread's stack and exits
         faulthandler.dump_traceback_later(spec.timeout, exit=True, file=sys.stderr)
         try:
@@ -394,13 +412,19 @@ def _grid_worker(rank: int, world: int, cells: Sequence[CellId], out_dir: str):
                                     time.time() - t0))
         with open(os.path.join(out_dir, f"cell.{j}.{rank}.pkl"), "wb") as f:
             f.write(payload)
+        with open(os.path.join(out_dir, f"cpu.{j}.{rank}"), "w") as f:
+            f.write(repr(time.process_time() - cpu0))
         store.set(f"cell{j}/{rank}", value[0])
         _wait_for_peers(store, [f"cell{j}/{r}" for r in range(world)], out_dir, world)
         if any(store.get(f"cell{j}/{r}") != b"ok" for r in range(world)):
             why = _group_still_pairs(rank, world)
             if why:
                 raise RuntimeError(f"process group out of step after cell {cid[1]!r}: {why}")
-    return "done"
+    # threads left at the end (RANK_GRID_DEBUG): each process group adds gloo loop threads that
+    # wake every 10 ms, so a count growing with the cells is CPU lost ([Note: the engine's own groups])
+    names = [pg.group_name for pg in dist.distributed_c10d._world.pg_map]
+    return (len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1,
+            sum(n.isdigit() for n in names), sum(not n.isdigit() for n in names))
 
 
 def _tail(path: str, n: int = 1500) -> str:
@@ -429,6 +453,9 @@ def run_grid(world: int, cells: Sequence[CellId]) -> Dict[CellId, list]:
         todo = cells[start:]
         with tempfile.TemporaryDirectory() as out_dir:
             outcomes = run_on_ranks(_grid_worker, world, todo, out_dir, timeout_s=SPAWN_TIMEOUT_S, raise_errors=False)
+            if os.environ.get("RANK_GRID_DEBUG"):
+                print(f"\n[rank_grid] threads per rank at the end of the spawn: {[v for _, v in outcomes]}",
+                      file=sys.stderr)
             next_start = len(cells)
             for j, cell in enumerate(todo):
                 files = [os.path.join(out_dir, f"cell.{j}.{r}.pkl") for r in range(world)]
@@ -438,6 +465,7 @@ def run_grid(world: int, cells: Sequence[CellId]) -> Dict[CellId, list]:
                         with open(p, "rb") as f:
                             per_rank.append(pickle.load(f))
                     results[cell] = per_rank
+                    _CPU[cell] = sum(_read_float(os.path.join(out_dir, f"cpu.{j}.{r}")) for r in range(world))
                     continue
                 started = any(os.path.exists(os.path.join(out_dir, f"started.{j}.{r}")) for r in range(world))
                 if not started and j > 0:
