@@ -109,6 +109,7 @@ class RootState(Registration, EngineOwner):
         self._used = bytearray(len(records))
         self._has_grad = bytearray(len(records))
         self._trainable = bytearray(int(r.requires_grad) for r in records)
+        self.adopt_grads()  # gradients carried through a .to() ([Note: re-initialisation] in _registration.py)
         # [Note: per-group registration]: what each group's modules hold, by unit index
         self._unit_records = [[] for _ in groups]
         for r in records:
