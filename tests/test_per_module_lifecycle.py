@@ -20,7 +20,8 @@ Behaviours (cell names):
 - the first forward inside torch.func.jvp after meta-device init (no warm-up): no_warmup_jvp
 - torch.compile of the model: compiled
 - .to(dtype) after the first forward (and between steps, the optimizer kept; with gradients
-  attached, carried and converted): to_after_first_forward
+  attached, carried and converted): to_after_first_forward; refused at the call while a
+  replicated parameter's gradient is attached: to_with_replicated_grad
 """
 import copy
 
@@ -30,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import rank_grid
-from checks import full, recorder_cells, verify
+from checks import full, outcome, recorder_cells, verify
 from data import local_batch
 from megatron_fsdp_c.experimental import FSDPModule, fully_shard
 from tiny_models import MLP, MLPStack, mlp_stack
@@ -311,6 +312,36 @@ def to_after_first_forward(rank, world, ck):
     refs = dict(ref.named_parameters())
     for n, p in model.named_parameters():
         ck.close(f"after .float(): {n}.grad", p.grad, refs[n].grad.float())
+
+
+class _Scaled(nn.Module):
+    """An MLP times a 0-d parameter (replicated: its gradient is all-reduced, not reduce-scattered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(8)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.mlp(x) * self.scale
+
+
+@cell("to_with_replicated_grad", worlds=(2,))
+def to_with_replicated_grad(rank, world, ck):
+    """.to() while a replicated (0-d) parameter holds its gradient: the new engine could not start
+    from it (its all-reduce would count it again), so the call raises and names the fix, and
+    nothing was released: the model trains on after zero_grad + .to() as the reference does."""
+    torch.manual_seed(42)
+    model = _Scaled().double()
+    ref = copy.deepcopy(model)
+    fully_shard(model)
+    model(local_batch(0, rank, (4, 8))).sum().backward()
+    said = outcome(lambda: model.to(torch.float64))
+    ck.true(".to() with a replicated gradient attached raises at the call, naming zero_grad",
+            said.startswith("RuntimeError") and "zero_grad(set_to_none=True)" in said and "scale" in said, said)
+    model.zero_grad(set_to_none=True)
+    model.to(torch.float64)
+    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)), steps=2)
 
 
 @cell("no_warmup_jvp[keep]", worlds=(2,), reshard=False)

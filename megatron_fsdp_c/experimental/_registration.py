@@ -82,6 +82,12 @@ class Registration:
         if self.held:
             raise RuntimeError(f"{why} while gradients are held back by set_requires_gradient_sync(False): finish the "
                                "accumulation with a backward that syncs (and the optimizer step) first")
+        stuck = [r.name for r in self.param_buffer.records if r.dist_param.grad is not None and r.grad_dtensor is not None
+                 and not self._adoptable(r)]
+        if stuck:  # refused here, at the call, rather than at the next forward's adopt_grads
+            raise RuntimeError(f"{why} while parameters hold gradients the new engine could not start from "
+                               f"({', '.join(stuck[:4])}{', ...' if len(stuck) > 4 else ''}: replicated or HSDP "
+                               "gradients); call optimizer.zero_grad(set_to_none=True) (or model.zero_grad()) first")
         for u in range(len(self.groups)):
             self.register(u, False)
         self.hooks.remove()
@@ -96,6 +102,13 @@ class Registration:
                     origin.state = None
         for g in self.groups:
             g.state = g.unit = None
+
+    def _adoptable(self, r) -> bool:
+        """Only a sharded gradient the engine accumulates into, reduced over one level, can start
+        from a value: a full gradient buffer (replicated parameters) or an all-reduce across
+        replicas (HSDP) would reduce the adopted value again, counting it several times."""
+        return (self.param_buffer.specs[r.bucket]["grad_mode"] == _C.GRAD_SCATTER_ACCUMULATE
+                and self.dist_ctx.outer_world == 1)
 
     def adopt_grads(self) -> None:
         """At the engine's initialisation: a .grad the sharded parameters already hold (carried
@@ -112,10 +125,7 @@ class Registration:
                                    f"({type(g).__name__} {tuple(g.shape)}): set it to None (zero_grad(set_to_none=True)) "
                                    "or to a DTensor with the parameter's mesh and placements before the forward")
             spec = self.param_buffer.specs[r.bucket]
-            # Only a sharded gradient the engine accumulates into, reduced over one level, can start
-            # from a value: a full gradient buffer (replicated parameters) or an all-reduce across
-            # replicas (HSDP) would reduce the adopted value again, counting it several times.
-            if spec["grad_mode"] != _C.GRAD_SCATTER_ACCUMULATE or self.dist_ctx.outer_world > 1:
+            if not self._adoptable(r):
                 raise RuntimeError(f"parameter '{r.name}' holds a .grad from before the engine was (re-)initialised "
                                    "(e.g. .to() after a backward); its engine reduces it as a replicated or HSDP "
                                    "gradient, which cannot start from a value: call "
