@@ -185,15 +185,30 @@ class ParamBuffer:
         return by_bucket
 
     def point_all_compute_params(self) -> None:
-        """Points every compute parameter at its full weights (gathering each bucket while)."""
+        """Points every compute parameter at its full weights. A ZeRO-3 bucket's full-weight
+        buffer is not gathered for it: the views only need its storage object, which keeps them
+        across release and gather ([Note: storage resize] in csrc/comm/buffers.c), so its
+        storage is given its size while they are made (torch checks a view against the storage's
+        size) and released again, no collective issued: FSDP2's lazy init gathers nothing either
+        (torch's test_gradient_accumulation counts the first forward's all-gathers). Full weights
+        that persist (ZeRO-1/2) are gathered now."""
         for b, recs in self.records_by_bucket().items():
-            gathered = self.specs[b]["weights_sharded"] or self.specs[b]["weights_regather"]
-            if gathered:
+            if self.specs[b]["weights_sharded"]:
+                full = self.engine.tensor(b, _C.BUF_WEIGHT)
+                storage = full.untyped_storage()
+                released = storage.nbytes() == 0
+                if released:
+                    storage.resize_(full.numel() * full.element_size())
+                try:
+                    self.point_compute_params(recs)
+                finally:
+                    if released:
+                        storage.resize_(0)
+                continue
+            if self.specs[b]["weights_regather"]:
                 self.engine.unshard([b])
                 self.engine.wait_unshard([b])
             self.point_compute_params(recs)
-            if self.specs[b]["weights_sharded"]:
-                self.engine.reshard([b])
 
     def point_compute_params(self, records: List[ParamRecord]) -> None:
         for r in records:

@@ -7,6 +7,10 @@ Behaviours (cell names):
 - a backward with gradient sync off issues no collective after its gathers: no reduce-scatter,
   and no all-reduce of the used-parameter flags ([Note: unused parameters] in
   megatron_fsdp_c/_sharded.py), as FSDP2 on a 1-D mesh: no_sync_backward
+- the first forward and backward (the lazy init's included) issue the all-gathers FSDP2 issues
+  (the lazy init gathers nothing: the compute parameters are pointed at the released full-weight
+  buffers), for reshard_after_forward True, False and the default, also when the root's output is
+  a child group's output; the losses are FSDP2's: first_step_gathers
 - the flags of the backwards without sync wait for the next sync: a parameter one rank used in
   a microbatch without sync only gets its gradient on every rank; one no rank used keeps
   .grad None: flags_carried_to_sync
@@ -58,6 +62,30 @@ def no_sync_backward(rank, world, ck):
     ck.equal("sync off: no reduce-scatter, no all-reduce (CommDebugMode)", (rs, ar), (0, 0))
     ck.equal("sync off: torch's counts", seen["ours", False][1:], seen["torch", False][1:])
     ck.equal("sync on: the reduce-scatters torch issues", seen["ours", True][1], seen["torch", True][1])
+
+
+@cell("first_step_gathers")
+def first_step_gathers(rank, world, ck):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    for raf in (True, False, None):
+        seen, losses = {}, {}
+        for impl, shard in (("torch", torch_fully_shard), ("ours", fully_shard)):
+            torch.manual_seed(0)
+            # the root holds the first Linear; its output is the last child's (test_gradient_accumulation's model)
+            model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8)), nn.Linear(8, 8))
+            kw = {} if raf is None else {"reshard_after_forward": raf}
+            for m in model[1:]:
+                shard(m, **kw)
+            shard(model, **kw)
+            x = local_batch(0, rank, (2, 8)).float()
+
+            def step():
+                loss = model(x).sum()
+                loss.backward()
+                losses[impl] = loss.detach()
+            seen[impl] = counts(step)[0]
+        ck.equal(f"reshard_after_forward={raf}: the first step's all-gathers, as torch's", seen["ours"], seen["torch"])
+        ck.close(f"reshard_after_forward={raf}: the first loss, as torch's", losses["ours"], losses["torch"], 0, 0)
 
 
 class Branches(nn.Module):

@@ -220,16 +220,24 @@ def dp_mesh_dims_errors(rank, world):
     }.items()}
 
 
-def all_reduce_hook(rank, world, impl):
+def all_reduce_hook(rank, world, impl, with_stream=False):
     """set_all_reduce_hook on every sharded module: the hook doubles the reduced gradient shard in
-    place; .grad follows, as in torch's FSDP2 (one syncing backward per step)."""
+    place; .grad follows, as in torch's FSDP2 (one syncing backward per step). with_stream: the
+    hook is given a stream of the device (torch.cpu.Stream here: torch's test_custom_hook_custom_stream)
+    and must run with it current."""
     model = shard(mlp(), impl)
-    calls = []
+    calls, on_stream = [], []
+    stream = torch.get_device_module("cpu").Stream() if with_stream else None
+
+    def hook(t):
+        calls.append(t.numel())
+        on_stream.append(torch.get_device_module("cpu").current_stream() is stream)
+        t.mul_(2.0)
     for m in model.modules():
         if isinstance(m, TorchFSDPModule):
-            m.set_all_reduce_hook(lambda t: (calls.append(t.numel()), t.mul_(2.0)))
+            m.set_all_reduce_hook(hook, stream=stream)
     model(data(0, rank)).sum().backward()
-    return dict(grads=full_grads(model), calls=len(calls))
+    return dict(grads=full_grads(model), calls=len(calls), on_stream=all(on_stream) if with_stream else None)
 
 
 def accepted_and_refused(rank, world):
@@ -333,6 +341,7 @@ def _register():
     for impl in ("torch", "ours"):
         add(("summed", impl), summed_loss, impl, tests=["test_summed_loss_gets_fsdp2s_gradients"])
         add(("hook", impl), all_reduce_hook, impl, tests=["test_all_reduce_hook_matches_fsdp2"])
+        add(("hook_stream", impl), all_reduce_hook, impl, True, tests=["test_all_reduce_hook_on_a_given_stream"])
         for dims in ("fsdp", "hsdp"):
             add(("dims", dims, impl), dp_mesh_dims, impl, dims, tests=["test_dp_mesh_dims_matches_fsdp2"],
                 match={"dims": dims})
@@ -409,6 +418,13 @@ def test_all_reduce_hook_matches_fsdp2():
     for theirs, ours in zip(_cell(("hook", "torch")), _cell(("hook", "ours"))):
         _close(ours["grads"], theirs["grads"], "grads")
         assert ours["calls"] == theirs["calls"] == 4, (ours["calls"], theirs["calls"])
+
+
+def test_all_reduce_hook_on_a_given_stream():
+    for theirs, ours in zip(_cell(("hook_stream", "torch")), _cell(("hook_stream", "ours"))):
+        _close(ours["grads"], theirs["grads"], "grads")
+        assert ours["calls"] == theirs["calls"] == 4, (ours["calls"], theirs["calls"])
+        assert ours["on_stream"] and theirs["on_stream"], (ours["on_stream"], theirs["on_stream"])
 
 
 def test_methods_without_effect_and_refused_ones():

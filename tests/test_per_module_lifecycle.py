@@ -19,7 +19,9 @@ Behaviours (cell names):
   meta-device model, a tied weight staying tied: load_assign_on_meta
 - the first forward inside torch.func.jvp after meta-device init (no warm-up): no_warmup_jvp
 - torch.compile of the model: compiled
-- .to(dtype) after the first forward (and between steps, the optimizer kept): to_after_first_forward
+- .to(dtype) after the first forward (and between steps, the optimizer kept; with gradients
+  attached, carried and converted): to_after_first_forward; refused at the call while a
+  replicated parameter's gradient is attached: to_with_replicated_grad
 """
 import copy
 
@@ -29,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import rank_grid
-from checks import full, recorder_cells, verify
+from checks import full, outcome, recorder_cells, verify
 from data import local_batch
 from megatron_fsdp_c.experimental import FSDPModule, fully_shard
 from tiny_models import MLP, MLPStack, mlp_stack
@@ -289,17 +291,57 @@ def to_after_first_forward(rank, world, ck):
             and all(isinstance(p, DTensor) and p.dtype == torch.float64 and p.to_local().dtype == torch.float64
                     for p in model.parameters()))
     data = lambda s, r: local_batch(s, r, (4, 8))  # noqa: E731
-    pair = against_ddp(ck, rank, world, model, ref, data, steps=2)
-    try:
-        model.float()
-        ck.true(".to() with gradients attached is refused", False, "no error")
-    except RuntimeError as e:
-        ck.true(".to() with gradients attached names the fix", "zero_grad(set_to_none=True)" in str(e), str(e))
-    for m in (model, ref):
-        m.zero_grad(set_to_none=True)
+    pair = against_ddp(ck, rank, world, model, ref, data, steps=2)  # its zero_grad comes at a step's start
+    # .to() with the last step's gradients attached (FSDP2's .grad is a DTensor Module._apply
+    # converts): they are carried into the new engine, and the next backward accumulates onto them
+    before = {n: full(p.grad).clone() for n, p in model.named_parameters()}
     model.to(torch.float64)  # the same dtype: the engine is re-made from the same shards
-    pair.run(2, lambda step, mb: data(step, rank), first=2)
-    pair.check_params("after .to() between steps")
+    ck.true("after .to(), each parameter still holds its gradient",
+            all(p.grad is not None for p in model.parameters()))
+    for n, p in model.named_parameters():
+        ck.close(f"after .to(): {n}.grad as before", p.grad, before[n], 0, 0)
+    pair.run(1, lambda step, mb: data(step, rank), first=2)  # no zero_grad first: accumulates on both sides
+    pair.run(1, lambda step, mb: data(step, rank), first=3)
+    pair.check_params("after .to() between steps, gradients attached")
+    # a dtype change converts the attached gradients too, as under FSDP2
+    for m in (model, pair.ref_run):
+        m(local_batch(4, rank, (4, 8))).sum().backward()
+    model.float()
+    ck.true("after .float(), the gradients are float32 DTensors",
+            all(isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32 for p in model.parameters()))
+    refs = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        ck.close(f"after .float(): {n}.grad", p.grad, refs[n].grad.float())
+
+
+class _Scaled(nn.Module):
+    """An MLP times a 0-d parameter (replicated: its gradient is all-reduced, not reduce-scattered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(8)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.mlp(x) * self.scale
+
+
+@cell("to_with_replicated_grad", worlds=(2,))
+def to_with_replicated_grad(rank, world, ck):
+    """.to() while a replicated (0-d) parameter holds its gradient: the new engine could not start
+    from it (its all-reduce would count it again), so the call raises and names the fix, and
+    nothing was released: the model trains on after zero_grad + .to() as the reference does."""
+    torch.manual_seed(42)
+    model = _Scaled().double()
+    ref = copy.deepcopy(model)
+    fully_shard(model)
+    model(local_batch(0, rank, (4, 8))).sum().backward()
+    said = outcome(lambda: model.to(torch.float64))
+    ck.true(".to() with a replicated gradient attached raises at the call, naming zero_grad",
+            said.startswith("RuntimeError") and "zero_grad(set_to_none=True)" in said and "scale" in said, said)
+    model.zero_grad(set_to_none=True)
+    model.to(torch.float64)
+    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)), steps=2)
 
 
 @cell("no_warmup_jvp[keep]", worlds=(2,), reshard=False)

@@ -208,7 +208,8 @@ class FSDPModule(TorchFSDPModule):
         in-place change reaches the parameters' .grad. Torch passes one backward's reduce-scatter
         (or HSDP all-reduce) output before it is added to .grad; here the shard holds the sum of
         the step's syncing backwards so far (the same with one syncing backward per step). With
-        `stream` (CUDA), it runs there, ordered after the current stream and before its next work."""
+        `stream` (the device's, e.g. torch.cuda.Stream; torch.cpu.Stream on CPU), it runs there,
+        ordered after the current stream and before its next work."""
         if not callable(hook):
             raise TypeError(f"the all-reduce hook must be callable, got {type(hook).__name__}")
         g = group_of(self)

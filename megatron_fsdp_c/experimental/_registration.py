@@ -7,7 +7,9 @@ owns the engine, the records and the hooks these read.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from .. import _C
 from ._group import ShardGroup
 
 __all__ = ["Registration", "to_sharded_hook"]
@@ -69,20 +71,23 @@ class Registration:
         copied out of the engine (the same Parameter objects, so optimizers built on them keep
         working), the gradient hooks are removed and every group under the root forgets the
         engine; the next forward (or unshard()) initialises a new one from the converted
-        parameters, as the first did. Refused inside a forward or backward, while gradients are
-        held back, or while a gradient is attached (the new engine starts from zero
-        gradients)."""
+        parameters, as the first did. An attached .grad is copied out of the engine too (the
+        same DTensor object), so .to() converts it as torch's Module._apply converts any
+        gradient, and the new engine starts from it (adopt_grads: the next backward accumulates
+        onto it, as FSDP2's onto its sharded .grad). Refused inside a forward or backward, and
+        while gradients are held back by set_requires_gradient_sync(False): those live in the
+        engine's unreduced buffers, in no .grad, so nothing could carry them."""
         if self.hooks.in_backward or self.pass_root is not None or self.methods_running:
             raise RuntimeError(f"{why} inside a forward or backward pass: call it between training steps")
         if self.held:
             raise RuntimeError(f"{why} while gradients are held back by set_requires_gradient_sync(False): finish the "
                                "accumulation with a backward that syncs (and the optimizer step) first")
-        with_grad = [r.name for r in self.param_buffer.records if r.dist_param.grad is not None]
-        if with_grad:
-            raise RuntimeError(f"{why} while parameters hold gradients ({', '.join(with_grad[:4])}"
-                               f"{', ...' if len(with_grad) > 4 else ''}): the parameters are re-initialised from "
-                               "their shards, without the gradients; call optimizer.zero_grad(set_to_none=True) (or "
-                               "model.zero_grad()) first")
+        stuck = [r.name for r in self.param_buffer.records if r.dist_param.grad is not None and r.grad_dtensor is not None
+                 and not self._adoptable(r)]
+        if stuck:  # refused here, at the call, rather than at the next forward's adopt_grads
+            raise RuntimeError(f"{why} while parameters hold gradients the new engine could not start from "
+                               f"({', '.join(stuck[:4])}{', ...' if len(stuck) > 4 else ''}: replicated or HSDP "
+                               "gradients); call optimizer.zero_grad(set_to_none=True) (or model.zero_grad()) first")
         for u in range(len(self.groups)):
             self.register(u, False)
         self.hooks.remove()
@@ -90,11 +95,47 @@ class Registration:
             for r in self.param_buffer.records:
                 dp = r.dist_param
                 dp._local_tensor = dp._local_tensor.detach().clone()  # out of the engine's buffer
+                if isinstance(dp.grad, DTensor):  # the gradient DTensor views the engine's buffer too
+                    dp.grad._local_tensor = dp.grad._local_tensor.detach().clone()
                 origin = getattr(dp, "_mfsdp_origin", None)
                 if origin is not None:
                     origin.state = None
         for g in self.groups:
             g.state = g.unit = None
+
+    def _adoptable(self, r) -> bool:
+        """Only a sharded gradient the engine accumulates into, reduced over one level, can start
+        from a value: a full gradient buffer (replicated parameters) or an all-reduce across
+        replicas (HSDP) would reduce the adopted value again, counting it several times."""
+        return (self.param_buffer.specs[r.bucket]["grad_mode"] == _C.GRAD_SCATTER_ACCUMULATE
+                and self.dist_ctx.outer_world == 1)
+
+    def adopt_grads(self) -> None:
+        """At the engine's initialisation: a .grad the sharded parameters already hold (carried
+        through a .to() from an earlier engine, [Note: re-initialisation], or set by the user
+        before the first forward) is copied into the engine's gradient shard and attached as
+        before, so the next backward accumulates onto it as FSDP2's does. A gradient of another
+        layout than the parameter's is refused here rather than dropped."""
+        for r in self.param_buffer.records:
+            g = r.dist_param.grad
+            if g is None or r.grad_dtensor is None:  # a frozen parameter's .grad is left to the user
+                continue
+            if not isinstance(g, DTensor) or g.placements != r.grad_dtensor.placements or g.shape != r.dist_param.shape:
+                raise RuntimeError(f"parameter '{r.name}' holds a .grad that is not a DTensor laid out as the parameter "
+                                   f"({type(g).__name__} {tuple(g.shape)}): set it to None (zero_grad(set_to_none=True)) "
+                                   "or to a DTensor with the parameter's mesh and placements before the forward")
+            spec = self.param_buffer.specs[r.bucket]
+            if not self._adoptable(r):
+                raise RuntimeError(f"parameter '{r.name}' holds a .grad from before the engine was (re-)initialised "
+                                   "(e.g. .to() after a backward); its engine reduces it as a replicated or HSDP "
+                                   "gradient, which cannot start from a value: call "
+                                   "optimizer.zero_grad(set_to_none=True) (or model.zero_grad()) before the .to()")
+            with torch.no_grad():
+                if spec["main_dtype"] != spec["grad_dtype"]:  # .grad is a copy: the engine accumulates in GRAD_SHARD
+                    self.param_buffer.local_view(r, _C.BUF_GRAD_SHARD).copy_(g._local_tensor)
+                r.grad_dtensor._local_tensor.copy_(g._local_tensor)
+            self._has_grad[r.index] = 1
+            r.dist_param.grad = r.grad_dtensor
 
     def _run_post_accumulate_grad_hooks(self, units) -> None:
         """[Note: post-accumulate-grad hooks]

@@ -109,6 +109,7 @@ class RootState(Registration, EngineOwner):
         self._used = bytearray(len(records))
         self._has_grad = bytearray(len(records))
         self._trainable = bytearray(int(r.requires_grad) for r in records)
+        self.adopt_grads()  # gradients carried through a .to() ([Note: re-initialisation] in _registration.py)
         # [Note: per-group registration]: what each group's modules hold, by unit index
         self._unit_records = [[] for _ in groups]
         for r in records:
@@ -260,9 +261,12 @@ class RootState(Registration, EngineOwner):
             for t in shards:
                 hook(t)
             return
-        current = torch.cuda.current_stream()
+        # the device's module (torch.cuda, or torch.cpu whose streams only stand in for them, as
+        # FSDP2 runs the hook with torch.get_device_module(device))
+        device_module = torch.get_device_module(self.dist_ctx.device.type)
+        current = device_module.current_stream()
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        with device_module.stream(stream):
             for t in shards:
                 hook(t)
         current.wait_stream(stream)
