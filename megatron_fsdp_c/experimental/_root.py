@@ -9,6 +9,7 @@ import functools
 from typing import List
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed.tensor import DTensor, Replicate
@@ -23,7 +24,7 @@ from ._group import ShardGroup, check_origins, check_plain_tensor, group_of, ref
 from ._policy import cast_floats, engine_policy, is_torch_policy
 from ._registration import Registration, to_sharded_hook
 
-__all__ = ["RootState", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
+__all__ = ["RootState", "build_states", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
 
 
 class RootState(Registration, EngineOwner):
@@ -32,26 +33,10 @@ class RootState(Registration, EngineOwner):
 
     overlap_param_gather = True
 
-    def __init__(self, root: nn.Module):
-        groups = []
-        for name, m in root.named_modules():
-            g = getattr(m, "_mfsdp_group", None)
-            if g is not None and g not in groups:
-                if g.state is not None:  # lazily initialised before the model around it was sharded
-                    raise RuntimeError(
-                        f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
-                        f"through the root module first: the sharded {type(m).__name__} ran a forward (or unshard()) "
-                        "as its own root before fully_shard was applied to the model around it; apply fully_shard to "
-                        "every module first, then run the first forward through the outermost sharded module")
-                groups.append(g)
-        ctxs = {id(g.ctx) for g in groups}
-        if len(ctxs) > 1:
-            raise ValueError(
-                "the groups under this root were sharded over different meshes: one mesh per model. megatron_fsdp_c "
-                "builds one engine per root over one mesh, so a mesh per group (expert parallelism's dp_mod_ep_mesh) is "
-                "not supported yet: pass the same mesh to every fully_shard call under this root")
+    def __init__(self, root: nn.Module, groups: List[ShardGroup]):
         self.root = root
-        self.groups = groups
+        self.groups = groups  # this engine's: the groups under the root on one mesh ([Note: a mesh per group])
+        self.siblings = [self]  # every root state of the model, this one among them (build_states)
         for g in groups:  # FSDP2's default (None): reshard after forward, except the root
             if g.reshard_after_forward is None:
                 g.reshard_after_forward = g is not getattr(root, "_mfsdp_group", None)
@@ -68,7 +53,7 @@ class RootState(Registration, EngineOwner):
         ends = {}  # group index -> position of its (last) module in post-order: backward order
         for k, mod in enumerate(_post_order(root)):
             g = getattr(mod, "_mfsdp_group", None)
-            if g is not None:
+            if g is not None and g in groups:  # (groups on another mesh are another engine's)
                 ends[groups.index(g)] = k
         records, by_param, spmd_specs = [], {}, {}
         for u, g in enumerate(groups):
@@ -178,6 +163,19 @@ class RootState(Registration, EngineOwner):
             engine.set_hold(grads, not g.requires_gradient_sync)
             if self.dist_ctx.outer_world > 1:
                 engine.set_outer_hold(grads, not g.requires_all_reduce)
+            # [Note: expert gradient scaling]
+            # A group's gradients are summed over its mesh's data-parallel ranks after dividing by
+            # its divide factor: by default the mesh's data-parallel size (FSDP2's default, so an
+            # FSDP2 script gives FSDP2's numbers), else set_gradient_divide_factor's. For experts
+            # under expert parallelism the default is not the average: an expert's gradient on a
+            # rank already holds the contributions of every ep peer's tokens (the all-to-all's
+            # backward brings them), so summing over its dp_mod_ep mesh sums over all dp ranks,
+            # and the average over the data (each rank's loss a mean over its own batch) needs the
+            # full data-parallel degree as divisor. torchtitan sets exactly that
+            # (moe.experts.set_gradient_divide_factor(parallel_dims.fsdp_gradient_divide_factor)),
+            # and so does Megatron-LM (expert_gradient_scaling_factor = 1 / the data-parallel
+            # size, not the expert data-parallel size). With FSDP2 a script must call it too;
+            # we keep FSDP2's default for drop-in parity ([Note: a mesh per group]).
             factor = g.divide_factor if g.divide_factor is not None else self.dist_ctx.dp_world
             engine.set_prescale(grads, 1.0 / factor)
 
@@ -332,6 +330,115 @@ class RootState(Registration, EngineOwner):
             self.register(u, False)
 
 
+def _groups_under(root: nn.Module) -> List[ShardGroup]:
+    """The groups under `root`, in module order (a refusal for one initialised as its own root)."""
+    groups = []
+    for name, m in root.named_modules():
+        g = getattr(m, "_mfsdp_group", None)
+        if g is not None and g not in groups:
+            if g.state is not None:  # lazily initialised before the model around it was sharded
+                raise RuntimeError(
+                    f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
+                    f"through the root module first: the sharded {type(m).__name__} ran a forward (or unshard()) "
+                    "as its own root before fully_shard was applied to the model around it; apply fully_shard to "
+                    "every module first, then run the first forward through the outermost sharded module")
+            groups.append(g)
+    return groups
+
+
+def build_states(root: nn.Module) -> List[RootState]:
+    """[Note: a mesh per group]
+    Expert parallelism shards a model over two meshes (torchtitan: the dense blocks over every
+    data-parallel rank, `fully_shard(block.moe.experts, mesh=dp_mod_ep_mesh)` over the ranks that
+    hold the same experts), and any fully_shard call may name its own mesh, as in FSDP2. The lazy
+    init builds one engine (a RootState: its buckets, communicators, hooks and collective
+    orders) per distinct mesh under the root (meshes compare by their ranks and dim names,
+    _group.py's _mesh_and_context), each over the groups on that mesh; the first engine is the
+    root group's. Each group gathers and reduces on its own mesh's communicators.
+    Why rank-divergent graphs still cannot deadlock: each engine keeps the invariants of one
+    ([Note: gather order] in ../hooks.py, [Note: collective order] in csrc/comm/reduce.c) over
+    its own communicators, so every rank of a communicator issues its collectives in one order;
+    engines share no communicator. A pass starts and ends on every engine at once (the root's
+    pre- and post-forward call every sibling, in this list's order, the same on every rank), so
+    every engine settles the groups its rank skipped and queues its backward's final callback
+    from the root's outputs in the same order on every rank.
+    Checked here, the same way on every rank (one all_gather_object over the root mesh's
+    data-parallel ranks, only when there is more than one mesh): every rank has the same number
+    of meshes; each mesh's rank set contains the rank, lies within the root mesh's ranks, has a
+    size dividing the root mesh's, and is the same set on every rank it names (the meshes of one
+    fully_shard position partition the ranks: torchtitan's dp_mod_ep meshes {0,2} and {1,3},
+    disjoint across ranks); and no parameter is registered in groups on two meshes.
+    Gradient scaling per mesh: [Note: expert gradient scaling] (RootState.configure)."""
+    groups = _groups_under(root)
+    parts = {}  # id(ctx) -> the groups on that mesh, in module order (the root's first)
+    for g in groups:
+        parts.setdefault(id(g.ctx), []).append(g)
+    parts = list(parts.values())
+    if len(parts) > 1:
+        _check_meshes(root, parts)
+    states = [RootState(root, part) for part in parts]
+    for s in states:
+        s.siblings = states
+    return states
+
+
+def _ranks(ctx) -> tuple:
+    return tuple(sorted(int(r) for r in ctx.mesh.mesh.flatten().tolist()))
+
+
+def _check_meshes(root: nn.Module, parts: List[List[ShardGroup]]) -> None:
+    """The checks of [Note: a mesh per group] for a model on several meshes."""
+    names = {id(mod): name for name, mod in root.named_modules(remove_duplicate=False)}
+    first = {}  # origin -> (its first name, the context of its group)
+    for part in parts:
+        for g in part:
+            for mod, attr, dp in g.places:
+                origin = getattr(dp, "_mfsdp_origin", None)
+                name = f"{names.get(id(mod), type(mod).__name__)}.{attr}".lstrip(".")
+                seen = first.setdefault(origin, (name, g.ctx)) if origin is not None else (name, g.ctx)
+                if seen[1] is not g.ctx:
+                    raise ValueError(
+                        f"parameter '{name}' (also registered as '{seen[0]}') is in groups on two different meshes "
+                        f"(ranks {_ranks(seen[1])} and {_ranks(g.ctx)}): a parameter is sharded over one mesh. Put "
+                        "every module that holds it in one fully_shard call (fully_shard([module_a, module_b], "
+                        "mesh=...)) or shard their common parent, or untie it")
+    root_ctx = parts[0][0].ctx
+    mine = [_ranks(part[0].ctx) for part in parts]
+    group = root_ctx.all_dp_group
+    table = [None] * dist.get_world_size(group)
+    dist.all_gather_object(table, mine, group=group)
+    everyone = dict(zip(dist.get_process_group_ranks(group), table))
+    problems = []
+    if len({len(t) for t in table}) > 1:
+        problems.append("the ranks shard this model over different numbers of meshes "
+                        f"({ {r: len(t) for r, t in everyone.items()} })")
+    else:
+        world = len(everyone)
+        for i in range(1, len(mine)):
+            for r, t in everyone.items():
+                s = t[i]
+                if r not in s or not set(s) <= set(everyone):
+                    problems.append(f"mesh #{i} of rank {r} spans ranks {s}, which must include rank {r} and lie "
+                                    f"within the root mesh's ranks {sorted(everyone)}")
+                elif world % len(s):
+                    problems.append(f"mesh #{i} spans {len(s)} ranks {s}, which does not divide the root mesh's "
+                                    f"{world} ranks")
+                else:
+                    odd = [q for q in s if everyone[q][i] != s]
+                    if odd:
+                        problems.append(f"mesh #{i} is ranks {s} on rank {r} but {everyone[odd[0]][i]} on rank "
+                                        f"{odd[0]}: overlapping meshes with inconsistent rank sets")
+                if problems:
+                    break
+    if problems:
+        raise ValueError(
+            "the meshes of this model's fully_shard calls do not fit together: " + "; ".join(problems[:3])
+            + ". Slice every mesh from one DeviceMesh over the root mesh's ranks (e.g. init_device_mesh(device, "
+            "(dp // ep, ep), mesh_dim_names=('dp_mod_ep', 'ep')) and pass mesh['dp_mod_ep'] to the experts' "
+            "fully_shard), so that each mesh's rank sets partition the ranks with a size dividing their number "
+            "([Note: a mesh per group] in megatron_fsdp_c/experimental/_root.py)")
+
+
 def _check_materialised(groups: List[ShardGroup], fqn) -> None:
     """FSDP2's check at the lazy init, with its words: the first group (in the model's module
     order) that still has parameters on the meta device is named with all of them."""
@@ -384,7 +491,7 @@ def state_of(module) -> RootState:
         # DTensor.from_local refused): the engine is built outside the transforms, as the
         # weights are plain tensors outside them.
         with temporarily_clear_interpreter_stack():
-            RootState(root_of(g))
+            build_states(root_of(g))
     return g.state
 
 
@@ -395,7 +502,8 @@ def pre_forward(module, args, kwargs):
     g = module._mfsdp_group
     state = state_of(module)
     if state.pass_root is None and not in_backward():
-        state.root_pre_forward(module)
+        for s in state.siblings:  # every engine of the model ([Note: a mesh per group])
+            s.root_pre_forward(module)
     mp = g.mp_policy
     if is_torch_policy(mp) and mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
@@ -413,6 +521,7 @@ def post_forward(module, args, output):
     if is_torch_policy(mp) and mp.output_dtype is not None:
         output = cast_floats(output, mp.output_dtype)
     if state.pass_root is module and not state.methods_running:  # a registered method's end, not its inner forwards
-        output = state.root_post_forward(output)
+        for s in state.siblings:
+            output = s.root_post_forward(output)
     return output
 
