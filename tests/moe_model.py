@@ -92,6 +92,7 @@ class MoE(nn.Module):
         eid, gate, tok = eid[order], gate[order], tok[order]
         xs = x[tok]
         counts = torch.bincount(eid, minlength=self.n)  # rows per global expert, sent in expert order
+        self.last_counts = counts
         if self.ep_size > 1:
             n_local = self.n // self.ep_size
             got = torch.empty_like(counts)  # per source rank, the rows for each of my experts
