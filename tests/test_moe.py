@@ -248,3 +248,12 @@ def test_bad_input(label, match):
     for kind, message in raised_by(CELLS.result("bad_input", 4), label):
         with pytest.raises(ValueError, match=match):
             reraise(kind, message)
+
+
+def test_megatron_api_names_the_per_module_api():
+    """Megatron-FSDP's expt_device_mesh is not supported by fully_shard yet: a clear error (not
+    TypeError's unknown argument) naming the API that supports it."""
+    import megatron_fsdp_c as mfsdp
+    for kwargs in ({"expt_device_mesh": object()}, {"hybrid_fsdp_expt_group": object()}):
+        with pytest.raises(NotImplementedError, match=r"experimental.fully_shard\(block.moe.experts, mesh="):
+            mfsdp.fully_shard(nn.Linear(2, 2), **kwargs)

@@ -19,6 +19,7 @@ from .._common import contiguous_stride
 from .._distributed import DistContext, make_dist_context
 from ..param_buffer import local_shape
 from ..no_shard import is_no_shard
+from ._lazy_init import check_sub_mesh
 from ._policy import check_param_dtype
 from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
@@ -291,43 +292,12 @@ def _mesh_and_context(mesh, device_type: str) -> DistContext:
     if ctx is None:
         ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
         if len(ranks) < dist.get_world_size():
-            _check_sub_mesh(ranks)
+            check_sub_mesh(ranks)
         # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
         ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
             make_dist_context(mesh, 1, device, dp_outer_dim=0)
         ctx.mesh_ref, ctx.world_ref = mesh, world  # keep the mesh and the default group (so the key) alive
     return ctx
-
-
-def _check_sub_mesh(ranks: tuple) -> None:
-    """A mesh over some of the ranks (expert parallelism's dp_mod_ep, a data-parallel dim of a
-    larger mesh): before its communicators are made (new_group over its ranks, which would hang on
-    rank sets the ranks disagree on), one all_gather_object over every rank checks that the
-    meshes this fully_shard call got on the ranks partition them: each contains its rank, all
-    have one size, which divides the world, and every rank of a set got the same set ([Note: a
-    mesh per group] in _root.py). Every rank raises the same error."""
-    world = dist.get_world_size()
-    table = [None] * world
-    dist.all_gather_object(table, ranks)
-    problem = None
-    for r, s in enumerate(table):
-        if r not in s:
-            problem = f"rank {r}'s mesh {s} does not include rank {r}"
-        elif world % len(s) or len(s) != len(table[0]):
-            problem = f"a mesh of {len(s)} ranks {s} does not divide the world of {world} ranks into equal meshes"
-        else:
-            odd = [q for q in s if table[q] != s]
-            if odd:
-                problem = (f"the mesh is ranks {s} on rank {r} but {table[odd[0]]} on rank {odd[0]}: overlapping "
-                           "meshes with inconsistent rank sets")
-        if problem:
-            break
-    if problem:
-        raise ValueError(
-            f"fully_shard got meshes that do not partition the ranks: {problem}. Slice every mesh from one "
-            "DeviceMesh over all ranks (e.g. init_device_mesh(device, (dp // ep, ep), mesh_dim_names=('dp_mod_ep', "
-            "'ep')) and pass mesh['dp_mod_ep'] to the experts' fully_shard), so that the ranks of each mesh agree on "
-            "it and its size divides the world ([Note: a mesh per group] in megatron_fsdp_c/experimental/_root.py)")
 
 
 def _group_params(modules, ignored, children: list) -> List[tuple]:

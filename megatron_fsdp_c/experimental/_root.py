@@ -9,7 +9,6 @@ import functools
 from typing import List
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed.tensor import DTensor, Replicate
@@ -21,6 +20,7 @@ from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
 from ._group import ShardGroup, check_origins, check_plain_tensor, group_of, refresh_places
+from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
 from ._policy import cast_floats, engine_policy, is_torch_policy
 from ._registration import Registration, to_sharded_hook
 
@@ -49,9 +49,9 @@ class RootState(Registration, EngineOwner):
         for g in groups:  # parameters replaced since fully_shard are the groups' now (FSDP2's reset_sharded_param)
             refresh_places(g)
         check_origins([(fqn(mod, attr), dp) for g in groups for mod, attr, dp in g.places], self)
-        _check_materialised(groups, fqn)
+        check_materialised(groups, fqn)
         ends = {}  # group index -> position of its (last) module in post-order: backward order
-        for k, mod in enumerate(_post_order(root)):
+        for k, mod in enumerate(post_order(root)):
             g = getattr(mod, "_mfsdp_group", None)
             if g is not None and g in groups:  # (groups on another mesh are another engine's)
                 ends[groups.index(g)] = k
@@ -330,22 +330,6 @@ class RootState(Registration, EngineOwner):
             self.register(u, False)
 
 
-def _groups_under(root: nn.Module) -> List[ShardGroup]:
-    """The groups under `root`, in module order (a refusal for one initialised as its own root)."""
-    groups = []
-    for name, m in root.named_modules():
-        g = getattr(m, "_mfsdp_group", None)
-        if g is not None and g not in groups:
-            if g.state is not None:  # lazily initialised before the model around it was sharded
-                raise RuntimeError(
-                    f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
-                    f"through the root module first: the sharded {type(m).__name__} ran a forward (or unshard()) "
-                    "as its own root before fully_shard was applied to the model around it; apply fully_shard to "
-                    "every module first, then run the first forward through the outermost sharded module")
-            groups.append(g)
-    return groups
-
-
 def build_states(root: nn.Module) -> List[RootState]:
     """[Note: a mesh per group]
     Expert parallelism shards a model over two meshes (torchtitan: the dense blocks over every
@@ -357,119 +341,41 @@ def build_states(root: nn.Module) -> List[RootState]:
     root group's. Each group gathers and reduces on its own mesh's communicators.
     Why rank-divergent graphs still cannot deadlock: each engine keeps the invariants of one
     ([Note: gather order] in ../hooks.py, [Note: collective order] in csrc/comm/reduce.c) over
-    its own communicators, so every rank of a communicator issues its collectives in one order;
-    engines share no communicator. A pass starts and ends on every engine at once (the root's
-    pre- and post-forward call every sibling, in this list's order, the same on every rank), so
-    every engine settles the groups its rank skipped and queues its backward's final callback
-    from the root's outputs in the same order on every rank.
-    Checked here, the same way on every rank (one all_gather_object over the root mesh's
-    data-parallel ranks, only when there is more than one mesh): every rank has the same number
-    of meshes; each mesh's rank set contains the rank, lies within the root mesh's ranks, has a
-    size dividing the root mesh's, and is the same set on every rank it names (the meshes of one
-    fully_shard position partition the ranks: torchtitan's dp_mod_ep meshes {0,2} and {1,3},
-    disjoint across ranks); and no parameter is registered in groups on two meshes.
+    its own communicators, so every rank of a communicator issues that engine's collectives in
+    one order; each engine gathers on a communicator of its own (made per mesh), and reduces on
+    its mesh's process group. A pass starts and ends on every engine at once (the root's pre-
+    and post-forward call every sibling, in this list's order, the same on every rank), so every
+    engine settles the groups its rank skipped and queues its backward's final callback from the
+    root's outputs in the same order on every rank. Not covered: two meshes over the same ranks
+    whose dims torch backs with one process group (a dim over every rank reuses the default
+    group), where the two engines' reductions share it: they follow the model's order, the same
+    on every rank only while the ranks' graphs agree.
+    Checked the same way on every rank, so that every rank raises the same error instead of
+    hanging: when fully_shard first meets a mesh over some of the ranks, before its process
+    groups are made (_lazy_init.py's check_sub_mesh: one all_gather_object over all ranks), that
+    the ranks' meshes partition them (each contains its rank, one size dividing the world, the
+    same set on every rank it names: torchtitan's dp_mod_ep meshes {0,2} and {1,3}); at the
+    lazy init of a model on several meshes (check_meshes: one all_gather_object over the root
+    mesh's data-parallel ranks), that every rank has the same number of meshes, each within the
+    root mesh's ranks with a size dividing their number, and that no parameter is registered in
+    groups on two meshes.
     Gradient scaling per mesh: [Note: expert gradient scaling] (RootState.configure)."""
-    groups = _groups_under(root)
+    groups = groups_under(root)
     parts = {}  # id(ctx) -> the groups on that mesh, in module order (the root's first)
     for g in groups:
         parts.setdefault(id(g.ctx), []).append(g)
     parts = list(parts.values())
     if len(parts) > 1:
-        _check_meshes(root, parts)
+        check_meshes(root, parts)
     states = [RootState(root, part) for part in parts]
     for s in states:
         s.siblings = states
     return states
 
 
-def _ranks(ctx) -> tuple:
-    return tuple(sorted(int(r) for r in ctx.mesh.mesh.flatten().tolist()))
-
-
-def _check_meshes(root: nn.Module, parts: List[List[ShardGroup]]) -> None:
-    """The checks of [Note: a mesh per group] for a model on several meshes."""
-    names = {id(mod): name for name, mod in root.named_modules(remove_duplicate=False)}
-    first = {}  # origin -> (its first name, the context of its group)
-    for part in parts:
-        for g in part:
-            for mod, attr, dp in g.places:
-                origin = getattr(dp, "_mfsdp_origin", None)
-                name = f"{names.get(id(mod), type(mod).__name__)}.{attr}".lstrip(".")
-                seen = first.setdefault(origin, (name, g.ctx)) if origin is not None else (name, g.ctx)
-                if seen[1] is not g.ctx:
-                    raise ValueError(
-                        f"parameter '{name}' (also registered as '{seen[0]}') is in groups on two different meshes "
-                        f"(ranks {_ranks(seen[1])} and {_ranks(g.ctx)}): a parameter is sharded over one mesh. Put "
-                        "every module that holds it in one fully_shard call (fully_shard([module_a, module_b], "
-                        "mesh=...)) or shard their common parent, or untie it")
-    root_ctx = parts[0][0].ctx
-    mine = [_ranks(part[0].ctx) for part in parts]
-    group = root_ctx.all_dp_group
-    table = [None] * dist.get_world_size(group)
-    dist.all_gather_object(table, mine, group=group)
-    everyone = dict(zip(dist.get_process_group_ranks(group), table))
-    problems = []
-    if len({len(t) for t in table}) > 1:
-        problems.append("the ranks shard this model over different numbers of meshes "
-                        f"({ {r: len(t) for r, t in everyone.items()} })")
-    else:
-        world = len(everyone)
-        for i in range(1, len(mine)):
-            for r, t in everyone.items():
-                s = t[i]
-                if r not in s or not set(s) <= set(everyone):
-                    problems.append(f"mesh #{i} of rank {r} spans ranks {s}, which must include rank {r} and lie "
-                                    f"within the root mesh's ranks {sorted(everyone)}")
-                elif world % len(s):
-                    problems.append(f"mesh #{i} spans {len(s)} ranks {s}, which does not divide the root mesh's "
-                                    f"{world} ranks")
-                else:
-                    odd = [q for q in s if everyone[q][i] != s]
-                    if odd:
-                        problems.append(f"mesh #{i} is ranks {s} on rank {r} but {everyone[odd[0]][i]} on rank "
-                                        f"{odd[0]}: overlapping meshes with inconsistent rank sets")
-                if problems:
-                    break
-    if problems:
-        raise ValueError(
-            "the meshes of this model's fully_shard calls do not fit together: " + "; ".join(problems[:3])
-            + ". Slice every mesh from one DeviceMesh over the root mesh's ranks (e.g. init_device_mesh(device, "
-            "(dp // ep, ep), mesh_dim_names=('dp_mod_ep', 'ep')) and pass mesh['dp_mod_ep'] to the experts' "
-            "fully_shard), so that each mesh's rank sets partition the ranks with a size dividing their number "
-            "([Note: a mesh per group] in megatron_fsdp_c/experimental/_root.py)")
-
-
-def _check_materialised(groups: List[ShardGroup], fqn) -> None:
-    """FSDP2's check at the lazy init, with its words: the first group (in the model's module
-    order) that still has parameters on the meta device is named with all of them."""
-    for g in groups:
-        on_meta = list(dict.fromkeys(fqn(mod, attr) for mod, attr, dp in g.places if dp.device.type == "meta"))
-        if on_meta:
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, but the following were "
-                f"still on meta device: {on_meta}\nmaterialise the model after fully_shard: model.to_empty(device=...) "
-                "then reset_parameters() / init_weights() on each module (or load_state_dict(sharded_sd, assign=True))")
-
-
 def _local_of(grad):
     """The local tensor of an SPMD compute parameter's gradient ([Note: SPMD compute parameters])."""
     return grad._local_tensor if isinstance(grad, DTensor) else grad
-
-
-def _post_order(root: nn.Module) -> List[nn.Module]:
-    """The modules under `root` in the order their forwards end (children first), each once."""
-    out, stack, seen = [], [(root, False)], set()
-    while stack:
-        mod, done = stack.pop()
-        if done:
-            out.append(mod)
-            continue
-        if id(mod) in seen:
-            continue
-        seen.add(id(mod))
-        stack.append((mod, True))
-        stack.extend((child, False) for child in reversed(list(mod.children())))
-    return out
 
 
 def root_of(g: ShardGroup) -> nn.Module:
