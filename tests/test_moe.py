@@ -6,12 +6,12 @@ per world size] in rank_grid.py).
 World 4, ep 2: the ep groups are {0,1} and {2,3}; the experts are sharded over the ranks that hold
 the same experts (dp_mod_ep: {0,2} and {1,3}), the dense part over all four (or HSDP 2 x 2). The
 experts' gradients are divided by the full data-parallel degree with set_gradient_divide_factor,
-as torchtitan does ([Note: expert gradient scaling]). At world 2, ep 1: the experts' mesh spans
+as torchtitan does ([Note: expert gradient scaling]). At worlds 1 and 2, ep 1: the experts' mesh spans
 the same ranks as the dense one under other dim names, so two engines still run side by side.
 
 Behaviours (cell names):
 - the per-module API against the single-process reference on the global batch, AdamW, float64,
-  rtol 1e-9 (losses, parameters after 3 steps): plain (dense FSDP over 4; and world 2, ep 1),
+  rtol 1e-9 (losses, parameters after 3 steps): plain (dense FSDP over 4; and worlds 1 and 2, ep 1),
   hsdp (the dense part on a 2 x 2 (dp_replicate, dp_shard) mesh), skew_dead (a rank-dependent
   router, so ranks send different token counts, and an expert that gets no token on any rank:
   its parameters keep `.grad is None` after every backward, as the reference's)
@@ -108,7 +108,7 @@ def _expert_params(model, expert: int):
     return [(n, p) for n, p in model.named_parameters() if f"experts.e.{expert}." in n]
 
 
-@cell("plain", worlds=(2, 4))
+@cell("plain", worlds=(1, 2, 4))
 def plain(rank, world, ck):
     model, ref = sharded_moe(world), moe_model()
     train_both(ck, rank, world, model, ref)
