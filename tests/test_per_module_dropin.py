@@ -3,11 +3,9 @@ FSDPModule (the gate torchtitan, Lightning, accelerate and torch.distributed.pip
 every public method of it; torch's own register_fsdp_forward_method and fully_shard.state() reach
 our state; torch 2.13's fully_shard signature (reshard_after_forward=None, dp_mesh_dims).
 
-One spawn at world 2 (`cells`), float64 against torch's FSDP2 on the same script (rtol 1e-9), or
+Cells at world 2 (rank_grid), float64 against torch's FSDP2 on the same script (rtol 1e-9), or
 against a single-process reference with averaged gradients.
 """
-import copy
-import traceback
 import warnings
 
 import pytest
@@ -17,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from megatron_fsdp_c.experimental import FSDPModule, UnshardHandle
 from checks import outcome
-from conftest import get_run
+import rank_grid
 
 RTOL = 1e-9
 
@@ -324,39 +322,33 @@ def reset_iter_state(rank, world):
     return out
 
 
-def cells(rank, world):
-    runs = {
-        "gate": lambda: isinstance_gate(rank, world),
-        "lookup": lambda: state_lookup(rank, world),
-        "reshard_default": lambda: reshard_default(rank, world),
-        "dims_errors": lambda: dp_mesh_dims_errors(rank, world),
-        "accepted": lambda: accepted_and_refused(rank, world),
-        "reset": lambda: reset_iter_state(rank, world),
-    }
+def _register():
+    add = CELLS.add
+    add("gate", isinstance_gate, tests=["test_isinstance_gate"])
+    add("lookup", state_lookup, tests=["test_torch_state_lookup_finds_ours"])
+    add("reshard_default", reshard_default, tests=["test_reshard_after_forward_none_keeps_the_root_gathered"])
+    add("dims_errors", dp_mesh_dims_errors, tests=["test_dp_mesh_dims_with_tensor_parallel_dims_is_a_clear_error"])
+    add("accepted", accepted_and_refused, tests=["test_methods_without_effect_and_refused_ones"])
+    add("reset", reset_iter_state, tests=["test_reset_iter_state_after_a_failed_forward_or_backward"])
     for impl in ("torch", "ours"):
-        runs[("summed", impl)] = lambda impl=impl: summed_loss(rank, world, impl)
-        runs[("hook", impl)] = lambda impl=impl: all_reduce_hook(rank, world, impl)
+        add(("summed", impl), summed_loss, impl, tests=["test_summed_loss_gets_fsdp2s_gradients"])
+        add(("hook", impl), all_reduce_hook, impl, tests=["test_all_reduce_hook_matches_fsdp2"])
         for dims in ("fsdp", "hsdp"):
-            runs[("dims", dims, impl)] = lambda impl=impl, dims=dims: dp_mesh_dims(rank, world, impl, dims)
+            add(("dims", dims, impl), dp_mesh_dims, impl, dims, tests=["test_dp_mesh_dims_matches_fsdp2"],
+                match={"dims": dims})
         for register in ("torch", "ours"):
             if impl == "ours" or register == "torch":
-                runs[("method", impl, register)] = lambda impl=impl, r=register: forward_method(rank, world, impl, r)
-    out = {}
-    for key, fn in runs.items():
-        try:
-            out[key] = ("ok", fn())
-        except Exception:  # noqa: BLE001 - reported by the cell's test
-            out[key] = ("error", traceback.format_exc())
-    return out
+                # torch's run is every `register` parameter's reference
+                add(("method", impl, register), forward_method, impl, register,
+                    tests=["test_forward_method_like_generate"], match={} if impl == "torch" else {"register": register})
+
+
+CELLS = rank_grid.Cells(__name__)
+_register()
 
 
 def _cell(key):
-    results = []
-    for per_rank in get_run(cells, 2):
-        status, value = per_rank[key]
-        assert status == "ok", f"{key}:\n{value}"
-        results.append(value)
-    return results
+    return CELLS.result(key, 2)
 
 
 def _close(a, b, what, rtol=RTOL):

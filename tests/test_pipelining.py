@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import get_run
+import rank_grid
 
 STEPS, MICRO, D = 2, 4, 8
+CELLS = rank_grid.Cells(__name__)
 
 
 def stage_model(pp):
@@ -54,14 +55,15 @@ def train(rank, world, impl, schedule):
                 reductions=reductions)
 
 
-def grid(rank, world):
-    return {(impl, s): train(rank, world, impl, s) for s in ("gpipe", "1f1b") for impl in ("torch", "ours")}
+for _schedule in ("gpipe", "1f1b"):
+    for _impl in ("torch", "ours"):
+        CELLS.add((_impl, _schedule), train, _impl, _schedule, worlds=(4,), match={"schedule": _schedule})
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_schedules_match_fsdp2(schedule):
-    for rank, cells in enumerate(get_run(grid, 4)):
-        theirs, ours = cells[("torch", schedule)], cells[("ours", schedule)]
+    for rank, (theirs, ours) in enumerate(zip(CELLS.result(("torch", schedule), 4),
+                                              CELLS.result(("ours", schedule), 4))):
         assert len(ours["losses"]) == (STEPS * MICRO if rank >= 2 else 0)
         torch.testing.assert_close(torch.tensor(ours["losses"], dtype=torch.float64),
                                    torch.tensor(theirs["losses"], dtype=torch.float64), rtol=1e-9, atol=0)

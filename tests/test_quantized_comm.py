@@ -1,5 +1,5 @@
 """Quantized communication ([Note: quantized communication] in csrc/comm/wire.c) against DDP, in
-float64, one spawn per world size: the tiny test GPT, a few AdamW steps per configuration.
+float64, as rank_grid cells: the tiny test GPT, a few AdamW steps per configuration.
 
 [Note: quantization error bound]
 Every step is checked element by element against the error the wire format allows ([Note:
@@ -33,11 +33,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-from conftest import get_run
+import rank_grid
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
 STEPS = 3
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "int4": 7.0}
+CELLS = rank_grid.Cells(__name__)
 
 # (name, strategy, weights, grads, block, microbatches, per-module API)
 CONFIGS = [
@@ -262,20 +263,16 @@ def run_config(rank, world, cfg_row):
     return measured
 
 
-def quant_grid(rank, world):
-    out = {}
-    for row in CONFIGS:
-        out[row[0]] = run_config(rank, world, row)
-    return out
+for _row in CONFIGS:
+    CELLS.add(_row[0], run_config, _row, worlds=(1, 2, 4), tests=["test_quantized_against_ddp"], match={"row": _row})
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("row", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_quantized_against_ddp(world, row, capsys):
-    results = get_run(quant_grid, world)
+    results = CELLS.result(row[0], world)
     name, strategy, wmode, gmode = row[:4]
-    for rank, grid in enumerate(results):
-        m = grid[name]
+    for rank, m in enumerate(results):
         with capsys.disabled():
             if rank == 0:
                 print(f"\n[world {world}] {name}: weights max err {m['weight_err']:.3e} (bound {m['weight_bound']:.3e}), "
@@ -302,6 +299,7 @@ def test_quantized_against_ddp(world, row, capsys):
             assert abs(a - b) <= 0.02 * abs(b), (name, m["losses"], m["ddp_losses"])
 
 
+@CELLS.cell("hfsdp", worlds=(4,), tests=["test_hfsdp_every_wire_quantized"])
 def hfsdp_run(rank, world):
     """HFSDP 2x2 with every wire quantized, the replicas' gather too: the compute weights are
     quantized twice (across replicas, then inside the replica), so only the invariants and the
@@ -345,7 +343,7 @@ def hfsdp_run(rank, world):
 
 
 def test_hfsdp_every_wire_quantized():
-    for rank, m in enumerate(get_run(hfsdp_run, 4)):
+    for rank, m in enumerate(CELLS.result("hfsdp", 4)):
         assert m["ranks_differ"] == 0, (rank, m)
         s = m["stats"]
         assert s["outer_quantized_all_gathers"] > 0 and s["outer_all_gathers"] == 0, s
@@ -371,6 +369,7 @@ def test_policy_refusals():
     assert mf.QuantizedCommPolicy(weights="int8", block=33).block == 33  # odd blocks are fine for int8
 
 
+@CELLS.cell("errors", worlds=(2,), tests=["test_errors"])
 def errors_on_ranks(rank, world):
     from megatron_fsdp_c.experimental import fully_shard
     out = {}
@@ -402,7 +401,7 @@ def errors_on_ranks(rank, world):
 
 
 def test_errors():
-    out = get_run(errors_on_ranks, 2)[0]
+    out = CELLS.result("errors", 2)[0]
     assert "main gradient dtype, which is torch.bfloat16" in out["bf16 grads"], out
     assert "only HFSDP has" in out["outer without hfsdp"], out
     assert "both say how gradients cross the wire" in out["comm dtype conflict"], out

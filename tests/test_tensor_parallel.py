@@ -1,7 +1,7 @@
 """2-D parallelism: FSDP composed with tensor parallelism ([Note: tensor parallelism] in
 megatron_fsdp_c/_tensor_parallel.py), on both APIs.
 
-One spawn at world 4 (`grid`): (dp 2, tp 2) unless a cell says otherwise. Models: megatron_fsdp_c's
+Cells at world 4 (rank_grid): (dp 2, tp 2) unless a cell says otherwise. Models: megatron_fsdp_c's
 TPGPT under torch's sequence-parallel plan (every parameter a DTensor; vocab 67 splits unevenly
 over tp and again over dp), and a transformers Llama under its own base TP plan (the decoder
 layers' linears and lm_head split, norms and embeddings plain). The reference trains the
@@ -28,12 +28,7 @@ unparallelised model in one process on the global batch (the dp ranks' batches c
   DTensor model loaded into the local-shard model at (dp 1, tp 4).
 - Bad input: clear errors naming the fix.
 """
-import copy
 import os
-import shutil
-import tempfile
-import time
-import traceback
 
 import pytest
 import torch
@@ -43,7 +38,7 @@ import torch.nn.functional as F
 
 from megatron_fsdp_c.testing import GPTConfig, TPBlock, TPGPT, batch, parallelize_tp
 from checks import outcome
-from conftest import get_run
+import rank_grid
 
 CFG = GPTConfig(vocab=67, seq=8, d=32, heads=4, layers=2)
 LLAMA_VOCAB = 61
@@ -51,7 +46,6 @@ STEPS = 3
 CLIP = 0.5      # small enough that clip_grad_norm_ scales every step
 RTOL = 1e-9
 GLOBAL_BATCH = 4  # two dp ranks' batches of 2
-CKPT = tempfile.mkdtemp(prefix="mfsdp_tp_ckpt_")  # made once in the parent; the workers share it
 
 
 # -- models and data ----------------------------------------------------------------------------
@@ -358,12 +352,13 @@ def megatron_cell(rank, world, kind_of_tp, dtype, shape=(2, 2), steps=STEPS, fla
     out["duplicated"] = tp_duplicated(strip(model.named_parameters)())
     if save:
         import megatron_fsdp_c as mf
-        mf.save_checkpoint(save, model, opt)
+        mf.save_checkpoint(_ckpt(save), model, opt)
     return out
 
 
-def dcp_cell(rank, world, path):
+def dcp_cell(rank, world, name):
     """Save at (dp 2, tp 2) after two steps; load at (dp 4, tp 1) and (dp 1, tp 4); a third step."""
+    path = _ckpt(name)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
@@ -390,9 +385,10 @@ def dcp_cell(rank, world, path):
     return out
 
 
-def megatron_dcp_cell(rank, world, path):
+def megatron_dcp_cell(rank, world, name):
     """The Megatron-style checkpoint of the DTensor TP model at (dp 2, tp 2) (saved by its cell after
     training), loaded into the Megatron-core style local-shard model at (dp 1, tp 4)."""
+    path = _ckpt(name)
     import megatron_fsdp_c as mf
     model, opt, _ = megatron_model("local", torch.float64, (1, 4))
     mf.load_checkpoint(path, model, opt)
@@ -458,56 +454,50 @@ def _on_2d_mesh(mesh):
     return lin
 
 
-def grid(rank, world, path):
-    out, cpu = {}, {}
-    out["cpu seconds"] = cpu  # per cell, this rank (where the suite's time budget goes)
+def _ckpt(name):
+    return os.path.join(rank_grid.session_dir(), "tensor_parallel", name)
 
-    def cell(key, fn, *args, **kw):
-        start = time.process_time()
-        try:
-            out[key] = ("ok", fn(rank, world, *args, **kw))
-        except Exception:  # noqa: BLE001 - reported by the cell's test
-            out[key] = ("error", traceback.format_exc())
-        cpu[str(key)] = time.process_time() - start
 
+def reference_cell(rank, world):
+    """The single-process reference on the global batch: rank 0 trains it, the others wait."""
+    return {kind: reference(kind) for kind in ("gpt", "llama")} if rank == 0 else None
+
+
+def _register():
+    add = lambda key, fn, *args, **kw: CELLS.add(key, fn, *args, worlds=(4,), **kw)  # noqa: E731
     for kind in ("gpt", "llama"):
-        cell(("per-module", kind, "ours", "float64"), per_module_cell, kind, "ours", torch.float64)
+        add(("per-module", kind, "ours", "float64"), per_module_cell, kind, "ours", torch.float64)
         for impl in ("ours", "torch"):
-            cell(("per-module", kind, impl, "float32"), per_module_cell, kind, impl, torch.float32)
+            add(("per-module", kind, impl, "float32"), per_module_cell, kind, impl, torch.float32)
     for impl in ("ours", "torch"):
-        cell(("per-module", "gpt", impl, "float32", "meta"), per_module_cell, "gpt", impl, torch.float32, meta=True)
+        add(("per-module", "gpt", impl, "float32", "meta"), per_module_cell, "gpt", impl, torch.float32, meta=True)
     for shape in ((2, 1, 2), (1, 2, 2)):
-        cell(("per-module", "gpt", "ours", "float64", shape), per_module_cell, "gpt", "ours", torch.float64, shape)
-    cell(("megatron", "dtensor"), megatron_cell, "dtensor", torch.float64, save=os.path.join(path, "megatron"))
-    cell(("megatron", "local"), megatron_cell, "local", torch.float64)
-    cell(("megatron", "local", "unflagged"), megatron_cell, "local", torch.float64, steps=2, flag_norms=False)
-    cell(("megatron", "local", "hsdp"), megatron_cell, "local", torch.float64, (1, 2, 2))
-    cell(("megatron", "dtensor", "hfsdp"), megatron_cell, "dtensor", torch.float64, (2, 1, 2),
-         outer_dp_sharding_strategy="optim")
-    cell("dcp", dcp_cell, os.path.join(path, "per_module"))
-    cell("megatron dcp", megatron_dcp_cell, os.path.join(path, "megatron"))
-    cell("errors", errors_cell)
-    dist.barrier()
-    if rank == 0:
-        out["reference"] = {kind: reference(kind) for kind in ("gpt", "llama")}
-        shutil.rmtree(path, ignore_errors=True)
-    return out
+        add(("per-module", "gpt", "ours", "float64", shape), per_module_cell, "gpt", "ours", torch.float64, shape)
+    add(("megatron", "dtensor"), megatron_cell, "dtensor", torch.float64, save="megatron")
+    add(("megatron", "local"), megatron_cell, "local", torch.float64)
+    add(("megatron", "local", "unflagged"), megatron_cell, "local", torch.float64, steps=2, flag_norms=False)
+    add(("megatron", "local", "hsdp"), megatron_cell, "local", torch.float64, (1, 2, 2))
+    add(("megatron", "dtensor", "hfsdp"), megatron_cell, "dtensor", torch.float64, (2, 1, 2),
+        outer_dp_sharding_strategy="optim")
+    add("dcp", dcp_cell, "per_module")
+    # reads the checkpoint that ("megatron", "dtensor") saved
+    add("megatron dcp", megatron_dcp_cell, "megatron", needs=[(__name__, ("megatron", "dtensor"), 4)])
+    add("errors", errors_cell)
+    add("reference", reference_cell)
+
+
+CELLS = rank_grid.Cells(__name__)
+_register()
 
 
 # -- the tests ----------------------------------------------------------------------------------
 
 def _cells(key):
-    cells = get_run(grid, 4, CKPT)
-    values = []
-    for rank, c in enumerate(cells):
-        status, value = c[key]
-        assert status == "ok", f"{key}, rank {rank}:\n{value}"
-        values.append(value)
-    return values
+    return CELLS.result(key, 4)
 
 
 def _reference(kind):
-    return get_run(grid, 4, CKPT)[0]["reference"][kind]
+    return CELLS.result("reference", 4)[0][kind]
 
 
 def _close(ours, ref, what, rtol=RTOL):
