@@ -285,8 +285,8 @@ def _mesh_and_context(mesh, device_type: str) -> DistContext:
         raise ValueError(f"mesh is on '{mesh.device_type}' but the parameters are on '{device_type}': build the mesh "
                          f"with init_device_mesh('{device_type}', ...) or move the module first")
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
-    # By the ranks and dim names, not the object: mesh["dp"] makes a new DeviceMesh each time,
-    # and each fully_shard call of a model must get the same context (one engine per model).
+    # By the ranks and dim names, not the object: mesh["dp"] makes a new DeviceMesh each time, and
+    # the calls on one mesh must get one context (one engine per mesh, [Note: a mesh per group] in _root.py).
     key = (id(world), tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, str(device))
     ctx = _CONTEXTS.get(key)
     if ctx is None:
