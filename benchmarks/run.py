@@ -1,10 +1,11 @@
 """The benchmark: DDP, torch FSDP2 and megatron_fsdp_c (every strategy) on the same GPT, in one
 invocation, under torchrun; CPU (gloo) at 2 and 4 ranks, or the GPU(s) when CUDA is present. On
 CPU also hybrid sharding (HSDP, HFSDP) and 2-D parallelism (FSDP + tensor parallelism, dp 2 x
-tp 2 against torch's FSDP2 + TP) at 4 ranks.
+tp 2 against torch's FSDP2 + TP) at 4 ranks, and (part `moe`) an expert-parallel MoE at 4 ranks,
+ep 2, against FSDP2 on the same two meshes (benchmarks/moe_bench.py).
 
     python benchmarks/run.py [--worlds 2,4] [--steps 20] [--models gpt] [--precision fp32] [--out bench_out]
-                             [--parts train,hooks,hybrid,quant] [--transport auto]
+                             [--parts train,hooks,hybrid,quant,moe] [--transport auto]
 
 Defaults: on CPU the 5.8M-parameter `gpt` in fp32; with CUDA the CUDA issue's two models,
 `gpt-small` (vocab 8192, d 512, 8 heads, 12 layers, seq 256, batch 4) and `gpt-large` (vocab
@@ -374,14 +375,15 @@ def main():
     ap.add_argument("--parts", default="train,hooks,hybrid,tp",
                     help="train (the models), hooks (the hook-overhead runs), hybrid (HSDP and HFSDP at 4 CPU ranks), "
                          "tp (FSDP + tensor parallelism, dp 2 x tp 2 at 4 CPU ranks), quant (quantized communication at "
-                         "4 CPU ranks), any of them comma-separated "
+                         "4 CPU ranks), moe (an expert-parallel MoE at 4 CPU ranks, ep 2, ours against FSDP2 with the "
+                         "same meshes), any of them comma-separated "
                          "(benchmarks/gpu_check.sh runs them as separate stages)")
     ap.add_argument("--transport", choices=["auto", "torch", "nccl"], default="auto",
                     help="megatron_fsdp_c's transport")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"train", "hooks", "hybrid", "tp", "quant"} or not parts:
-        ap.error(f"--parts {args.parts}: choose from train, hooks, hybrid, tp, quant")
+    if not parts <= {"train", "hooks", "hybrid", "tp", "quant", "moe"} or not parts:
+        ap.error(f"--parts {args.parts}: choose from train, hooks, hybrid, tp, quant, moe")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / "results.jsonl"
@@ -434,14 +436,24 @@ def main():
             launch(4, raw, "mfsdp", models[0], args.steps, 3, precision, args.transport, quant=quant,
                    grad_comm="bf16")
         tag_rows(raw, mark, "quant_part")
-    results = [json.loads(line) for line in raw.read_text().splitlines()]
+    moe_table = ""
+    if "moe" in parts and not cuda:  # 4 ranks, ep 2: ours and FSDP2 in one torchrun (moe_bench.py)
+        moe_out = out_dir / "moe.md"
+        moe_out.unlink(missing_ok=True)
+        print("[bench] world 4: MoE, ep 2, FSDP2 and megatron_fsdp_c per-module", flush=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                        str(free_port()), str(HERE / "moe_bench.py"), "--steps", str(args.steps), "--out",
+                        str(moe_out)], env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        moe_table = moe_out.read_text() + "\n" if moe_out.exists() else "MoE benchmark: no result (it failed)\n\n"
+    results = [json.loads(line) for line in raw.read_text().splitlines()] if raw.exists() else []
     flags = "".join(f" --{k} {v}" for k, v in (("worlds", args.worlds), ("models", args.models),
                                                 ("precision", args.precision),
                                                 ("parts", None if args.parts == "train,hooks,hybrid,tp" else args.parts),
                                                 ("transport", None if args.transport == "auto" else args.transport))
                     if v)
     text = f"## Benchmark ({machine()})\n\nCommand: `python benchmarks/run.py --steps {args.steps}{flags}`\n\n" + \
-        tables(results)
+        tables(results) + moe_table
     (out_dir / "results.md").write_text(text)
     has_plot = plot(results, out_dir / "results.png")
     print(text)

@@ -153,6 +153,8 @@ def fully_shard_model(
     outer_dp_sharding_strategy: Union[int, str] = "no_shard",
     tp_dim: Optional[str] = None,
     quantized_comm_policy: Optional[QuantizedCommPolicy] = None,
+    expt_device_mesh=None,
+    hybrid_fsdp_expt_group=None,
     **unsupported,
 ) -> MegatronFSDP:
     """Wraps `module` in a MegatronFSDP that shards it over the data-parallel ranks.
@@ -180,9 +182,20 @@ def fully_shard_model(
     quantized_comm_policy: a QuantizedCommPolicy: weights gathered and/or gradients reduced as
     block-quantized pieces (int8, fp8_e4m3, int4), and under HFSDP the gather across replicas
     (a megatron_fsdp_c extension; see [Note: quantized communication] in csrc/comm/wire.c).
+    expt_device_mesh, hybrid_fsdp_expt_group: Megatron-FSDP's expert data-parallel mesh: not
+    supported yet (NotImplementedError naming the per-module API, which supports it).
     """
     if unsupported:
         raise TypeError(f"fully_shard got unsupported arguments: {', '.join(sorted(unsupported))}")
+    if expt_device_mesh is not None or hybrid_fsdp_expt_group is not None:
+        # Megatron-FSDP's expert data-parallel mesh needs a second engine under the wrapper; the
+        # per-module API has one engine per mesh ([Note: a mesh per group] in experimental/_root.py)
+        raise NotImplementedError(
+            "expt_device_mesh / hybrid_fsdp_expt_group (expert parallelism) are not supported by "
+            "megatron_fsdp_c.fully_shard yet. Use the per-module API, which shards experts over their own mesh: "
+            "megatron_fsdp_c.experimental.fully_shard(block.moe.experts, mesh=expt_mesh) for each block, then "
+            "fully_shard(block, mesh=dp_mesh) and fully_shard(model, mesh=dp_mesh), and "
+            "block.moe.experts.set_gradient_divide_factor(dp_size) ([Note: expert gradient scaling])")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, MegatronFSDP) or getattr(module, "_megatron_fsdp_wrapper", None) is not None:

@@ -33,7 +33,9 @@ order, so it is the same on every rank. A unit used out of that order (twice in 
 or registered in another order than it runs) is gathered where it is used: still correct when
 every rank runs the same graph, at the cost of an extra gather (logged once). Not supported: a
 wholly frozen ZeRO-3 unit whose inputs require grad and that runs on some ranks only (its
-backward gathers are issued on demand).
+backward gathers are issued on demand). A model sharded over several meshes (expert
+parallelism) has one engine, so one such order, per mesh ([Note: a mesh per group] in
+experimental/_root.py).
 
 [Note: compile]
 The hooks talk to the C engine and keep Python state, neither of which Dynamo can trace; they

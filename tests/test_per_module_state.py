@@ -390,7 +390,9 @@ def _child_first(rank):
 
 
 def _two_meshes(world):
+    """Groups on two meshes are supported (tests/test_moe.py); one parameter in both is not."""
     m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    m[1].weight = m[0].weight
     fully_shard(m[0], mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("a",)))
     fully_shard(m, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("b",)))
     m(torch.randn(2, 4))
@@ -419,7 +421,7 @@ BAD_INPUT = {
     "shard_placement_fn returning Replicate()": (ValueError, r"Replicate\(\).*takes None or Shard\(dim\)"),
     "offload_policy=CPUOffloadPolicy()": (NotImplementedError, r"CPUOffloadPolicy\(\) is not yet supported.*"
                                                                r"OffloadPolicy\(\) or None"),
-    "groups on two meshes under one root": (ValueError, r"pass the same mesh to every fully_shard call"),
+    "a parameter in groups on two meshes": (ValueError, r"in groups on two different meshes.*one fully_shard call"),
     "a 3-D mesh": (ValueError, r"fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh.*takes a 1-D mesh "
                                r"\(FSDP\) or a 2-D \(replicate, shard\) mesh \(HSDP\)"),
     "a 2-D mesh without dim names": (AssertionError, r"Please init the 2D mesh for HSDP with mesh_dim_names specified"),
@@ -444,7 +446,7 @@ def bad_input(rank, world, ck):
         "a mesh on the wrong device type": lambda: fully_shard(lin(), mesh=DeviceMesh("cuda", torch.arange(world))),
         "shard_placement_fn returning Replicate()": lambda: fully_shard(lin(), shard_placement_fn=lambda p: Replicate()),
         "offload_policy=CPUOffloadPolicy()": lambda: fully_shard(lin(), offload_policy=CPUOffloadPolicy()),
-        "groups on two meshes under one root": lambda: _two_meshes(world),
+        "a parameter in groups on two meshes": lambda: _two_meshes(world),
         "a 3-D mesh": lambda: fully_shard(lin(), mesh=init_device_mesh("cpu", (1, 1, world),
                                                                        mesh_dim_names=("p", "r", "s"))),
         "a 2-D mesh without dim names": lambda: fully_shard(lin(), mesh=init_device_mesh("cpu", (1, world))),

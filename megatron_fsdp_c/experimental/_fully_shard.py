@@ -11,8 +11,8 @@ swaps the module's class to FSDP<Class>. Nothing is communicated yet. A tensor-p
 its TP shard standing for the whole ([Note: tensor parallelism] in ../_tensor_parallel.py).
 
 At the first forward of a group with no sharded ancestor, the root, one engine is built for
-every group under it (a lazy init, as FSDP2 does). The groups become the engine's units, in
-module order, each with its own strategy and mixed precision. The DTensor parameters keep
+every group under it on each mesh (a lazy init, as FSDP2 does; [Note: a mesh per group] in
+_root.py). The groups become the engine's units, in module order, each with its own strategy and mixed precision. The DTensor parameters keep
 their identity and their local tensors are re-pointed at the engine's buffers (FSDP2 re-points
 its own after lazy init), so an optimizer made before the first forward keeps working. From then
 on a step runs exactly as under fully_shard_model: the same hooks and shared collective orders

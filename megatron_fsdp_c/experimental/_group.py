@@ -19,6 +19,7 @@ from .._common import contiguous_stride
 from .._distributed import DistContext, make_dist_context
 from ..param_buffer import local_shape
 from ..no_shard import is_no_shard
+from ._lazy_init import check_sub_mesh
 from ._policy import check_param_dtype
 from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
@@ -284,11 +285,14 @@ def _mesh_and_context(mesh, device_type: str) -> DistContext:
         raise ValueError(f"mesh is on '{mesh.device_type}' but the parameters are on '{device_type}': build the mesh "
                          f"with init_device_mesh('{device_type}', ...) or move the module first")
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
-    # By the ranks and dim names, not the object: mesh["dp"] makes a new DeviceMesh each time,
-    # and each fully_shard call of a model must get the same context (one engine per model).
+    # By the ranks and dim names, not the object: mesh["dp"] makes a new DeviceMesh each time, and
+    # the calls on one mesh must get one context (one engine per mesh, [Note: a mesh per group] in _root.py).
     key = (id(world), tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, str(device))
     ctx = _CONTEXTS.get(key)
     if ctx is None:
+        ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+        if len(ranks) < dist.get_world_size():
+            check_sub_mesh(ranks)
         # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
         ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
             make_dist_context(mesh, 1, device, dp_outer_dim=0)

@@ -138,7 +138,8 @@ class FSDPModule(TorchFSDPModule):
             return
         if g.state.root is not self:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
-        g.state.reset_iter_state()
+        for state in g.state.siblings:  # every engine of the model ([Note: a mesh per group] in _root.py)
+            state.reset_iter_state()
 
     # -- gradient synchronisation ---------------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -275,8 +276,10 @@ class FSDPModule(TorchFSDPModule):
 
     def _apply(self, fn, *args, **kwargs):
         g = group_of(self)
-        if g.state is not None:  # see [Note: re-initialisation] in _registration.py
-            g.state.release_engine(f"{type(self).__name__}: .to()/.to_empty()/.float() after the first forward")
+        if g.state is not None:  # see [Note: re-initialisation] in _registration.py; every engine of the model
+            why = f"{type(self).__name__}: .to()/.to_empty()/.float() after the first forward"
+            for state in list(g.state.siblings):
+                state.release_engine(why)
         out = super(TorchFSDPModule, self)._apply(fn, *args, **kwargs)  # the original class's, not torch's FSDP
         for i, (mod, attr, _) in enumerate(g.places):  # to_empty() and friends may replace the parameters
             g.places[i] = (mod, attr, mod._parameters[attr])

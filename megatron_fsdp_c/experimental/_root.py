@@ -20,10 +20,11 @@ from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
 from ._group import ShardGroup, check_origins, check_plain_tensor, group_of, refresh_places
+from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
 from ._policy import cast_floats, engine_policy, is_torch_policy
 from ._registration import Registration, to_sharded_hook
 
-__all__ = ["RootState", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
+__all__ = ["RootState", "build_states", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
 
 
 class RootState(Registration, EngineOwner):
@@ -32,26 +33,10 @@ class RootState(Registration, EngineOwner):
 
     overlap_param_gather = True
 
-    def __init__(self, root: nn.Module):
-        groups = []
-        for name, m in root.named_modules():
-            g = getattr(m, "_mfsdp_group", None)
-            if g is not None and g not in groups:
-                if g.state is not None:  # lazily initialised before the model around it was sharded
-                    raise RuntimeError(
-                        f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
-                        f"through the root module first: the sharded {type(m).__name__} ran a forward (or unshard()) "
-                        "as its own root before fully_shard was applied to the model around it; apply fully_shard to "
-                        "every module first, then run the first forward through the outermost sharded module")
-                groups.append(g)
-        ctxs = {id(g.ctx) for g in groups}
-        if len(ctxs) > 1:
-            raise ValueError(
-                "the groups under this root were sharded over different meshes: one mesh per model. megatron_fsdp_c "
-                "builds one engine per root over one mesh, so a mesh per group (expert parallelism's dp_mod_ep_mesh) is "
-                "not supported yet: pass the same mesh to every fully_shard call under this root")
+    def __init__(self, root: nn.Module, groups: List[ShardGroup]):
         self.root = root
-        self.groups = groups
+        self.groups = groups  # this engine's: the groups under the root on one mesh ([Note: a mesh per group])
+        self.siblings = [self]  # every root state of the model, this one among them (build_states)
         for g in groups:  # FSDP2's default (None): reshard after forward, except the root
             if g.reshard_after_forward is None:
                 g.reshard_after_forward = g is not getattr(root, "_mfsdp_group", None)
@@ -64,11 +49,11 @@ class RootState(Registration, EngineOwner):
         for g in groups:  # parameters replaced since fully_shard are the groups' now (FSDP2's reset_sharded_param)
             refresh_places(g)
         check_origins([(fqn(mod, attr), dp) for g in groups for mod, attr, dp in g.places], self)
-        _check_materialised(groups, fqn)
+        check_materialised(groups, fqn)
         ends = {}  # group index -> position of its (last) module in post-order: backward order
-        for k, mod in enumerate(_post_order(root)):
+        for k, mod in enumerate(post_order(root)):
             g = getattr(mod, "_mfsdp_group", None)
-            if g is not None:
+            if g is not None and g in groups:  # (groups on another mesh are another engine's)
                 ends[groups.index(g)] = k
         records, by_param, spmd_specs = [], {}, {}
         for u, g in enumerate(groups):
@@ -179,6 +164,19 @@ class RootState(Registration, EngineOwner):
             engine.set_hold(grads, not g.requires_gradient_sync)
             if self.dist_ctx.outer_world > 1:
                 engine.set_outer_hold(grads, not g.requires_all_reduce)
+            # [Note: expert gradient scaling]
+            # A group's gradients are summed over its mesh's data-parallel ranks after dividing by
+            # its divide factor: by default the mesh's data-parallel size (FSDP2's default, so an
+            # FSDP2 script gives FSDP2's numbers), else set_gradient_divide_factor's. For experts
+            # under expert parallelism the default is not the average: an expert's gradient on a
+            # rank already holds the contributions of every ep peer's tokens (the all-to-all's
+            # backward brings them), so summing over its dp_mod_ep mesh sums over all dp ranks,
+            # and the average over the data (each rank's loss a mean over its own batch) needs the
+            # full data-parallel degree as divisor. torchtitan sets exactly that
+            # (moe.experts.set_gradient_divide_factor(parallel_dims.fsdp_gradient_divide_factor)),
+            # and so does Megatron-LM (expert_gradient_scaling_factor = 1 / the data-parallel
+            # size, not the expert data-parallel size). With FSDP2 a script must call it too;
+            # we keep FSDP2's default for drop-in parity ([Note: a mesh per group]).
             factor = g.divide_factor if g.divide_factor is not None else self.dist_ctx.dp_world
             engine.set_prescale(grads, 1.0 / factor)
 
@@ -336,37 +334,52 @@ class RootState(Registration, EngineOwner):
             self.register(u, False)
 
 
-def _check_materialised(groups: List[ShardGroup], fqn) -> None:
-    """FSDP2's check at the lazy init, with its words: the first group (in the model's module
-    order) that still has parameters on the meta device is named with all of them."""
+def build_states(root: nn.Module) -> List[RootState]:
+    """[Note: a mesh per group]
+    Expert parallelism shards a model over two meshes (torchtitan: the dense blocks over every
+    data-parallel rank, `fully_shard(block.moe.experts, mesh=dp_mod_ep_mesh)` over the ranks that
+    hold the same experts), and any fully_shard call may name its own mesh, as in FSDP2. The lazy
+    init builds one engine (a RootState: its buckets, communicators, hooks and collective
+    orders) per distinct mesh under the root (meshes compare by their ranks and dim names,
+    _group.py's _mesh_and_context), each over the groups on that mesh; the first engine is the
+    root group's. Each group gathers and reduces on its own mesh's communicators.
+    Why rank-divergent graphs still cannot deadlock: each engine keeps the invariants of one
+    ([Note: gather order] in ../hooks.py, [Note: collective order] in csrc/comm/reduce.c) over
+    its own communicators, so every rank of a communicator issues that engine's collectives in
+    one order; each engine gathers on a communicator of its own (made per mesh), and reduces on
+    its mesh's process group. A pass starts and ends on every engine at once (the root's pre-
+    and post-forward call every sibling, in this list's order, the same on every rank), so every
+    engine settles the groups its rank skipped and queues its backward's final callback from the
+    root's outputs in the same order on every rank. Not covered: two meshes over the same ranks
+    whose dims torch backs with one process group (a dim over every rank reuses the default
+    group), where the two engines' reductions share it: they follow the model's order, the same
+    on every rank only while the ranks' graphs agree.
+    Checked the same way on every rank, so that every rank raises the same error instead of
+    hanging: when fully_shard first meets a mesh over some of the ranks, before its process
+    groups are made (_lazy_init.py's check_sub_mesh: one all_gather_object over all ranks), that
+    the ranks' meshes partition them (each contains its rank, one size dividing the world, the
+    same set on every rank it names: torchtitan's dp_mod_ep meshes {0,2} and {1,3}); at the
+    lazy init of a model on several meshes (check_meshes: one all_gather_object over the root
+    mesh's data-parallel ranks), that every rank has the same number of meshes, each within the
+    root mesh's ranks with a size dividing their number, and that no parameter is registered in
+    groups on two meshes.
+    Gradient scaling per mesh: [Note: expert gradient scaling] (RootState.configure)."""
+    groups = groups_under(root)
+    parts = {}  # id(ctx) -> the groups on that mesh, in module order (the root's first)
     for g in groups:
-        on_meta = list(dict.fromkeys(fqn(mod, attr) for mod, attr, dp in g.places if dp.device.type == "meta"))
-        if on_meta:
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, but the following were "
-                f"still on meta device: {on_meta}\nmaterialise the model after fully_shard: model.to_empty(device=...) "
-                "then reset_parameters() / init_weights() on each module (or load_state_dict(sharded_sd, assign=True))")
+        parts.setdefault(id(g.ctx), []).append(g)
+    parts = list(parts.values())
+    if len(parts) > 1:
+        check_meshes(root, parts)
+    states = [RootState(root, part) for part in parts]
+    for s in states:
+        s.siblings = states
+    return states
 
 
 def _local_of(grad):
     """The local tensor of an SPMD compute parameter's gradient ([Note: SPMD compute parameters])."""
     return grad._local_tensor if isinstance(grad, DTensor) else grad
-
-
-def _post_order(root: nn.Module) -> List[nn.Module]:
-    """The modules under `root` in the order their forwards end (children first), each once."""
-    out, stack, seen = [], [(root, False)], set()
-    while stack:
-        mod, done = stack.pop()
-        if done:
-            out.append(mod)
-            continue
-        if id(mod) in seen:
-            continue
-        seen.add(id(mod))
-        stack.append((mod, True))
-        stack.extend((child, False) for child in reversed(list(mod.children())))
-    return out
 
 
 def root_of(g: ShardGroup) -> nn.Module:
@@ -388,7 +401,7 @@ def state_of(module) -> RootState:
         # DTensor.from_local refused): the engine is built outside the transforms, as the
         # weights are plain tensors outside them.
         with temporarily_clear_interpreter_stack():
-            RootState(root_of(g))
+            build_states(root_of(g))
     return g.state
 
 
@@ -399,7 +412,8 @@ def pre_forward(module, args, kwargs):
     g = module._mfsdp_group
     state = state_of(module)
     if state.pass_root is None and not in_backward():
-        state.root_pre_forward(module)
+        for s in state.siblings:  # every engine of the model ([Note: a mesh per group])
+            s.root_pre_forward(module)
     mp = g.mp_policy
     if is_torch_policy(mp) and mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
@@ -417,6 +431,7 @@ def post_forward(module, args, output):
     if is_torch_policy(mp) and mp.output_dtype is not None:
         output = cast_floats(output, mp.output_dtype)
     if state.pass_root is module and not state.methods_running:  # a registered method's end, not its inner forwards
-        output = state.root_post_forward(output)
+        for s in state.siblings:
+            output = s.root_post_forward(output)
     return output
 

@@ -70,7 +70,8 @@ class _StateContext:
     @property
     def all_states(self) -> List["TorchState"]:
         state = self._group.state
-        return [g.torch_state for g in state.groups] if state is not None else [self._group.torch_state]
+        return [g.torch_state for s in state.siblings for g in s.groups] if state is not None \
+            else [self._group.torch_state]
 
     @property
     def is_last_backward(self) -> bool:
@@ -120,7 +121,8 @@ class TorchState(_State):
         perform_reduce_grad), or any held gradients of groups whose sync is on again."""
         state = self._group.state
         if state is not None:
-            state.reduce_held()
+            for s in state.siblings:  # every engine of the model, in one order on every rank
+                s.reduce_held()
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
