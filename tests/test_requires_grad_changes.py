@@ -345,8 +345,11 @@ def spmd_compute_params(rank, world):
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    dims = DataParallelMeshDims(shard="dp_shard")
+    # A dim name no other cell uses: torch hands a DTensor made on a mesh equal (same ranks and
+    # names) to one an earlier cell of the spawn made that earlier mesh object (its dispatch
+    # caches compare meshes by value), and FSDP2's SPMD path then refuses the parameter.
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("rg_dp_shard",))
+    dims = DataParallelMeshDims(shard="rg_dp_shard")
     out = {}
     for impl, shard in (("ours", fully_shard_per_module), ("torch", torch_fully_shard)):
         torch.manual_seed(0)
