@@ -75,6 +75,15 @@ CELL_SKEW_S = 120.0         # the most one rank waits for the others at a cell's
 CELL_TIMEOUT_S = float(os.environ.get("RANK_GRID_CELL_TIMEOUT_S", 300))
 SPAWN_TIMEOUT_S = 3600.0    # one spawn, a backstop (each cell has its watchdog)
 GRID_BUDGET_S = 5400.0      # all spawns of one (group, world size)
+# [Note: spawns of bounded length]
+# A spawn runs at most SPAWN_CELLS cells, then the next spawn takes the rest. Each process group a
+# cell makes (every device mesh makes its own; torch's caches keep them, so they cannot be
+# destroyed between cells: ../shared/DESIGN.md) leaves an idle gloo loop thread waking every
+# 10 ms, so a spawn's idle CPU grows with the cells it has run: measured at world 4, ~350 groups
+# per rank by the end of 278 cells, their loops using more CPU than the cells. A few more spawns
+# (~10 s each at world 4) cost less than that. `once()` values are per spawn, so a reference is
+# trained again in each spawn that reads it.
+SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 70))
 SESSION_DIR_ENV = "RANK_GRID_SESSION_DIR"
 
 CellId = Tuple[str, Any, int]  # (module, key, world)
@@ -450,13 +459,13 @@ def run_grid(world: int, cells: Sequence[CellId]) -> Dict[CellId, list]:
             for cell in cells[start:]:
                 results[cell] = [("error", f"not run: the grid's {GRID_BUDGET_S:.0f} s budget was spent", 0.0)] * world
             break
-        todo = cells[start:]
+        todo = cells[start:start + SPAWN_CELLS]  # see [Note: spawns of bounded length]
         with tempfile.TemporaryDirectory() as out_dir:
             outcomes = run_on_ranks(_grid_worker, world, todo, out_dir, timeout_s=SPAWN_TIMEOUT_S, raise_errors=False)
             if os.environ.get("RANK_GRID_DEBUG"):
                 print(f"\n[rank_grid] threads per rank at the end of the spawn: {[v for _, v in outcomes]}",
                       file=sys.stderr)
-            next_start = len(cells)
+            next_start = start + len(todo)
             for j, cell in enumerate(todo):
                 files = [os.path.join(out_dir, f"cell.{j}.{r}.pkl") for r in range(world)]
                 if all(os.path.exists(p) for p in files):
@@ -474,8 +483,9 @@ def run_grid(world: int, cells: Sequence[CellId]) -> Dict[CellId, list]:
                 if not started:  # the spawn failed before its first cell: so would the next one
                     why = "\n".join(f"rank {r}: {status} {str(value)[-1500:]}" for r, (status, value) in
                                     enumerate(outcomes))
-                    for rest in todo:
+                    for rest in cells[start:]:
                         results[rest] = [("error", f"the spawn failed before its first cell:\n{why}", 0.0)] * world
+                    next_start = len(cells)
                     break
                 results[cell] = _crash_report(out_dir, j, world, outcomes)
                 next_start = start + j + 1

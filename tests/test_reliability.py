@@ -164,6 +164,37 @@ def test_no_growth_over_100_steps():
             assert rss100 - rss20 < 8 * 2**20, "resident memory grows"
 
 
+@CELLS.cell("groups per model", tests=["test_models_share_the_engines_own_groups"])
+def groups_per_model(rank, world):
+    """Process groups (each an idle gloo loop waking every 10 ms) after each of four models on
+    both APIs, trained a step and dropped ([Note: the engine's own groups])."""
+    import torch.distributed as dist
+    from megatron_fsdp_c.experimental import fully_shard
+    counts = []
+    for i in range(4):
+        torch.manual_seed(i)
+        model = GPT(CFG)
+        if i % 2:
+            for block in model.blocks:
+                fully_shard(block)
+            fsdp = fully_shard(model)
+        else:
+            fsdp = mf.fully_shard(model, fsdp_unit_modules=[Block])[0]
+        x, y = batch(CFG, 2, seed=rank)
+        fsdp(x, y).backward()
+        del fsdp, model
+        gc.collect()
+        counts.append(len(dist.distributed_c10d._world.pg_map))
+    return counts
+
+
+def test_models_share_the_engines_own_groups():
+    for counts in CELLS.result("groups per model", 2):
+        # the first model of each API makes the engine's second communicator over these ranks; later
+        # models reuse it (one more group per model before)
+        assert counts[2] == counts[1] and counts[3] == counts[1], counts
+
+
 BENCH_CFG = GPTConfig(vocab=2048, seq=128, d=256, heads=8, layers=6)  # benchmarks/bench_worker.py's "gpt"
 
 
