@@ -27,7 +27,6 @@ FUZZ_SECONDS ?= 20
 
 $(VENV)/.ready: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 numpy pytest matplotlib transformers==5.23.0
 	# tests/test_frameworks.py: accelerate and Lightning, pure Python (~10 MB, seconds). --no-deps: their
 	# other requirements come with transformers above, and Lightning's extras (aiohttp, ...) are not needed.

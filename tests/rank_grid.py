@@ -83,7 +83,7 @@ GRID_BUDGET_S = 5400.0      # all spawns of one (group, world size)
 # per rank by the end of 278 cells, their loops using more CPU than the cells. A few more spawns
 # (~10 s each at world 4) cost less than that. `once()` values are per spawn, so a reference is
 # trained again in each spawn that reads it.
-SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 70))
+SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 100))
 SESSION_DIR_ENV = "RANK_GRID_SESSION_DIR"
 
 CellId = Tuple[str, Any, int]  # (module, key, world)
