@@ -44,9 +44,11 @@ watchdog (a rank still inside a cell after its timeout dumps its stacks and exit
 run_on_ranks' timeout, all spawns of a grid by a wall-clock budget.
 
 Environment (print with pytest -s): RANK_GRID_TRACE=1 prints each cell's name on every rank as it
-starts; RANK_GRID_DEBUG=1 prints each spawn's size, wall time and slowest cells, the seconds
-each module's cells took, and the CPU seconds (summed over ranks: a cost the machine's load does
-not change) by module and of the costliest cells; RANK_GRID_CELL_TIMEOUT_S sets the default watchdog of a cell (300 s).
+starts; RANK_GRID_DEBUG=1 prints each spawn's size, wall time, slowest cells, and threads and
+process groups per rank at its end, the seconds each module's cells took, and the CPU seconds
+(summed over ranks: a cost the machine's load does not change) by module and of the costliest
+cells; RANK_GRID_CELL_TIMEOUT_S sets the default watchdog of a cell (300 s);
+RANK_GRID_SPAWN_CELLS the most cells a spawn runs ([Note: spawns of bounded length]).
 """
 from __future__ import annotations
 
@@ -429,8 +431,8 @@ def _grid_worker(rank: int, world: int, cells: Sequence[CellId], out_dir: str):
             why = _group_still_pairs(rank, world)
             if why:
                 raise RuntimeError(f"process group out of step after cell {cid[1]!r}: {why}")
-    # threads left at the end (RANK_GRID_DEBUG): each process group adds gloo loop threads that
-    # wake every 10 ms, so a count growing with the cells is CPU lost ([Note: the engine's own groups])
+    # (threads, groups named by a counter, groups named by a hash of their ranks) at the end, for
+    # RANK_GRID_DEBUG: every group keeps a gloo loop waking every 10 ms ([Note: spawns of bounded length])
     names = [pg.group_name for pg in dist.distributed_c10d._world.pg_map]
     return (len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1,
             sum(n.isdigit() for n in names), sum(not n.isdigit() for n in names))
@@ -463,7 +465,8 @@ def run_grid(world: int, cells: Sequence[CellId]) -> Dict[CellId, list]:
         with tempfile.TemporaryDirectory() as out_dir:
             outcomes = run_on_ranks(_grid_worker, world, todo, out_dir, timeout_s=SPAWN_TIMEOUT_S, raise_errors=False)
             if os.environ.get("RANK_GRID_DEBUG"):
-                print(f"\n[rank_grid] threads per rank at the end of the spawn: {[v for _, v in outcomes]}",
+                print(f"\n[rank_grid] (threads, counter-named groups, hash-named groups) per rank at the end "
+                      f"of the spawn: {[v for _, v in outcomes]}",
                       file=sys.stderr)
             next_start = start + len(todo)
             for j, cell in enumerate(todo):
