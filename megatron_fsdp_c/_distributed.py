@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate
 
 from . import _C
 
-__all__ = ["DistContext", "make_dist_context", "resolve_device"]
+__all__ = ["DistContext", "check_rank_partition", "make_dist_context", "resolve_device"]
 
 
 @dataclasses.dataclass
@@ -277,6 +277,33 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
         if outer_sharded and outer_world > 1:
             ctx.outer_sharded, ctx.mesh = True, _flat_mesh(mesh, dp_group)
     return ctx
+
+
+def check_rank_partition(ranks: tuple, what: str, fix: str) -> None:
+    """Collective over every rank: the rank sets `ranks` the ranks got for one mesh (a sub-mesh:
+    expert parallelism's expert data-parallel mesh) must partition them: each contains its rank,
+    all have one size, which divides the world, and every rank of a set got the same set. Checked
+    by one all_gather_object before the mesh's process groups are made (new_group over rank sets
+    the ranks disagree on would hang). Every rank raises the same ValueError: `what`, the problem,
+    then `fix`."""
+    world = dist.get_world_size()
+    table = [None] * world
+    dist.all_gather_object(table, tuple(ranks))
+    problem = None
+    for r, s in enumerate(table):
+        if r not in s:
+            problem = f"rank {r}'s mesh {s} does not include rank {r}"
+        elif world % len(s) or len(s) != len(table[0]):
+            problem = f"a mesh of {len(s)} ranks {s} does not divide the world of {world} ranks into equal meshes"
+        else:
+            odd = [q for q in s if table[q] != s]
+            if odd:
+                problem = (f"the mesh is ranks {s} on rank {r} but {table[odd[0]]} on rank {odd[0]}: overlapping "
+                           "meshes with inconsistent rank sets")
+        if problem:
+            break
+    if problem:
+        raise ValueError(f"{what}: {problem}. {fix}")
 
 
 def check_same_model(records, ctx: DistContext) -> None:

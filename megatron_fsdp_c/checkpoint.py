@@ -21,13 +21,14 @@ __all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict"]
 def register_model_hooks(model) -> None:
     """State-dict hooks on the wrapped module (they run for model.state_dict() and for
     model.module.state_dict() alike)."""
-    records = model.param_buffer.records
-    shard_dim = model.dist_ctx.mesh.ndim - 1  # the data-parallel placement that shards (a TP one may follow)
+    # every engine's records (the experts' too: [Note: expert data-parallel mesh] in _experts.py), each
+    # with the data-parallel placement that shards it (a TP one may follow) on its engine's mesh
+    records = [(r, e.dist_ctx.mesh.ndim - 1) for e in model.engines() for r in e.param_buffer.records]
 
     def before_load(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         # A full (unsharded) tensor, e.g. from a plain model's checkpoint: keep this rank's rows
         # (of its TP shard, for a tensor-parallel parameter: [Note: tensor parallelism]).
-        for r in records:
+        for r, shard_dim in records:
             for name in r.aliases:
                 key = prefix + name
                 value = state_dict.get(key)
@@ -46,7 +47,8 @@ def register_model_hooks(model) -> None:
                                                      run_check=False, shape=r.shape, stride=r.dist_param.stride())
 
     def after_load(module, incompatible_keys):
-        model.param_buffer.engine.install_main_weights(True)  # compute weights follow at once
+        for e in model.engines():
+            e.param_buffer.engine.install_main_weights(True)  # compute weights follow at once
 
     model.module._register_load_state_dict_pre_hook(before_load, with_module=True)
     model.module.register_load_state_dict_post_hook(after_load)
@@ -106,7 +108,7 @@ def full_state_dict(model, rank0_only: bool = True) -> dict:
     """The unsharded state dict (main weights and buffers, a plain model's keys): gathered by
     every rank, returned on rank 0 only (or everywhere with rank0_only=False). For export."""
     gathered = model.full_parameters()
-    params = {alias: gathered[r.name] for r in model.param_buffer.records for alias in r.aliases}
+    params = {alias: gathered[r.name] for r in model.all_records() for alias in r.aliases}
     if rank0_only and dist.get_rank(model.dist_ctx.group) != 0:
         return {}
     out = {}

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ._common import parse_strategy
 from ._distributed import make_dist_context, resolve_device
+from ._experts import expert_context
 from .optimizer import fully_shard_optimizer, remap_optimizer
 from .megatron_fsdp import MegatronFSDP
 from ._tensor_parallel import other_dims, tp_mesh_of
@@ -182,20 +183,19 @@ def fully_shard_model(
     quantized_comm_policy: a QuantizedCommPolicy: weights gathered and/or gradients reduced as
     block-quantized pieces (int8, fp8_e4m3, int4), and under HFSDP the gather across replicas
     (a megatron_fsdp_c extension; see [Note: quantized communication] in csrc/comm/wire.c).
-    expt_device_mesh, hybrid_fsdp_expt_group: Megatron-FSDP's expert data-parallel mesh: not
-    supported yet (NotImplementedError naming the per-module API, which supports it).
+    expt_device_mesh, hybrid_fsdp_expt_group: Megatron-FSDP's expert data-parallel mesh (MoE with
+    expert parallelism). Expert parameters are those Megatron-core marks `allreduce=False` (or
+    `is_expert=True`); they are sharded with zero_dp_strategy over expt_device_mesh[dp_shard_dim]
+    (the ranks holding the same experts), with HSDP (dp_outer_dim) over expt_device_mesh's
+    (dp_outer_dim, dp_shard_dim) with hybrid_fsdp_expt_group their group (required then, refused
+    otherwise); dense parameters over device_mesh as usual. Expert gradients are scaled as in
+    Megatron-LM: by 1/dp with dp the dense data-parallel size (they already hold every ep peer's
+    tokens), expert_dp/dp with average_in_collective, 1 with calculate_per_token_loss. An expert
+    mesh without marked parameters, or marked parameters without one, is an error; see [Note:
+    expert data-parallel mesh] in _experts.py.
     """
     if unsupported:
         raise TypeError(f"fully_shard got unsupported arguments: {', '.join(sorted(unsupported))}")
-    if expt_device_mesh is not None or hybrid_fsdp_expt_group is not None:
-        # Megatron-FSDP's expert data-parallel mesh needs a second engine under the wrapper; the
-        # per-module API has one engine per mesh ([Note: a mesh per group] in experimental/_root.py)
-        raise NotImplementedError(
-            "expt_device_mesh / hybrid_fsdp_expt_group (expert parallelism) are not supported by "
-            "megatron_fsdp_c.fully_shard yet. Use the per-module API, which shards experts over their own mesh: "
-            "megatron_fsdp_c.experimental.fully_shard(block.moe.experts, mesh=expt_mesh) for each block, then "
-            "fully_shard(block, mesh=dp_mesh) and fully_shard(model, mesh=dp_mesh), and "
-            "block.moe.experts.set_gradient_divide_factor(dp_size) ([Note: expert gradient scaling])")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, MegatronFSDP) or getattr(module, "_megatron_fsdp_wrapper", None) is not None:
@@ -231,6 +231,10 @@ def fully_shard_model(
     ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport, collective_timeout,
                             dp_outer_dim=dp_outer_dim, hybrid_fsdp_group=hybrid_fsdp_group,
                             outer_sharded=outer == 1)
+    expert_ctx = expert_context(expt_device_mesh, hybrid_fsdp_expt_group, dp_shard_dim=dp_shard_dim,
+                                dp_outer_dim=dp_outer_dim, tp_dim=tp_dim, device=param_device, transport=transport,
+                                collective_timeout=collective_timeout, outer_sharded=outer == 1,
+                                meta_init=init_model_with_meta_device)
     if tp_mesh is not None and ctx.outer_sharded:
         # HFSDP's DTensor mesh flattens (dp_outer, dp_shard) outer-major; sliced from device_mesh
         # (not made from the group) so that it composes with the tp dim ([Note: tensor parallelism])
@@ -243,7 +247,7 @@ def fully_shard_model(
         bucket_size=bucket_size, reduce_queue_bytes=reduce_queue_bytes,
         init_model_with_meta_device=init_model_with_meta_device, single_rank_collectives=single_rank_collectives,
         tp_mesh=tp_mesh, unnamed_dims=other_dims(device_mesh, dp_dims),
-        quantized_comm_policy=quantized_comm_policy,
+        quantized_comm_policy=quantized_comm_policy, expert_ctx=expert_ctx,
     )
 
 

@@ -14,6 +14,9 @@ Microbatch semantics (documented differences from Megatron-FSDP are marked *):
   `finish_grad_sync()`. A parameter that no rank used since its gradient was last set to None
   keeps `.grad is None`, as under DDP, so optimizers skip it (no weight decay): see
   [Note: unused parameters] in _sharded.py.
+- With expt_device_mesh, the expert parameters live in a second engine over the expert
+  data-parallel mesh (`self.expert_engine`, an ExpertEngine); every method below acts on both
+  ([Note: expert data-parallel mesh] in _experts.py).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch.nn as nn
 from ._common import STRATEGY_NAMES, logger
 from .checkpoint import register_model_hooks
 from ._distributed import DistContext, check_same_model
+from ._experts import ExpertEngine, expert_scaling, split_expert_records
 from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
@@ -47,7 +51,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
                  bucket_size: Optional[int] = None, reduce_queue_bytes: Optional[int] = None,
                  init_model_with_meta_device: bool = False, single_rank_collectives: bool = False,
-                 tp_mesh=None, unnamed_dims=(), quantized_comm_policy=None):
+                 tp_mesh=None, unnamed_dims=(), quantized_comm_policy=None, expert_ctx: Optional[DistContext] = None):
         super().__init__()
         self.module = module
         self.dist_ctx = dist_ctx
@@ -63,11 +67,13 @@ class MegatronFSDP(EngineOwner, nn.Module):
         self._no_sync_depth = 0
         self._grads_pending = False
         self._holds_dist_params = False
-        self._record_of = {}  # id(distributed parameter) -> its record
+        self._record_of = {}  # id(distributed parameter) -> (its engine's owner, its record)
+        self.expert_engine: Optional[ExpertEngine] = None  # the expert parameters' engine (expt_device_mesh)
+        self._backwards_running = 0  # engines whose backward began and has not ended
         self._setup_host_heap(dist_ctx.device)
 
         mark_by_name(module)
-        records = collect_params(module, fsdp_unit_modules)
+        records, expert_records = split_expert_records(collect_params(module, fsdp_unit_modules), expert_ctx)
         assign_tp(records, tp_mesh, dist_ctx.mesh, unnamed_dims)  # [Note: tensor parallelism]
         if init_model_with_meta_device and any(r.tp is not None and r.tp.dtensor_compute for r in records):
             raise NotImplementedError("init_model_with_meta_device with torch tensor-parallel (DTensor) parameters is "
@@ -99,10 +105,18 @@ class MegatronFSDP(EngineOwner, nn.Module):
         self._used = bytearray(n)      # used locally since the last zero (set by the gradient hooks)
         self._has_grad = bytearray(n)  # what torch would say: .grad is not None
         self._trainable = bytearray(int(r.requires_grad) for r in records)
-        self._record_of = {id(r.dist_param): r for r in records}
-        register_model_hooks(self)
         self.hooks = HookManager(self, fsdp_unit_modules)
         self._track_requires_grad()
+        if expert_records:  # [Note: expert data-parallel mesh] in _experts.py
+            scale, expert_op = expert_scaling(dist_ctx, expert_ctx, average_in_collective=average_in_collective,
+                                              calculate_per_token_loss=calculate_per_token_loss)
+            self.expert_engine = ExpertEngine(
+                self, expert_records, expert_ctx, fsdp_unit_modules, strategy=zero_dp_strategy,
+                policy=mixed_precision_policy, bucket_cap=cap, reduce_queue_bytes=reduce_queue_bytes,
+                grad_prescale=scale, reduce_op=expert_op, single_rank_collectives=single_rank_collectives,
+                quant_policy=quantized_comm_policy)
+        self._record_of = {id(r.dist_param): (e, r) for e in self.engines() for r in e.param_buffer.records}
+        register_model_hooks(self)
         self.register_forward_pre_hook(torch.compiler.disable(self._root_pre_forward, recursive=True), prepend=True)
         self.register_forward_hook(torch.compiler.disable(self._root_post_forward, recursive=True), prepend=True)
         self._swap_params(dist=True)
@@ -110,12 +124,26 @@ class MegatronFSDP(EngineOwner, nn.Module):
         if logger.isEnabledFor(logging.INFO) and dist_ctx.rank == 0:
             self._log_summary(fsdp_unit_modules)
 
+    # -- engines ----------------------------------------------------------------------------
+    def engines(self) -> tuple:
+        """The owners of this model's engines, in the one order every rank drives them: this
+        wrapper (the dense parameters), then the experts' ([Note: expert data-parallel mesh])."""
+        return (self,) if self.expert_engine is None else (self, self.expert_engine)
+
+    def all_records(self) -> list:
+        """Every parameter record, the dense engine's first."""
+        return [r for e in self.engines() for r in e.param_buffer.records]
+
+    def _in_backward(self) -> bool:
+        return any(e.hooks.in_backward for e in self.engines())
+
     # -- parameters -----------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        """The distributed (DTensor) parameters, named as in `state_dict` ('module.' + name)."""
+        """The distributed (DTensor) parameters, named as in `state_dict` ('module.' + name):
+        the dense ones, then the experts."""
         head = f"{prefix}." if prefix else ""
-        for r in self.param_buffer.records:
+        for r in self.all_records():
             yield f"{head}module.{r.name}", r.dist_param
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -124,7 +152,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
 
     def dist_param_of(self, param: nn.Parameter) -> nn.Parameter:
         """The distributed parameter standing for an original (compute) parameter."""
-        for r in self.param_buffer.records:
+        for r in self.all_records():
             if r.param is param or r.dist_param is param:
                 return r.dist_param
         raise KeyError("parameter does not belong to this model")
@@ -136,24 +164,43 @@ class MegatronFSDP(EngineOwner, nn.Module):
     # The root's work runs in this wrapper's own forward hooks, which Dynamo does not trace (see
     # [Note: compile] in hooks.py).
     def _root_pre_forward(self, module, args):
-        self._sync_requires_grad()
-        self._swap_params(dist=False)
-        self.hooks.root_pre_forward()
+        engines = self.engines()
+        for e in engines:
+            e._sync_requires_grad()
+        for e in engines:
+            e._swap_params(dist=False)
+        for e in engines:
+            e.hooks.root_pre_forward()
 
     def _root_post_forward(self, module, args, output):
-        return self._finish_root_forward(output)
+        for e in self.engines():  # the backward's final callbacks queued in this order too
+            output = e._finish_root_forward(output)
+        return output
 
     # -- gradient sync --------------------------------------------------------------------
     def _before_backward(self) -> None:
-        """Nothing to prepare: this wrapper's gradients are cleared by zero_grad."""
+        """Nothing to prepare (gradients are cleared by zero_grad) but counting the engine in."""
+        self._backward_begins()
 
     def _should_sync(self) -> bool:
         return self._no_sync_depth == 0 and (self.model_auto_sync or self.is_last_microbatch)
 
     def _after_backward(self, synced: bool) -> None:
+        self._backward_ends(synced)
+
+    def _backward_begins(self) -> None:
+        self._backwards_running += 1
+
+    def _backward_ends(self, synced: bool) -> None:
+        """An engine's backward final callback ran; the last one ends the backward for the model
+        (both engines' reductions are in, [Note: expert data-parallel mesh] in _experts.py)."""
+        self._backwards_running -= 1
+        if self._backwards_running > 0:
+            return
         self.microbatch_count += 1
         self._grads_pending = True
-        self._swap_params(dist=True)
+        for e in self.engines():
+            e._swap_params(dist=True)
         if synced:
             self.finish_grad_sync()
         self._trim_host_heap()
@@ -162,10 +209,11 @@ class MegatronFSDP(EngineOwner, nn.Module):
         """Finishes every gradient reduction (reducing no_shard/ZeRO-1 gradients exactly once)
         and attaches the `.grad` DTensors to the distributed parameters that have a gradient
         (see [Note: unused parameters] in _sharded.py)."""
-        if self.hooks.in_backward:
+        if self._in_backward():
             raise RuntimeError("finish_grad_sync() called inside a backward pass; call it after backward()")
-        self.param_buffer.engine.sync_grads()
-        self._attach_grads(self.param_buffer.records)
+        for e in self.engines():
+            e.param_buffer.engine.sync_grads()
+            e._attach_grads(e.param_buffer.records)
         if self.report_nan_in_param_grad:
             self._check_nonfinite_grads()
         self.microbatch_count = 0
@@ -177,9 +225,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
             self.finish_grad_sync()
 
     def _check_nonfinite_grads(self) -> None:
-        engine = self.param_buffer.engine
-        bad = [r.name for r in self.param_buffer.records
-               if r.grad_dtensor is not None and engine.count_nonfinite_grad(r.bucket, r.item)]
+        bad = [r.name for e in self.engines() for r in e.param_buffer.records
+               if r.grad_dtensor is not None and e.param_buffer.engine.count_nonfinite_grad(r.bucket, r.item)]
         flag = torch.tensor([len(bad)], dtype=torch.int64, device=self.dist_ctx.device)
         torch.distributed.all_reduce(flag, group=self.dist_ctx.all_dp_group)
         if flag.item():
@@ -190,11 +237,12 @@ class MegatronFSDP(EngineOwner, nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zeroes the main gradient buffers and detaches `.grad` from the distributed parameters."""
-        self.param_buffer.engine.zero_grads()
-        for r in self.param_buffer.records:
-            r.dist_param.grad = None
-        self._used[:] = bytes(len(self._used))
-        self._has_grad[:] = bytes(len(self._has_grad))
+        for e in self.engines():
+            e.param_buffer.engine.zero_grads()
+            for r in e.param_buffer.records:
+                r.dist_param.grad = None
+            e._used[:] = bytes(len(e._used))
+            e._has_grad[:] = bytes(len(e._has_grad))
         self._grads_pending = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -202,44 +250,53 @@ class MegatronFSDP(EngineOwner, nn.Module):
 
     def _zero_grads_of(self, params, set_to_none: bool) -> None:
         """An optimizer's zero_grad: clears the gradients of `params` (those of this model) only."""
-        mine = [r for r in (self._record_of.get(id(p)) for p in params) if r is not None and r.grad_dtensor is not None]
-        if not mine:
-            return
-        engine = self.param_buffer.engine
-        if len(mine) == sum(r.grad_dtensor is not None for r in self.param_buffer.records):
-            engine.zero_grads()
-            self._grads_pending = False
-        else:
-            by_bucket = {}
+        found = [x for x in (self._record_of.get(id(p)) for p in params) if x is not None and x[1].grad_dtensor is not None]
+        whole = 0
+        for e in self.engines():
+            mine = [r for owner, r in found if owner is e]
+            if not mine:
+                continue
+            engine = e.param_buffer.engine
+            if len(mine) == sum(r.grad_dtensor is not None for r in e.param_buffer.records):
+                engine.zero_grads()
+                whole += 1
+            else:
+                by_bucket = {}
+                for r in mine:
+                    by_bucket.setdefault(r.bucket, []).append(r.item)
+                for b, items in by_bucket.items():
+                    engine.zero_item_grads(b, items)
             for r in mine:
-                by_bucket.setdefault(r.bucket, []).append(r.item)
-            for b, items in by_bucket.items():
-                engine.zero_item_grads(b, items)
-        for r in mine:
-            self._used[r.index] = 0
-            if set_to_none:
-                self._has_grad[r.index] = 0
-                r.dist_param.grad = None
+                e._used[r.index] = 0
+                if set_to_none:
+                    e._has_grad[r.index] = 0
+                    r.dist_param.grad = None
+        if whole == len(self.engines()):
+            self._grads_pending = False
 
     def install_optimized_model_weights(self) -> None:
         """Main weights -> compute weights after an optimizer step; the next forward's
         all-gathers spread them."""
-        self.param_buffer.engine.install_main_weights(False)
+        for e in self.engines():
+            e.param_buffer.engine.install_main_weights(False)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """Starts gathering every stale persistent bucket now (ZeRO-1/2) instead of at first use."""
-        stale = [b for b in self.param_buffer.gatherable_buckets()
-                 if self.param_buffer.engine.weight_state(b) == "stale"]
-        if stale:
-            self.param_buffer.engine.unshard(stale)
-            if force_sync or not self.overlap_param_gather:
-                self.param_buffer.engine.wait_unshard(stale)
+        for e in self.engines():
+            engine = e.param_buffer.engine
+            stale = [b for b in e.param_buffer.gatherable_buckets() if engine.weight_state(b) == "stale"]
+            if stale:
+                engine.unshard(stale)
+                if force_sync or not self.overlap_param_gather:
+                    engine.wait_unshard(stale)
 
     def synchronize_param_gather(self) -> None:
-        self.param_buffer.engine.drain()
+        for e in self.engines():
+            e.param_buffer.engine.drain()
 
     def synchronize_gradient_reduce(self) -> None:
-        self.param_buffer.engine.drain()
+        for e in self.engines():
+            e.param_buffer.engine.drain()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -276,12 +333,13 @@ class MegatronFSDP(EngineOwner, nn.Module):
             raise TypeError(f"expected a MixedPrecisionPolicy, got {type(policy).__name__}")
         effective = dataclasses.replace(self.mp_policy, grad_comm_dtype=policy.grad_comm_dtype,
                                         allow_lossy_accumulation=policy.allow_lossy_accumulation)
-        for dtype in {r.param.dtype for r in self.param_buffer.records
+        for dtype in {r.param.dtype for r in self.all_records()
                       if r.requires_grad and r.param.dtype.is_floating_point}:
             effective.resolve(dtype)  # raises when the new comm dtype would lose bits on accumulation
-        if self.hooks.in_backward:
+        if self._in_backward():
             raise RuntimeError("the mixed precision policy cannot change inside a backward pass")
-        self.param_buffer.engine.set_comm_dtype(policy.grad_comm_dtype)
+        for e in self.engines():
+            e.param_buffer.engine.set_comm_dtype(policy.grad_comm_dtype)
         self.mp_policy = effective
 
     @contextlib.contextmanager
@@ -304,5 +362,31 @@ class MegatronFSDP(EngineOwner, nn.Module):
 
     def extra_repr(self) -> str:
         hybrid = f" x {self.dist_ctx.outer_world} replicas" if self.dist_ctx.outer_world > 1 else ""
+        ex = self.expert_engine
+        experts = "" if ex is None else \
+            f", experts over {ex.dist_ctx.dp_world} ranks in {len(ex.param_buffer.plan)} buckets"
         return (f"strategy={STRATEGY_NAMES[self.zero_dp_strategy]}, world={self.dist_ctx.world}{hybrid}, "
-                f"buckets={len(self.param_buffer.plan)}")
+                f"buckets={len(self.param_buffer.plan)}{experts}")
+
+    # -- introspection over both engines -------------------------------------------------------
+    def full_parameters(self) -> dict:
+        out = {}
+        for e in self.engines():
+            out.update(EngineOwner.full_parameters(e))
+        return out
+
+    def full_grads(self) -> dict:
+        out = {}
+        for e in self.engines():
+            out.update(EngineOwner.full_grads(e))
+        return out
+
+    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+        """Bytes this rank holds now (both engines' buffers with expt_device_mesh; the optimizer's
+        states counted once)."""
+        report = self.param_buffer.memory_report(optimizer)
+        if self.expert_engine is not None:
+            extra = self.expert_engine.param_buffer.memory_report(None)
+            for k in ("param_bytes", "grad_bytes", "temporary_bytes", "total_bytes"):
+                report[k] += extra[k]
+        return report

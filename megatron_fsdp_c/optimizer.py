@@ -56,7 +56,7 @@ def remap_optimizer(model, optimizer: torch.optim.Optimizer) -> None:
     """Points the optimizer's param groups at the distributed parameters, keeping each group's
     hyperparameters. Existing optimizer state refers to the old tensors and is dropped."""
     lookup = {}
-    for r in model.param_buffer.records:
+    for r in model.all_records():
         for p in (r.origin, r.param, r.dist_param):
             lookup[id(p)] = r.dist_param
     for gi, group in enumerate(optimizer.param_groups):

@@ -23,8 +23,15 @@ Behaviours (cell names):
   experts whole, the dense part over 2), against the reference, then trained on
 - bad_input: an expert mesh that does not divide the world, overlapping meshes with inconsistent
   rank sets, a parameter registered in groups on two meshes: each a ValueError naming the fix
-- Megatron-FSDP's expt_device_mesh / hybrid_fsdp_expt_group on megatron_fsdp_c.fully_shard: not
-  supported yet, a NotImplementedError naming the per-module API (no spawn)
+- megatron_<strategy>, megatron_hsdp_<strategy>: the Megatron-style API (megatron_fsdp_c.fully_shard)
+  with Megatron-FSDP's expt_device_mesh: experts marked allreduce=False (Megatron-core's mark),
+  sharded over the expert mesh's dp_shard dim {0,2} / {1,3}, the dense part over 4 (or HSDP
+  2 x 2 with hybrid_fsdp_expt_group over the experts' (dp_outer 1, dp_shard 2)), against the
+  reference as above (float64, AdamW, rtol 1e-9, a dead expert keeps `.grad is None`); Megatron-LM's
+  expert gradient scaling, 1/dp ([Note: expert data-parallel mesh] in megatron_fsdp_c/_experts.py)
+- bad_input also holds the Megatron-style API's errors (MBAD): expert meshes that do not partition
+  the world, an expert mesh without marked experts and the reverse, hybrid_fsdp_expt_group without
+  HSDP and HSDP without it, an expert mesh without the dp_shard dim
 """
 import os
 
@@ -36,10 +43,11 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+import megatron_fsdp_c as mfsdp
 import rank_grid
-from checks import raised_by, recorder_cells, reraise, verify
+from checks import raised_by, recorder_cells, reraise, strip, verify
 from megatron_fsdp_c.experimental import fully_shard
-from moe_model import global_batch, moe_batch, moe_model
+from moe_model import MoEBlock, global_batch, moe_batch, moe_model
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS, tests=["test_moe"])
@@ -82,15 +90,15 @@ def mean_over_ranks(loss) -> float:
 def check_against_reference(ck, label, model, ref):
     """Every parameter of ours (this rank's experts and the dense part) against the reference's."""
     refs = dict(ref.named_parameters())
-    names = [n for n, _ in model.named_parameters()]
+    names = [strip(n) for n, _ in model.named_parameters()]
     ck.true(f"{label}: our parameter names are the reference's", set(names) <= set(refs),
             f"only ours: {sorted(set(names) - set(refs))[:4]}")
     for name, p in model.named_parameters():
-        ck.close(f"{label}: {name}", p, refs[name])
+        ck.close(f"{label}: {name}", p, refs[strip(name)])
 
 
-def train_both(ck, rank, world, model, ref, steps=STEPS, first=0, dead=None):
-    opt, ropt = adamw(model), adamw(ref)
+def train_both(ck, rank, world, model, ref, steps=STEPS, first=0, dead=None, opt=None):
+    opt, ropt = opt or adamw(model), adamw(ref)
     for step in range(first, first + steps):
         loss = model(*moe_batch(step, rank))
         loss.backward()
@@ -213,7 +221,56 @@ def dcp_world2(rank, world, ck):
     check_against_reference(ck, "trained on after loading", model, fresh_ref)
 
 
+# -- the Megatron-style API: expt_device_mesh ---------------------------------------------------
+MEGATRON_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def megatron_moe(world: int, strategy: str, hsdp: bool = False, **config):
+    """The MoE at ep 2 under megatron_fsdp_c.fully_shard with expt_device_mesh (Megatron-FSDP's
+    names): experts marked allreduce=False over the expert mesh's dp_shard dim, the dense part over
+    the device mesh's (HSDP: dp_outer 2 x dp_shard 2). Returns (model, optimizer)."""
+    ep = 2
+    if hsdp:
+        dense = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        expt = init_device_mesh("cpu", (1, world // ep, ep), mesh_dim_names=("dp_outer", "dp_shard", "ep"))
+        hybrid = {"dp_outer_dim": "dp_outer", "hybrid_fsdp_group": dist.group.WORLD,
+                  "hybrid_fsdp_expt_group": expt["dp_shard"].get_group()}
+    else:
+        dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        expt = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_shard", "ep"))
+        hybrid = {}
+    module = moe_model(**config).expert_parallel(expt["ep"].get_group(), expt["ep"].get_local_rank(), ep)
+    for block in module.blocks:
+        for p in block.moe.experts.parameters():
+            p.allreduce = False  # Megatron-core's mark of expert-parallel parameters
+    return mfsdp.fully_shard(module, adamw(module), device_mesh=dense, dp_shard_dim="dp_shard",
+                             expt_device_mesh=expt, fsdp_unit_modules=[MoEBlock], zero_dp_strategy=strategy,
+                             **hybrid)
+
+
+def _megatron_cell(hsdp: bool, strategy: str):
+    def run(rank, world, ck):
+        dead = 1
+        model, opt = megatron_moe(world, strategy, hsdp=hsdp, dead_expert=dead)
+        ref = moe_model(dead_expert=dead)
+        ck.true("two engines", model.expert_engine is not None and model.expert_engine.dist_ctx.dp_world == 2)
+        holds_dead = bool(_expert_params(model, dead))
+        train_both(ck, rank, world, model, ref, dead=dead if holds_dead else None, opt=opt)
+        check_against_reference(ck, "after training", model, ref)
+    return run
+
+
+for _strategy in MEGATRON_STRATEGIES:
+    cell(f"megatron_{_strategy}", worlds=(4,))(_megatron_cell(False, _strategy))
+for _strategy in ("no_shard", "optim_grads_params"):
+    cell(f"megatron_hsdp_{_strategy}", worlds=(4,))(_megatron_cell(True, _strategy))
+
+
 BAD = ("expert mesh not dividing the world", "inconsistent overlapping meshes", "a parameter on two meshes")
+MBAD = ("megatron: expert mesh not dividing the world", "megatron: inconsistent expert mesh",
+        "megatron: expert mesh without experts", "megatron: experts without an expert mesh",
+        "megatron: hybrid_fsdp_expt_group without HSDP", "megatron: HSDP without hybrid_fsdp_expt_group",
+        "megatron: expert mesh without the dp_shard dim")
 
 
 def _pair(dtype=torch.float64):
@@ -250,13 +307,31 @@ def bad_input(rank, world, ck):
         fully_shard(model[2], mesh=dense)
         fully_shard(model, mesh=dense)
         _first_forward(model)
+    def megatron(expt, marked=True, **kwargs):
+        model = _pair()
+        if marked:
+            model[0].weight.allreduce = model[0].bias.allreduce = False
+        args = dict(device_mesh=dense, dp_shard_dim="dp", expt_device_mesh=expt, zero_dp_strategy="optim_grads")
+        mfsdp.fully_shard(model, **dict(args, **kwargs))
+
     ck.raised(BAD[2], tied)  # first: the meshes of the cases below are made on purpose to break new groups
-    ck.raised(BAD[0], lambda: on_mesh(mesh_of([(0, 1, 2), (3,)])))
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp"))
+    expt = DeviceMesh.from_group(expert_mesh.get_group(), "cpu", mesh_dim_names=("dp",))  # named as the dense mesh
+    ck.raised(MBAD[2], lambda: megatron(expt, marked=False))
+    ck.raised(MBAD[3], lambda: megatron(None))
+    ck.raised(MBAD[4], lambda: megatron(expt, hybrid_fsdp_expt_group=dist.group.WORLD))
+    ck.raised(MBAD[5], lambda: megatron(hsdp, device_mesh=hsdp, dp_outer_dim="dp_outer",
+                                        hybrid_fsdp_group=dist.group.WORLD))
+    ck.raised(MBAD[6], lambda: megatron(expert_mesh))  # its dim is dp_mod_ep, not the dense mesh's 'dp'
+    not_dividing = mesh_of([(0, 1, 2), (3,)])
+    ck.raised(BAD[0], lambda: on_mesh(not_dividing))
+    ck.raised(MBAD[0], lambda: megatron(DeviceMesh.from_group(not_dividing.get_group(), "cpu", mesh_dim_names=("dp",))))
     # rank 2 thinks its mesh is {1, 2}; ranks 0 and 1 think theirs is {0, 1}
     sets = [(0, 1), (1, 2), (3,)]
     groups = [dist.new_group(list(s)) for s in sets]
     mine = {0: 0, 1: 0, 2: 1, 3: 2}[rank]
     ck.raised(BAD[1], lambda: on_mesh(DeviceMesh.from_group(groups[mine], "cpu", mesh_dim_names=("experts",))))
+    ck.raised(MBAD[1], lambda: megatron(DeviceMesh.from_group(groups[mine], "cpu", mesh_dim_names=("dp",))))
 
 
 MOE_CELLS = [k for k in CELLS.keys() if k != "bad_input"]
@@ -271,17 +346,17 @@ def test_moe(name, world):
     (BAD[0], r"does not divide the world of 4 ranks.*Slice every mesh from one DeviceMesh"),
     (BAD[1], r"inconsistent rank sets.*Slice every mesh from one DeviceMesh"),
     (BAD[2], r"in groups on two different meshes.*one fully_shard call"),
+    (MBAD[0], r"expt_device_mesh's data-parallel ranks do not partition.*does not divide the world of 4 ranks"
+              r".*Build the expert mesh"),
+    (MBAD[1], r"expt_device_mesh's data-parallel ranks do not partition.*inconsistent rank sets.*Build the expert mesh"),
+    (MBAD[2], r"got expt_device_mesh but no parameter is marked as an expert.*allreduce = False.*or drop "
+              r"expt_device_mesh"),
+    (MBAD[3], r"2 parameters are marked as expert-parallel.*'0.weight'.*no expt_device_mesh: pass expt_device_mesh"),
+    (MBAD[4], r"hybrid_fsdp_expt_group is only for hybrid sharding.*drop hybrid_fsdp_expt_group"),
+    (MBAD[5], r"needs hybrid_fsdp_expt_group"),
+    (MBAD[6], r"expt_device_mesh has no dim 'dp' \(dp_shard_dim\).*same dim names as device_mesh"),
 ])
 def test_bad_input(label, match):
     for kind, message in raised_by(CELLS.result("bad_input", 4), label):
         with pytest.raises(ValueError, match=match):
             reraise(kind, message)
-
-
-def test_megatron_api_names_the_per_module_api():
-    """Megatron-FSDP's expt_device_mesh is not supported by fully_shard yet: a clear error (not
-    TypeError's unknown argument) naming the API that supports it."""
-    import megatron_fsdp_c as mfsdp
-    for kwargs in ({"expt_device_mesh": object()}, {"hybrid_fsdp_expt_group": object()}):
-        with pytest.raises(NotImplementedError, match=r"experimental.fully_shard\(block.moe.experts, mesh="):
-            mfsdp.fully_shard(nn.Linear(2, 2), **kwargs)

@@ -1,13 +1,15 @@
 """What the per-module API's lazy init walks and checks before it builds the engines (see
 [Note: a mesh per group] in _root.py): the groups under a root, the meshes they are on (across
 ranks, also when fully_shard first meets a mesh over some of the ranks), materialised
-parameters, the order modules end their forwards. A leaf: imports nothing of the package's."""
+parameters, the order modules end their forwards. Imports only _distributed's partition check."""
 from __future__ import annotations
 
 from typing import List
 
 import torch.distributed as dist
 import torch.nn as nn
+
+from .._distributed import check_rank_partition
 
 __all__ = ["check_materialised", "check_meshes", "check_sub_mesh", "groups_under", "post_order"]
 
@@ -116,29 +118,12 @@ def post_order(root: nn.Module) -> List[nn.Module]:
 def check_sub_mesh(ranks: tuple) -> None:
     """A mesh over some of the ranks (expert parallelism's dp_mod_ep, a data-parallel dim of a
     larger mesh): before its communicators are made (new_group over its ranks, which would hang on
-    rank sets the ranks disagree on), one all_gather_object over every rank checks that the
-    meshes this fully_shard call got on the ranks partition them: each contains its rank, all
-    have one size, which divides the world, and every rank of a set got the same set ([Note: a
-    mesh per group] in _root.py). Every rank raises the same error."""
-    world = dist.get_world_size()
-    table = [None] * world
-    dist.all_gather_object(table, ranks)
-    problem = None
-    for r, s in enumerate(table):
-        if r not in s:
-            problem = f"rank {r}'s mesh {s} does not include rank {r}"
-        elif world % len(s) or len(s) != len(table[0]):
-            problem = f"a mesh of {len(s)} ranks {s} does not divide the world of {world} ranks into equal meshes"
-        else:
-            odd = [q for q in s if table[q] != s]
-            if odd:
-                problem = (f"the mesh is ranks {s} on rank {r} but {table[odd[0]]} on rank {odd[0]}: overlapping "
-                           "meshes with inconsistent rank sets")
-        if problem:
-            break
-    if problem:
-        raise ValueError(
-            f"fully_shard got meshes that do not partition the ranks: {problem}. Slice every mesh from one "
-            "DeviceMesh over all ranks (e.g. init_device_mesh(device, (dp // ep, ep), mesh_dim_names=('dp_mod_ep', "
-            "'ep')) and pass mesh['dp_mod_ep'] to the experts' fully_shard), so that the ranks of each mesh agree on "
-            "it and its size divides the world ([Note: a mesh per group] in megatron_fsdp_c/experimental/_root.py)")
+    rank sets the ranks disagree on), _distributed.check_rank_partition checks that the meshes
+    this fully_shard call got on the ranks partition them ([Note: a mesh per group] in _root.py).
+    Every rank raises the same error."""
+    check_rank_partition(
+        ranks, "fully_shard got meshes that do not partition the ranks",
+        "Slice every mesh from one DeviceMesh over all ranks (e.g. init_device_mesh(device, (dp // ep, ep), "
+        "mesh_dim_names=('dp_mod_ep', 'ep')) and pass mesh['dp_mod_ep'] to the experts' fully_shard), so that the "
+        "ranks of each mesh agree on it and its size divides the world ([Note: a mesh per group] in "
+        "megatron_fsdp_c/experimental/_root.py)")
