@@ -1,10 +1,12 @@
 """The MoE benchmark (benchmarks/run.py's `moe` part), under torchrun at 4 CPU ranks: the
 expert-parallel MoE of tests/moe_model.py at a benchmark size, ep 2, the experts sharded over
-dp_mod_ep (2 ranks), the dense part over all 4, with megatron_fsdp_c's per-module fully_shard and
-with torch's FSDP2 on the same meshes and script, one after the other in this process (the same
-data, AdamW). Rank 0 writes a markdown table: step time, the bytes a rank holds (parameter,
-gradient and AdamW state shards), and for ours the bytes per communicator and step (the dense
-engine's and the experts' engine's counters, [Note: a mesh per group]).
+dp_mod_ep (2 ranks), the dense part over all 4, with megatron_fsdp_c's per-module fully_shard,
+with torch's FSDP2 on the same meshes and script, and with megatron_fsdp_c's Megatron-style
+fully_shard(expt_device_mesh=...) on the same rank sets (experts marked allreduce=False, ZeRO-3,
+the blocks as units), one after the other in this process (the same data, AdamW). Rank 0 writes
+a markdown table: step time, the bytes a rank holds (parameter, gradient and AdamW state shards),
+and for ours the bytes per communicator and step (the dense engine's and the experts' engine's
+counters, [Note: a mesh per group], [Note: expert data-parallel mesh]).
 
     torchrun --nproc_per_node 4 benchmarks/moe_bench.py --steps 10 --out bench_out/moe.md
 """
@@ -20,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from moe_model import MoEModel, moe_batch  # noqa: E402
+from moe_model import MoEBlock, MoEModel, moe_batch  # noqa: E402
 
 CONFIG = dict(vocab=2048, d=256, hidden=512, n_experts=8, k=2, layers=4)
 ROWS, SEQ, EP = 8, 64, 2
@@ -41,7 +43,26 @@ def held_bytes(model, opt):
     return params, grads, states
 
 
+def megatron_style(world):
+    """The Megatron-style API on the same rank sets: (model, optimizer, its engines' owners)."""
+    import megatron_fsdp_c as mfsdp
+    expt = init_device_mesh("cpu", (world // EP, EP), mesh_dim_names=("dp_shard", "ep"))
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    model = MoEModel(**CONFIG).expert_parallel(expt["ep"].get_group(), expt["ep"].get_local_rank(), EP)
+    for block in model.blocks:
+        for p in block.moe.experts.parameters():
+            p.allreduce = False  # Megatron-core's mark of expert-parallel parameters
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    model, opt = mfsdp.fully_shard(model, opt, device_mesh=dense, dp_shard_dim="dp_shard", expt_device_mesh=expt,
+                                   fsdp_unit_modules=[MoEBlock], zero_dp_strategy="optim_grads_params")
+    return model, opt, model.engines
+
+
 def run(impl_name, steps, world, rank):
+    if impl_name == "megatron":
+        model, opt, engines = megatron_style(world)
+        return measure(model, opt, engines, steps, rank)
     if impl_name == "ours":
         from megatron_fsdp_c.experimental import fully_shard
     else:
@@ -60,10 +81,17 @@ def run(impl_name, steps, world, rank):
             if hasattr(m, "set_force_sum_reduction_for_comms"):
                 m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    siblings = (lambda: model._mfsdp_group.state.siblings) if impl_name == "ours" else None  # made at the 1st forward
+    return measure(model, opt, siblings, steps, rank)
+
+
+def measure(model, opt, engines, steps, rank):
+    """Median step time, the bytes held after backward, bytes per step on each engine's communicators
+    (`engines`: None, or what returns the engines' owners)."""
     times, before = [], None
     for step in range(steps + 2):
-        if step == 2 and impl_name == "ours":
-            before = [s.comm_stats() for s in model._mfsdp_group.state.siblings]
+        if step == 2 and engines:
+            before = [s.comm_stats() for s in engines()]
         dist.barrier()
         start = time.perf_counter()
         loss = model(*moe_batch(step, rank, rows=ROWS, seq=SEQ, vocab=CONFIG["vocab"]))
@@ -75,8 +103,8 @@ def run(impl_name, steps, world, rank):
         if step >= 2:  # two warm-up steps
             times.append(time.perf_counter() - start)
     per_comm = None
-    if impl_name == "ours":
-        after = [s.comm_stats() for s in model._mfsdp_group.state.siblings]
+    if engines:
+        after = [s.comm_stats() for s in engines()]
         per_comm = [{k: (a[k] - b[k]) / steps for k in a if k.endswith("_bytes")} for a, b in zip(after, before)]
     params = sum(p.numel() for p in model.parameters())
     return dict(step_ms=1000 * statistics.median(times), held=held, per_comm=per_comm, params=params)
@@ -94,7 +122,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    rows = {name: run(name, args.steps, world, rank) for name in ("fsdp2", "ours")}
+    rows = {name: run(name, args.steps, world, rank) for name in ("fsdp2", "ours", "megatron")}
     if rank != 0:
         dist.destroy_process_group()
         return
@@ -105,7 +133,8 @@ def main():
              "| configuration | step ms | x FSDP2 | params MiB | grads MiB | optimizer MiB | held MiB | "
              "dense all-gather MiB/step | dense reduce-scatter MiB/step | experts all-gather MiB/step | "
              "experts reduce-scatter MiB/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, label in (("fsdp2", "FSDP2"), ("ours", "megatron_fsdp_c per-module")):
+    for name, label in (("fsdp2", "FSDP2"), ("ours", "megatron_fsdp_c per-module"),
+                        ("megatron", "megatron_fsdp_c fully_shard(expt_device_mesh=)")):
         r = rows[name]
         p, g, s = r["held"]
         comm = ["-"] * 4

@@ -33,9 +33,10 @@ param_and_grad_buffer.py):
   groups] in _distributed.py), HookManager and collective orders ([Note: gather order] in
   hooks.py, [Note: collective order] in csrc/comm/reduce.c) over the same fsdp_unit_modules: a
   unit gathers its dense buckets on the dense communicators and its experts on the expert ones.
-  The wrapper drives both in one order on every rank: root pre- and post-forward (dense first),
-  a backward ends when both engines' final callbacks have run (the wrapper counts them), then
-  gradient sync, flags and attach per engine in that order. So every rank issues each
+  The wrapper drives both in one order on every rank: root pre- and post-forward (dense first,
+  so the backward's final callbacks are queued in that order too); the backward ends for the
+  model when no engine's HookManager is in it any more, then gradient sync, flags and attach per
+  engine in that order. So every rank issues each
   communicator's collectives in one order, also for graphs that differ across ranks (an expert
   no rank fed keeps `.grad is None`: the used flags are reduced per engine, over its own mesh).
 """
@@ -171,6 +172,10 @@ class ExpertEngine(EngineOwner):
                                         quant_policy=quant_policy)
         self.param_buffer.load_params()
         self.param_buffer.build_dist_params(wrapper)  # the optimizer finds the wrapper from them
+        for r in records:  # the mark stays visible on model.parameters() (Megatron's optimizers read it)
+            for attr in ("allreduce", "is_expert"):
+                if hasattr(r.origin, attr):
+                    setattr(r.dist_param, attr, getattr(r.origin, attr))
         n = len(records)
         self._used = bytearray(n)
         self._has_grad = bytearray(n)
@@ -183,7 +188,7 @@ class ExpertEngine(EngineOwner):
         return self._wrapper.overlap_param_gather
 
     def _before_backward(self) -> None:
-        self._wrapper._backward_begins()
+        """Nothing to prepare: the wrapper's zero_grad clears the gradients."""
 
     def _should_sync(self) -> bool:
         return self._wrapper._should_sync()

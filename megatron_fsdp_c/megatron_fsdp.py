@@ -69,7 +69,6 @@ class MegatronFSDP(EngineOwner, nn.Module):
         self._holds_dist_params = False
         self._record_of = {}  # id(distributed parameter) -> (its engine's owner, its record)
         self.expert_engine: Optional[ExpertEngine] = None  # the expert parameters' engine (expt_device_mesh)
-        self._backwards_running = 0  # engines whose backward began and has not ended
         self._setup_host_heap(dist_ctx.device)
 
         mark_by_name(module)
@@ -179,8 +178,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
 
     # -- gradient sync --------------------------------------------------------------------
     def _before_backward(self) -> None:
-        """Nothing to prepare (gradients are cleared by zero_grad) but counting the engine in."""
-        self._backward_begins()
+        """Nothing to prepare: this wrapper's gradients are cleared by zero_grad."""
 
     def _should_sync(self) -> bool:
         return self._no_sync_depth == 0 and (self.model_auto_sync or self.is_last_microbatch)
@@ -188,14 +186,12 @@ class MegatronFSDP(EngineOwner, nn.Module):
     def _after_backward(self, synced: bool) -> None:
         self._backward_ends(synced)
 
-    def _backward_begins(self) -> None:
-        self._backwards_running += 1
-
     def _backward_ends(self, synced: bool) -> None:
-        """An engine's backward final callback ran; the last one ends the backward for the model
-        (both engines' reductions are in, [Note: expert data-parallel mesh] in _experts.py)."""
-        self._backwards_running -= 1
-        if self._backwards_running > 0:
+        """An engine's backward final callback ran (its HookManager is out of the backward); the
+        last one ends the backward for the model: every engine's reductions are in ([Note: expert
+        data-parallel mesh] in _experts.py). Read from the managers, not counted, so that nothing
+        is left over from a backward an error interrupted."""
+        if self._in_backward():
             return
         self.microbatch_count += 1
         self._grads_pending = True

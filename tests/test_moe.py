@@ -27,7 +27,8 @@ Behaviours (cell names):
   with Megatron-FSDP's expt_device_mesh: experts marked allreduce=False (Megatron-core's mark),
   sharded over the expert mesh's dp_shard dim {0,2} / {1,3}, the dense part over 4 (or HSDP
   2 x 2 with hybrid_fsdp_expt_group over the experts' (dp_outer 1, dp_shard 2)), against the
-  reference as above (float64, AdamW, rtol 1e-9, a dead expert keeps `.grad is None`); Megatron-LM's
+  reference as above (float64, AdamW, rtol 1e-9, the rank-dependent router, a dead expert keeps
+  `.grad is None`); Megatron-LM's
   expert gradient scaling, 1/dp ([Note: expert data-parallel mesh] in megatron_fsdp_c/_experts.py)
 - bad_input also holds the Megatron-style API's errors (MBAD): expert meshes that do not partition
   the world, an expert mesh without marked experts and the reverse, hybrid_fsdp_expt_group without
@@ -251,8 +252,8 @@ def megatron_moe(world: int, strategy: str, hsdp: bool = False, **config):
 def _megatron_cell(hsdp: bool, strategy: str):
     def run(rank, world, ck):
         dead = 1
-        model, opt = megatron_moe(world, strategy, hsdp=hsdp, dead_expert=dead)
-        ref = moe_model(dead_expert=dead)
+        model, opt = megatron_moe(world, strategy, hsdp=hsdp, skew=True, dead_expert=dead)
+        ref = moe_model(skew=True, dead_expert=dead)
         ck.true("two engines", model.expert_engine is not None and model.expert_engine.dist_ctx.dp_world == 2)
         holds_dead = bool(_expert_params(model, dead))
         train_both(ck, rank, world, model, ref, dead=dead if holds_dead else None, opt=opt)
