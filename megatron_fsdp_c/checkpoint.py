@@ -68,13 +68,48 @@ def _staged_copy(tree):
     return tree
 
 
+def _named_optimizer_state(model) -> bool:
+    """With expert parallelism the checkpoint keys the optimizer state by parameter name, not by
+    torch's index in the param groups: the same index is a different expert on ranks of different
+    expert groups, and DCP would merge their states under one key ([Note: expert data-parallel
+    mesh] in _experts.py). The param groups' hyperparameters are saved as they are; their
+    parameter lists differ across ranks, so a load keeps the live optimizer's."""
+    return getattr(model, "expert_engine", None) is not None
+
+
+def _index_names(model, optimizer) -> list:
+    """The name of each parameter by its index in optimizer.state_dict() (torch numbers the
+    parameters of the param groups in order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names.get(id(p), f"param.{i}") for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])]
+
+
+def _optimizer_state(model, optimizer) -> dict:
+    sd = optimizer.state_dict()
+    if not _named_optimizer_state(model):
+        return sd
+    names = _index_names(model, optimizer)
+    return {"state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": sd["param_groups"]}
+
+
+def _load_optimizer_state(model, optimizer, sd: dict) -> None:
+    if not _named_optimizer_state(model):
+        optimizer.load_state_dict(sd)
+        return
+    live = optimizer.state_dict()
+    index = {n: i for i, n in enumerate(_index_names(model, optimizer))}
+    groups = [dict(saved, params=mine["params"]) for saved, mine in zip(sd["param_groups"], live["param_groups"])]
+    optimizer.load_state_dict({"state": {index[n]: v for n, v in sd["state"].items() if n in index},
+                               "param_groups": groups})
+
+
 def save_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Writes this rank's shards of the model (and optimizer) to the DCP directory `path`."""
     import torch.distributed.checkpoint as dcp
 
     state = {"model": model.state_dict()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+        state["optimizer"] = _optimizer_state(model, optimizer)
     dcp.save(state, checkpoint_id=path)
 
 
@@ -92,7 +127,7 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
         init_optimizer_state(optimizer)
     live = {"model": model.state_dict()}
     if optimizer is not None:
-        live["optimizer"] = optimizer.state_dict()
+        live["optimizer"] = _optimizer_state(model, optimizer)
     staged = _staged_copy(live)
     try:
         dcp.load(staged, checkpoint_id=path)
@@ -101,7 +136,7 @@ def load_checkpoint(path: str, model, optimizer: Optional[torch.optim.Optimizer]
                            "and optimizer were left unchanged") from e
     model.load_state_dict(staged["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(staged["optimizer"])
+        _load_optimizer_state(model, optimizer, staged["optimizer"])
 
 
 def full_state_dict(model, rank0_only: bool = True) -> dict:

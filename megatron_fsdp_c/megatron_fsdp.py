@@ -118,7 +118,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
         register_model_hooks(self)
         self.register_forward_pre_hook(torch.compiler.disable(self._root_pre_forward, recursive=True), prepend=True)
         self.register_forward_hook(torch.compiler.disable(self._root_post_forward, recursive=True), prepend=True)
-        self._swap_params(dist=True)
+        for e in self.engines():
+            e._swap_params(dist=True)
         module._megatron_fsdp_wrapper = weakref.ref(self)
         if logger.isEnabledFor(logging.INFO) and dist_ctx.rank == 0:
             self._log_summary(fsdp_unit_modules)

@@ -30,6 +30,9 @@ Behaviours (cell names):
   reference as above (float64, AdamW, rtol 1e-9, the rank-dependent router, a dead expert keeps
   `.grad is None`); Megatron-LM's
   expert gradient scaling, 1/dp ([Note: expert data-parallel mesh] in megatron_fsdp_c/_experts.py)
+- megatron_dcp: the Megatron-style model and optimizer saved (save_checkpoint) with dense ZeRO-3 over 4,
+  loaded into one with dense HSDP 2 x 2 and no_shard, equal to what was saved, trained on against the
+  reference with its optimizer state; get_model_state_dict(full_state_dict=True) against the reference
 - bad_input also holds the Megatron-style API's errors (MBAD): expert meshes that do not partition
   the world, an expert mesh without marked experts and the reverse, hybrid_fsdp_expt_group without
   HSDP and HSDP without it, an expert mesh without the dp_shard dim
@@ -98,8 +101,8 @@ def check_against_reference(ck, label, model, ref):
         ck.close(f"{label}: {name}", p, refs[strip(name)])
 
 
-def train_both(ck, rank, world, model, ref, steps=STEPS, first=0, dead=None, opt=None):
-    opt, ropt = opt or adamw(model), adamw(ref)
+def train_both(ck, rank, world, model, ref, steps=STEPS, first=0, dead=None, opt=None, ropt=None):
+    opt, ropt = opt or adamw(model), ropt or adamw(ref)
     for step in range(first, first + steps):
         loss = model(*moe_batch(step, rank))
         loss.backward()
@@ -265,6 +268,31 @@ for _strategy in MEGATRON_STRATEGIES:
     cell(f"megatron_{_strategy}", worlds=(4,))(_megatron_cell(False, _strategy))
 for _strategy in ("no_shard", "optim_grads_params"):
     cell(f"megatron_hsdp_{_strategy}", worlds=(4,))(_megatron_cell(True, _strategy))
+
+
+@cell("megatron_dcp", worlds=(4,))
+def megatron_dcp(rank, world, ck):
+    """The Megatron-style model's checkpoint (mfsdp.save_checkpoint: model and optimizer, experts on
+    their mesh) loaded into a model on another data-parallel layout (HSDP, no_shard); full state
+    dict against the reference."""
+    path = os.path.join(rank_grid.session_dir(), "moe_megatron_dcp")
+    model, opt = megatron_moe(world, "optim_grads_params")
+    ref = moe_model()
+    _, ropt = train_both(ck, rank, world, model, ref, steps=2, opt=opt)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    rsd = ref.state_dict()
+    ck.true("full state dict: our keys are the reference's", {strip(k) for k in full} <= set(rsd))
+    for k, v in full.items():
+        ck.close(f"full state dict: {k}", v, rsd[strip(k)])
+    mfsdp.save_checkpoint(path, model, opt)
+    saved = {n: p.full_tensor() for n, p in model.named_parameters()}
+    again, again_opt = megatron_moe(world, "no_shard", hsdp=True)
+    mfsdp.load_checkpoint(path, again, again_opt)
+    for n, p in again.named_parameters():
+        ck.close(f"loaded: {n}", p, saved[n], rtol=0.0, atol=0.0)
+    # one more step on both, the optimizer states loaded on ours, the reference's kept
+    train_both(ck, rank, world, again, ref, steps=1, first=2, opt=again_opt, ropt=ropt)
+    check_against_reference(ck, "trained on after loading", again, ref)
 
 
 BAD = ("expert mesh not dividing the world", "inconsistent overlapping meshes", "a parameter on two meshes")
