@@ -1,8 +1,9 @@
 """EngineOwner: what a sharded model's state does with the engine it owns, shared by the
-Megatron-FSDP style wrapper (megatron_fsdp.py) and the per-module API's root state
+Megatron-FSDP style wrapper (megatron_fsdp.py), the engine of its expert parameters
+(_experts.py's ExpertEngine, with expt_device_mesh) and the per-module API's root state
 (experimental/_root.py): the CPU heap, swapping compute and distributed parameters, the
-unused-parameter flags, attaching gradients, introspection. Both are also the HookOwner
-(hooks.py) of their HookManager.
+unused-parameter flags, attaching gradients, introspection. Each is also the HookOwner
+(hooks.py) of its HookManager.
 
 [Note: unused parameters]
 The gradient hooks mark each parameter used locally (a byte per parameter, `_used`, cleared when

@@ -28,7 +28,8 @@ Behaviours (cell names):
   sharded over the expert mesh's dp_shard dim {0,2} / {1,3}, the dense part over 4 (or HSDP
   2 x 2 with hybrid_fsdp_expt_group over the experts' (dp_outer 1, dp_shard 2)), against the
   reference as above (float64, AdamW, rtol 1e-9, the rank-dependent router, a dead expert keeps
-  `.grad is None`); Megatron-LM's
+  `.grad is None`); megatron_hsdp_expert_replicas: the experts' mesh (dp_outer 2, dp_shard 1), each
+  expert whole on a rank, all-reduced across the 2 replicas; Megatron-LM's
   expert gradient scaling, 1/dp ([Note: expert data-parallel mesh] in megatron_fsdp_c/_experts.py)
 - megatron_dcp: the Megatron-style model and optimizer saved (save_checkpoint) with dense ZeRO-3 over 4,
   loaded into one with dense HSDP 2 x 2 and no_shard, equal to what was saved, trained on against the
@@ -229,16 +230,18 @@ def dcp_world2(rank, world, ck):
 MEGATRON_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-def megatron_moe(world: int, strategy: str, hsdp: bool = False, **config):
+def megatron_moe(world: int, strategy: str, hsdp: bool = False, expert_outer: int = 1, **config):
     """The MoE at ep 2 under megatron_fsdp_c.fully_shard with expt_device_mesh (Megatron-FSDP's
     names): experts marked allreduce=False over the expert mesh's dp_shard dim, the dense part over
-    the device mesh's (HSDP: dp_outer 2 x dp_shard 2). Returns (model, optimizer)."""
+    the device mesh's (HSDP: dp_outer 2 x dp_shard 2, the experts' mesh (expert_outer, 2 //
+    expert_outer) over the same names). Returns (model, optimizer)."""
     ep = 2
     if hsdp:
         dense = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
-        expt = init_device_mesh("cpu", (1, world // ep, ep), mesh_dim_names=("dp_outer", "dp_shard", "ep"))
+        expt = init_device_mesh("cpu", (expert_outer, world // ep // expert_outer, ep),
+                                mesh_dim_names=("dp_outer", "dp_shard", "ep"))
         hybrid = {"dp_outer_dim": "dp_outer", "hybrid_fsdp_group": dist.group.WORLD,
-                  "hybrid_fsdp_expt_group": expt["dp_shard"].get_group()}
+                  "hybrid_fsdp_expt_group": expt[("dp_outer", "dp_shard")]._flatten().get_group()}
     else:
         dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
         expt = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_shard", "ep"))
@@ -252,10 +255,10 @@ def megatron_moe(world: int, strategy: str, hsdp: bool = False, **config):
                              **hybrid)
 
 
-def _megatron_cell(hsdp: bool, strategy: str):
+def _megatron_cell(hsdp: bool, strategy: str, expert_outer: int = 1):
     def run(rank, world, ck):
         dead = 1
-        model, opt = megatron_moe(world, strategy, hsdp=hsdp, skew=True, dead_expert=dead)
+        model, opt = megatron_moe(world, strategy, hsdp=hsdp, expert_outer=expert_outer, skew=True, dead_expert=dead)
         ref = moe_model(skew=True, dead_expert=dead)
         ck.true("two engines", model.expert_engine is not None and model.expert_engine.dist_ctx.dp_world == 2)
         holds_dead = bool(_expert_params(model, dead))
@@ -268,6 +271,8 @@ for _strategy in MEGATRON_STRATEGIES:
     cell(f"megatron_{_strategy}", worlds=(4,))(_megatron_cell(False, _strategy))
 for _strategy in ("no_shard", "optim_grads_params"):
     cell(f"megatron_hsdp_{_strategy}", worlds=(4,))(_megatron_cell(True, _strategy))
+# Megatron-LM's own layout: the experts' data-parallel ranks split into the dense part's 2 replicas
+cell("megatron_hsdp_expert_replicas", worlds=(4,))(_megatron_cell(True, "optim_grads_params", expert_outer=2))
 
 
 @cell("megatron_dcp", worlds=(4,))
