@@ -270,7 +270,8 @@ def close(model: MegatronFSDP) -> None:
     """Collective: every rank calls it at the same point, after its last step, to end the
     model's communication (the native NCCL transport's communicators). A model dropped
     without close() aborts them instead, which never waits for a peer."""
-    model.dist_ctx.close()
+    for engine in model.engines():  # the experts' communicators too ([Note: expert data-parallel mesh])
+        engine.dist_ctx.close()
 
 
 def fully_shard(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **kwargs):

@@ -29,7 +29,8 @@ Behaviours (cell names):
   2 x 2 with hybrid_fsdp_expt_group over the experts' (dp_outer 1, dp_shard 2)), against the
   reference as above (float64, AdamW, rtol 1e-9, the rank-dependent router, a dead expert keeps
   `.grad is None`); megatron_hsdp_expert_replicas: the experts' mesh (dp_outer 2, dp_shard 1), each
-  expert whole on a rank, all-reduced across the 2 replicas; Megatron-LM's
+  expert whole on a rank, all-reduced across the 2 replicas; megatron_average_in_collective: AVG
+  collectives, experts pre-scaled by expert_dp / dp; Megatron-LM's
   expert gradient scaling, 1/dp ([Note: expert data-parallel mesh] in megatron_fsdp_c/_experts.py)
 - megatron_dcp: the Megatron-style model and optimizer saved (save_checkpoint) with dense ZeRO-3 over 4,
   loaded into one with dense HSDP 2 x 2 and no_shard, equal to what was saved, trained on against the
@@ -230,7 +231,7 @@ def dcp_world2(rank, world, ck):
 MEGATRON_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-def megatron_moe(world: int, strategy: str, hsdp: bool = False, expert_outer: int = 1, **config):
+def megatron_moe(world: int, strategy: str, hsdp: bool = False, expert_outer: int = 1, options=None, **config):
     """The MoE at ep 2 under megatron_fsdp_c.fully_shard with expt_device_mesh (Megatron-FSDP's
     names): experts marked allreduce=False over the expert mesh's dp_shard dim, the dense part over
     the device mesh's (HSDP: dp_outer 2 x dp_shard 2, the experts' mesh (expert_outer, 2 //
@@ -252,13 +253,14 @@ def megatron_moe(world: int, strategy: str, hsdp: bool = False, expert_outer: in
             p.allreduce = False  # Megatron-core's mark of expert-parallel parameters
     return mfsdp.fully_shard(module, adamw(module), device_mesh=dense, dp_shard_dim="dp_shard",
                              expt_device_mesh=expt, fsdp_unit_modules=[MoEBlock], zero_dp_strategy=strategy,
-                             **hybrid)
+                             **hybrid, **(options or {}))
 
 
-def _megatron_cell(hsdp: bool, strategy: str, expert_outer: int = 1):
+def _megatron_cell(hsdp: bool, strategy: str, expert_outer: int = 1, options=None):
     def run(rank, world, ck):
         dead = 1
-        model, opt = megatron_moe(world, strategy, hsdp=hsdp, expert_outer=expert_outer, skew=True, dead_expert=dead)
+        model, opt = megatron_moe(world, strategy, hsdp=hsdp, expert_outer=expert_outer, options=options, skew=True,
+                                  dead_expert=dead)
         ref = moe_model(skew=True, dead_expert=dead)
         ck.true("two engines", model.expert_engine is not None and model.expert_engine.dist_ctx.dp_world == 2)
         holds_dead = bool(_expert_params(model, dead))
@@ -273,6 +275,9 @@ for _strategy in ("no_shard", "optim_grads_params"):
     cell(f"megatron_hsdp_{_strategy}", worlds=(4,))(_megatron_cell(True, _strategy))
 # Megatron-LM's own layout: the experts' data-parallel ranks split into the dense part's 2 replicas
 cell("megatron_hsdp_expert_replicas", worlds=(4,))(_megatron_cell(True, "optim_grads_params", expert_outer=2))
+# experts pre-scaled by expert_dp / dp and averaged over the expert ranks (Megatron-LM's average_in_collective)
+cell("megatron_average_in_collective", worlds=(4,))(
+    _megatron_cell(False, "optim_grads_params", options={"average_in_collective": True}))
 
 
 @cell("megatron_dcp", worlds=(4,))
