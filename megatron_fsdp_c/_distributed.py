@@ -217,10 +217,13 @@ def _reduces_in_place_wrongly(group) -> bool:
 
 def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport: str = "auto",
                       collective_timeout: Optional[float] = None, *, dp_outer_dim=None,
-                      hybrid_fsdp_group=None, outer_sharded: bool = False) -> DistContext:
+                      hybrid_fsdp_group=None, outer_sharded: bool = False, private: str = "") -> DistContext:
     """The groups and transports of one sharded model. With dp_outer_dim, hybrid sharding: the
     shards span dp_shard_dim, their replicas dp_outer_dim ([Note: hybrid sharding] in
-    csrc/comm/replicas.c); outer_sharded (HFSDP) splits sharded parameters over the replicas too."""
+    csrc/comm/replicas.c); outer_sharded (HFSDP) splits sharded parameters over the replicas too.
+    `private`: a name for an engine that must share no communicator with another engine of the
+    same model, also over the same ranks: its reductions get an own group too, and its own groups
+    are keyed by that name (the experts' engine, [Note: expert data-parallel mesh] in _experts.py)."""
     hybrid = dp_outer_dim is not None
     if hybrid:
         _require_initialized()
@@ -247,9 +250,9 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
     if world > 1 and not use_nccl:
         # A second communicator over the same ranks: all-gathers never wait behind reductions.
         ranks = dist.get_process_group_ranks(group)
-        gather_group = own_group("gather", ranks, dist.get_backend(group), cuda_timeout)
-        if cuda_timeout is not None:
-            reduce_group = own_group("reduce", ranks, dist.get_backend(group), cuda_timeout)
+        gather_group = own_group(private + "gather", ranks, dist.get_backend(group), cuda_timeout)
+        if cuda_timeout is not None or private:
+            reduce_group = own_group(private + "reduce", ranks, dist.get_backend(group), cuda_timeout)
     device_index = device.index if device.type == "cuda" else -1
     if use_nccl:
         from ._nccl import make_nccl_transport
@@ -270,7 +273,7 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
         elif outer_world > 1:
             # its own communicator: reductions across replicas never queue behind the shards' ones
             ranks = dist.get_process_group_ranks(outer_group)
-            own = own_group("outer", ranks, dist.get_backend(outer_group), cuda_timeout)
+            own = own_group(private + "outer", ranks, dist.get_backend(outer_group), cuda_timeout)
             ctx.outer_transport = _C.TorchTransport(own, own, device_index, timeout,
                                                     alias_safe_reduce=_reduces_in_place_wrongly(own))
         ctx.outer_group, ctx.outer_world, ctx.dp_group = outer_group, outer_world, dp_group

@@ -29,10 +29,15 @@ param_and_grad_buffer.py):
   (wrong gradients, not an error) or fail on a missing group.
 - One engine per mesh, as the per-module API ([Note: a mesh per group] in
   experimental/_root.py): the wrapper's own engine holds the dense parameters, an ExpertEngine
-  the experts, each with its buckets, communicators (made per rank set, [Note: the engine's own
-  groups] in _distributed.py), HookManager and collective orders ([Note: gather order] in
-  hooks.py, [Note: collective order] in csrc/comm/reduce.c) over the same fsdp_unit_modules: a
-  unit gathers its dense buckets on the dense communicators and its experts on the expert ones.
+  the experts, each with its buckets, communicators, HookManager and collective orders ([Note:
+  gather order] in hooks.py, [Note: collective order] in csrc/comm/reduce.c) over the same
+  fsdp_unit_modules: a unit gathers its dense buckets on the dense communicators and its experts
+  on the expert ones. The experts' engine shares no communicator with the dense one, also where
+  their rank sets coincide (Megatron-LM's HSDP layout: the experts' replicas {0,2} are the dense
+  mesh's dp_outer {0,2}; ep 1): its gathers, reductions and reductions across replicas run on
+  groups of its own ("expert " groups, [Note: the engine's own groups] in _distributed.py),
+  because each engine launches a reduction across replicas when its inner one completes, a
+  moment that differs across ranks, so two engines on one group could pair different tensors.
   The wrapper drives both in one order on every rank: root pre- and post-forward (dense first,
   so the backward's final callbacks are queued in that order too); the backward ends for the
   model when no engine's HookManager is in it any more, then gradient sync, flags and attach per
@@ -111,7 +116,7 @@ def expert_context(expt_device_mesh, hybrid_fsdp_expt_group, *, dp_shard_dim, dp
     try:
         return make_dist_context(expt_device_mesh, dp_shard_dim, device, transport, collective_timeout,
                                  dp_outer_dim=dp_outer_dim, hybrid_fsdp_group=hybrid_fsdp_expt_group,
-                                 outer_sharded=outer_sharded)
+                                 outer_sharded=outer_sharded, private="expert ")
     except (ValueError, TypeError) as e:
         raise type(e)(f"expt_device_mesh / hybrid_fsdp_expt_group: {e}") from e
 
