@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .hooks import HookManager
     from .param_buffer import ParamBuffer
 
-__all__ = ["EngineOwner", "host_trim_bytes"]
+__all__ = ["EngineOwner", "clip_grad_norm", "host_trim_bytes"]
 
 
 def host_trim_bytes() -> int:
@@ -47,6 +47,39 @@ def host_trim_bytes() -> int:
         raise ValueError(f"MFSDP_HOST_TRIM_BYTES={raw!r}: give a byte count (e.g. 67108864), or 0 to never "
                          "trim the CPU heap")
     return value
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """torch's clip_grad_norm_ for DTensor parameters on several meshes (torch refuses to stack
+    norms of different meshes): each rank adds its local gradient pieces, each divided by how many
+    ranks hold a copy (the product of its mesh's Replicate dims), and one all-reduce over every
+    rank gives the exact norm; then the local pieces are scaled in place as torch does (coefficient
+    max_norm / (norm + 1e-6), clamped to 1). Assumes the meshes together cover the default group
+    (no pipeline stages outside them). Returns the total norm (float64 on the gradients' device)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    inf = norm_type == float("inf")
+    for g in grads:
+        local = g._local_tensor if hasattr(g, "_local_tensor") else g
+        if local.numel() == 0:
+            continue
+        if inf:
+            total = torch.maximum(total, local.detach().abs().max().to(torch.float64))
+            continue
+        copies = 1
+        for dim, placement in enumerate(getattr(g, "placements", ())):
+            if placement.is_replicate():
+                copies *= g.device_mesh.size(dim)
+        total += local.detach().to(torch.float64).abs().pow(norm_type).sum() / copies
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM)
+    norm = total if inf else total.pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        local = g._local_tensor if hasattr(g, "_local_tensor") else g
+        local.mul_(coef.to(local.dtype))
+    return norm
 
 
 class EngineOwner:

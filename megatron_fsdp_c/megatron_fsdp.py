@@ -36,7 +36,7 @@ from ._experts import ExpertEngine, expert_scaling, split_expert_records
 from .hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
-from ._sharded import EngineOwner
+from ._sharded import EngineOwner, clip_grad_norm
 from .param_buffer import ParamBuffer, collect_params
 from ._tensor_parallel import assign_tp
 
@@ -231,6 +231,14 @@ class MegatronFSDP(EngineOwner, nn.Module):
             raise FloatingPointError(
                 f"non-finite (NaN/Inf) gradient found after reduction {where}. Check the loss, the learning rate "
                 "and the inputs of these parameters' modules")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the synced gradients of every parameter by their total norm, exactly, like
+        torch.nn.utils.clip_grad_norm_ (which refuses a model with expt_device_mesh: its
+        parameters are on two meshes). Collective: every rank calls it. Returns the total norm."""
+        if self._in_backward():
+            raise RuntimeError("clip_grad_norm_() called inside a backward pass; call it after backward()")
+        return clip_grad_norm(list(self.parameters()), float(max_norm), float(norm_type))
 
     def zero_grad_buffer(self) -> None:
         """Zeroes the main gradient buffers and detaches `.grad` from the distributed parameters."""

@@ -32,6 +32,8 @@ Behaviours (cell names):
   expert whole on a rank, all-reduced across the 2 replicas; megatron_average_in_collective: AVG
   collectives, experts pre-scaled by expert_dp / dp; Megatron-LM's
   expert gradient scaling, 1/dp ([Note: expert data-parallel mesh] in megatron_fsdp_c/_experts.py)
+- megatron_clip: MegatronFSDP.clip_grad_norm_ over both meshes (torch's refuses two meshes) against
+  torch's on the reference, norms and parameters after 2 clipped steps
 - megatron_dcp: the Megatron-style model and optimizer saved (save_checkpoint) with dense ZeRO-3 over 4,
   loaded into one with dense HSDP 2 x 2 and no_shard, equal to what was saved, trained on against the
   reference with its optimizer state; get_model_state_dict(full_state_dict=True) against the reference
@@ -278,6 +280,26 @@ cell("megatron_hsdp_expert_replicas", worlds=(4,))(_megatron_cell(True, "optim_g
 # experts pre-scaled by expert_dp / dp and averaged over the expert ranks (Megatron-LM's average_in_collective)
 cell("megatron_average_in_collective", worlds=(4,))(
     _megatron_cell(False, "optim_grads_params", options={"average_in_collective": True}))
+
+
+@cell("megatron_clip", worlds=(4,))
+def megatron_clip(rank, world, ck):
+    """model.clip_grad_norm_ over the dense and the expert meshes (HSDP dense, no_shard: replicated
+    pieces counted once) against torch's clip_grad_norm_ on the reference, clipping every step."""
+    model, opt = megatron_moe(world, "optim_grads_params", hsdp=True)
+    ref = moe_model()
+    ropt = adamw(ref)
+    for step in range(2):
+        loss = model(*moe_batch(step, rank))
+        loss.backward()
+        ref(*global_batch(step, world)).backward()
+        ours, theirs = model.clip_grad_norm_(0.05), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ck.close(f"step {step}: total gradient norm", [ours.item()], [theirs.item()])
+        ck.true(f"step {step}: the norm is above the bound (clipping happens)", theirs.item() > 0.05)
+        for r_opt in (opt, ropt):
+            r_opt.step()
+            r_opt.zero_grad()
+    check_against_reference(ck, "after clipped training", model, ref)
 
 
 @cell("megatron_dcp", worlds=(4,))
