@@ -2,7 +2,8 @@
 invocation, under torchrun; CPU (gloo) at 2 and 4 ranks, or the GPU(s) when CUDA is present. On
 CPU also hybrid sharding (HSDP, HFSDP) and 2-D parallelism (FSDP + tensor parallelism, dp 2 x
 tp 2 against torch's FSDP2 + TP) at 4 ranks, and (part `moe`) an expert-parallel MoE at 4 ranks,
-ep 2, against FSDP2 on the same two meshes (benchmarks/moe_bench.py).
+ep 2, both APIs (per-module, and fully_shard with expt_device_mesh) against FSDP2 on the same two
+meshes (benchmarks/moe_bench.py).
 
     python benchmarks/run.py [--worlds 2,4] [--steps 20] [--models gpt] [--precision fp32] [--out bench_out]
                              [--parts train,hooks,hybrid,quant,moe] [--transport auto]
@@ -375,8 +376,8 @@ def main():
     ap.add_argument("--parts", default="train,hooks,hybrid,tp",
                     help="train (the models), hooks (the hook-overhead runs), hybrid (HSDP and HFSDP at 4 CPU ranks), "
                          "tp (FSDP + tensor parallelism, dp 2 x tp 2 at 4 CPU ranks), quant (quantized communication at "
-                         "4 CPU ranks), moe (an expert-parallel MoE at 4 CPU ranks, ep 2, ours against FSDP2 with the "
-                         "same meshes), any of them comma-separated "
+                         "4 CPU ranks), moe (an expert-parallel MoE at 4 CPU ranks, ep 2, both our APIs against FSDP2 "
+                         "with the same meshes), any of them comma-separated "
                          "(benchmarks/gpu_check.sh runs them as separate stages)")
     ap.add_argument("--transport", choices=["auto", "torch", "nccl"], default="auto",
                     help="megatron_fsdp_c's transport")
