@@ -41,9 +41,9 @@ param_and_grad_buffer.py):
   The wrapper drives both in one order on every rank: root pre- and post-forward (dense first,
   so the backward's final callbacks are queued in that order too); the backward ends for the
   model when no engine's HookManager is in it any more, then gradient sync, flags and attach per
-  engine in that order. So every rank issues each
-  communicator's collectives in one order, also for graphs that differ across ranks (an expert
-  no rank fed keeps `.grad is None`: the used flags are reduced per engine, over its own mesh).
+  engine in that order. So every rank issues each communicator's collectives in one order, also
+  for graphs that differ across ranks (an expert no rank fed keeps `.grad is None`: the used
+  flags are reduced per engine, over its own mesh).
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def expert_context(expt_device_mesh, hybrid_fsdp_expt_group, *, dp_shard_dim, dp
         raise TypeError(f"expt_device_mesh must be a torch DeviceMesh (named like device_mesh: dp_shard_dim, and "
                         f"dp_outer_dim with HSDP), got {type(expt_device_mesh).__name__}")
     if dp_outer_dim is None and hybrid_fsdp_expt_group is not None:
-        raise ValueError("hybrid_fsdp_expt_group is only for hybrid sharding (HSDP: dp_outer_dim and hybrid_fsdp_group); "
-                         "without it the experts are sharded over expt_device_mesh[dp_shard_dim]: drop "
+        raise ValueError("hybrid_fsdp_expt_group is only for hybrid sharding (HSDP: dp_outer_dim and "
+                         "hybrid_fsdp_group); without it the experts are sharded over expt_device_mesh[dp_shard_dim]: drop "
                          "hybrid_fsdp_expt_group, or pass dp_outer_dim and hybrid_fsdp_group for HSDP")
     if dp_outer_dim is not None and hybrid_fsdp_expt_group is None:
         raise ValueError("hybrid sharding (dp_outer_dim) with expt_device_mesh needs hybrid_fsdp_expt_group: the "

@@ -81,7 +81,8 @@ def _index_names(model, optimizer) -> list:
     """The name of each parameter by its index in optimizer.state_dict() (torch numbers the
     parameters of the param groups in order)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    return [names.get(id(p), f"param.{i}") for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return [names.get(id(p), f"param.{i}") for i, p in enumerate(params)]
 
 
 def _optimizer_state(model, optimizer) -> dict:

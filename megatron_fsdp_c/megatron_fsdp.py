@@ -255,7 +255,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
 
     def _zero_grads_of(self, params, set_to_none: bool) -> None:
         """An optimizer's zero_grad: clears the gradients of `params` (those of this model) only."""
-        found = [x for x in (self._record_of.get(id(p)) for p in params) if x is not None and x[1].grad_dtensor is not None]
+        found = [x for x in (self._record_of.get(id(p)) for p in params)
+                 if x is not None and x[1].grad_dtensor is not None]
         whole = 0
         for e in self.engines():
             mine = [r for owner, r in found if owner is e]

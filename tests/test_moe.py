@@ -409,7 +409,8 @@ def test_moe(name, world):
     (BAD[2], r"in groups on two different meshes.*one fully_shard call"),
     (MBAD[0], r"expt_device_mesh's data-parallel ranks do not partition.*does not divide the world of 4 ranks"
               r".*Build the expert mesh"),
-    (MBAD[1], r"expt_device_mesh's data-parallel ranks do not partition.*inconsistent rank sets.*Build the expert mesh"),
+    (MBAD[1], r"expt_device_mesh's data-parallel ranks do not partition.*inconsistent rank sets"
+              r".*Build the expert mesh"),
     (MBAD[2], r"got expt_device_mesh but no parameter is marked as an expert.*allreduce = False.*or drop "
               r"expt_device_mesh"),
     (MBAD[3], r"2 parameters are marked as expert-parallel.*'0.weight'.*no expt_device_mesh: pass expt_device_mesh"),
