@@ -260,9 +260,8 @@ def megatronize(model: TPGPT, group, sp=True, flag_norms=True) -> MegatronGPT:
 # -- the cells ----------------------------------------------------------------------------------
 
 def mesh_of(shape):
-    from torch.distributed.device_mesh import init_device_mesh
     names = ("dp", "tp") if len(shape) == 2 else ("dp_replicate", "dp", "tp")
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return rank_grid.device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def dp_mesh(mesh):
