@@ -474,12 +474,7 @@ def bad_input(rank, world, ck):
 
 # ------------------------------------------------------------------------------------------
 
-KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
-    'cached_state_dict[dim3]':
-        "a state dict taken before the first forward keeps the pre-engine local shards: the engine's buffers replace them at the first forward, so it stops aliasing the parameters",
-    'cached_state_dict[dim8]':
-        "a state dict taken before the first forward keeps the pre-engine local shards: the engine's buffers replace them at the first forward, so it stops aliasing the parameters",
-}
+KNOWN_GAPS = {}  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
 
 
 @pytest.mark.parametrize("name,world", rank_grid.params(CELLS, [k for k in CELLS.keys() if k != "bad_input"],
