@@ -9,8 +9,8 @@ from torch.utils._pytree import tree_map
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..mixed_precision import QuantizedCommPolicy
 
-__all__ = ["cast_floats", "check_param_dtype", "check_policies", "check_quant_policy", "engine_policy",
-           "is_torch_policy"]
+__all__ = ["cast_floats", "check_param_dtype", "check_policies", "check_quant_policy", "compute_dtype",
+           "engine_policy", "is_torch_policy", "sharded_dtype"]
 
 _ENGINE_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the engine casts and sums
 
@@ -34,6 +34,43 @@ def engine_policy(mp, param_dtype: torch.dtype):
     # dtype here ([Note: exchange reduction] in csrc/comm/reduce.c).
     return compute, OurPolicy(main_params_dtype=param_dtype, main_grads_dtype=param_dtype,
                               grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True)
+
+
+def sharded_dtype(mp, dtype: torch.dtype) -> torch.dtype:
+    """[Note: main-weight parameters]
+    The dtype of the sharded DTensor parameter fully_shard makes of a parameter of `dtype`: what
+    optimizers, state dicts and checkpoints see. Under torch's MixedPrecisionPolicy it is the
+    parameter's own dtype (FSDP2 keeps sharded parameters so; param_dtype only casts the
+    gathered copy). Under megatron_fsdp_c's MixedPrecisionPolicy the sharded parameters are the
+    main weights, as in Megatron-FSDP: a bf16 module under main_params_dtype=float32 gets float32
+    DTensor parameters at fully_shard (its local shard cast once, exactly), so an optimizer or a
+    state dict made at any time holds the float32 main weights and their float32 gradients,
+    while the module computes in its own dtype at fully_shard (ShardGroup.compute_dtypes; the
+    engine casts the main weights into each gather). Attaching a float32 gradient to a bf16
+    parameter instead would need Tensor.grad_dtype (torch 2.13 has it) but leave the optimizer
+    stepping bf16 weights: not what the policy asks for."""
+    if isinstance(mp, OurPolicy) and dtype in _ENGINE_FLOATS:
+        return mp.main_dtype(dtype)
+    return dtype
+
+
+def compute_dtype(mp, recorded, dtype: torch.dtype, what: str) -> torch.dtype:
+    """The dtype `what` computes in at the lazy init ([Note: main-weight parameters]): the module's
+    dtype at fully_shard (`recorded`, None when fully_shard kept the parameter's dtype) while the
+    sharded parameter still has the dtype fully_shard gave it, else (a .to() since) its own dtype,
+    which must then be its main weights' too. A ValueError names the call to change otherwise."""
+    if recorded is not None and sharded_dtype(mp, recorded) == dtype:
+        return recorded
+    main = sharded_dtype(mp, dtype)
+    if main != dtype:
+        raise ValueError(
+            f"{what} is a {dtype} DTensor, but its group's megatron_fsdp_c.MixedPrecisionPolicy(main_params_dtype="
+            f"{mp.main_params_dtype}) keeps {main} main weights, and under that policy the sharded parameters are the "
+            f"main weights (fully_shard made them {main}; a .to()/.half()/.bfloat16() or an assignment after "
+            f"fully_shard made this one {dtype}). Convert the module to its compute dtype before fully_shard (it "
+            f"computes in the dtype it had then), or use torch's MixedPrecisionPolicy(param_dtype={dtype}) to compute "
+            f"in {dtype} with {dtype} sharded parameters")
+    return dtype
 
 
 def check_param_dtype(p, what: str, mp) -> None:
