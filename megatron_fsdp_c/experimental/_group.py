@@ -421,11 +421,9 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
         if id(p) not in dims:
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
             placement = shard_placement_fn(p) if shard_placement_fn is not None else None
-            dim = _shard_dim(p, placement, what, ctx.world, not replicated)
-            if tp_of[id(p)] is not None and dim != 0 and not replicated:
-                raise NotImplementedError(f"shard_placement_fn returned Shard({dim}) for {what}, a tensor-parallel "
-                                          "DTensor: megatron_fsdp_c shards tensor-parallel parameters on dim 0 only "
-                                          "(return None or Shard(0) for them)")
+            # a TP parameter's local TP shard is what is sharded, on any dim (FSDP2 checks it so too)
+            dim = _shard_dim(p._local_tensor if tp_of[id(p)] is not None else p, placement, what, ctx.world,
+                             not replicated)
             dims[id(p)] = None if replicated else dim
     converted = {}  # id(original) -> DTensor Parameter
     compute_dtypes = {}  # [Note: main-weight parameters] in _policy.py
