@@ -20,7 +20,7 @@ from .._distributed import DistContext, make_dist_context
 from ..param_buffer import local_shape
 from ..no_shard import is_no_shard
 from ._lazy_init import check_sub_mesh
-from ._policy import check_param_dtype, sharded_dtype
+from ._policy import check_param_dtype, check_plain_tensor, sharded_dtype
 from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
 __all__ = ["Origin", "ShardGroup", "check_origins", "dp_mesh_of", "form_group", "group_of", "post_forward_world",
@@ -232,24 +232,6 @@ def post_forward_world(n: int, mesh: Optional[DeviceMesh]) -> bool:
                       f"the backward's all-gather spans all {size} ranks ([Note: reshard to a smaller world] in "
                       "megatron_fsdp_c/experimental/_group.py)", stacklevel=3)
     return True
-
-
-def check_plain_tensor(t: torch.Tensor, what: str) -> None:
-    """A tensor subclass (TwoTensor, Float8Tensor, ...) or a tensor with FSDP2's all-gather extension
-    hooks (fsdp_pre_all_gather / fsdp_post_all_gather) is refused where it is found, naming the
-    limitation: the engine moves plain elements between its own buffers, so it can neither keep the
-    subclass nor call the hooks around its all-gathers (it would fail later, inside the engine)."""
-    if hasattr(t, "fsdp_pre_all_gather") or hasattr(t, "fsdp_post_all_gather"):
-        raise NotImplementedError(
-            f"{what} defines fsdp_pre_all_gather/fsdp_post_all_gather (FSDP2's all-gather extensions): "
-            "megatron_fsdp_c's all-gathers run in its C engine and cannot call them. Use "
-            "torch.distributed.fsdp.fully_shard for this model, or plain parameters")
-    data = t.data if isinstance(t, nn.Parameter) else t
-    if type(data) is not torch.Tensor:
-        raise NotImplementedError(
-            f"{what} is a tensor subclass ({type(data).__name__}): megatron_fsdp_c shards plain tensors only (its C "
-            "engine moves their elements, not a subclass's inner tensors). Use torch.distributed.fsdp.fully_shard "
-            "for this model, or plain parameters")
 
 
 def _plain(p: nn.Parameter, spmd_mesh: Optional[DeviceMesh]):

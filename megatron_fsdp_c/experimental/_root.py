@@ -19,9 +19,9 @@ from .._sharded import EngineOwner
 from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
-from ._group import ShardGroup, check_origins, check_plain_tensor, group_of, refresh_places
+from ._group import ShardGroup, check_origins, group_of, refresh_places
 from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
-from ._policy import cast_floats, compute_dtype, engine_policy, is_torch_policy
+from ._policy import cast_floats, check_plain_tensor, compute_dtype, engine_policy, is_torch_policy
 from ._registration import Registration, to_sharded_hook
 
 __all__ = ["RootState", "build_states", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
