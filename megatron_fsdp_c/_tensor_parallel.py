@@ -11,10 +11,10 @@ each tp coordinate has its own data-parallel group and engine. TP shows in three
    mesh (1-D, or (replicate, shard) for HSDP) concatenated with the TP mesh. The data-parallel
    placement is Shard(d) of the LOCAL TP shard (torch.chunk pieces of it along d, as for a plain
    parameter: d = 0, or shard_placement_fn's dim); when TP also shards dim d it is
-   _StridedShard(d, split_factor=tp) instead, which tells torch that rank (d, t) holds chunk d of
-   TP chunk t, not chunk t of chunk d (FSDP2's split_factor, num_shards_map[d]). The TP placement follows
-   unchanged (Replicate() or Shard(dim)). A replicated group (no_shard, fsdp_no_shard) has
-   Replicate() on the data-parallel dims. So full_tensor(), redistribute, DCP across mesh shapes,
+   _StridedShard(d, split_factor=tp) instead (FSDP2's split factor, num_shards_map[d]), which
+   tells torch that rank (i, t) holds chunk i of TP chunk t, not chunk t of chunk i. The TP
+   placement follows unchanged (Replicate() or Shard(dim)). A replicated group (no_shard,
+   fsdp_no_shard) has Replicate() on the data-parallel dims. So full_tensor(), redistribute, DCP across mesh shapes,
    get_model_state_dict and clip_grad_norm_ give the true answers with torch's own code.
 2. The compute parameter. For a torch TP parameter (parallelize_module), a DTensor on the TP
    mesh with the parameter's TP placement, whose local tensor is the engine's view of the

@@ -73,10 +73,10 @@ class Registration:
         local tensors, so optimizers and state dicts taken of them keep working, [Note: local
         shards keep their storage] in ../_common.py), the gradient hooks are removed and every
         group under the root forgets the engine; the next forward (or unshard()) initialises a
-        new one from the converted parameters, as the first did. An attached .grad is copied out of the engine too (the
-        same DTensor object), so .to() converts it as torch's Module._apply converts any
-        gradient, and the new engine starts from it (adopt_grads: the next backward accumulates
-        onto it, as FSDP2's onto its sharded .grad). Refused inside a forward or backward, and
+        new one from the converted parameters, as the first did. An attached .grad is copied out
+        of the engine too (the same DTensor object), so .to() converts it as torch's
+        Module._apply converts any gradient, and the new engine starts from it (adopt_grads: the
+        next backward accumulates onto it, as FSDP2's onto its sharded .grad). Refused inside a forward or backward, and
         while gradients are held back by set_requires_gradient_sync(False): those live in the
         engine's unreduced buffers, in no .grad, so nothing could carry them."""
         if self.hooks.in_backward or self.pass_root is not None or self.methods_running:
