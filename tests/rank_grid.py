@@ -81,11 +81,13 @@ GRID_BUDGET_S = 5400.0      # all spawns of one (group, world size)
 # A spawn runs at most SPAWN_CELLS cells, then the next spawn takes the rest. Each process group a
 # cell makes (every device mesh makes its own; torch's caches keep them, so they cannot be
 # destroyed between cells: ../shared/DESIGN.md) leaves an idle gloo loop thread waking every
-# 10 ms, so a spawn's idle CPU grows with the cells it has run: measured at world 4, ~350 groups
-# per rank by the end of 278 cells, their loops using more CPU than the cells. A few more spawns
-# (~10 s each at world 4) cost less than that. `once()` values are per spawn, so a reference is
-# trained again in each spawn that reads it.
-SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 100))
+# 10 ms, so a spawn's idle CPU grows with the groups its cells have made: measured at world 4
+# when every cell made its own meshes, ~350 groups per rank by the end of 278 cells, their loops
+# using more CPU than the cells. Cells now share their meshes ([Note: one mesh per shape]), and
+# a whole world-4 spawn ends with ~50 groups per rank (world 2: ~5), so the bound is a backstop
+# against a cell that makes groups in a loop; each spawn costs ~4 CPU-seconds of start-up per
+# rank. `once()` values are per spawn, so a reference is trained again in each spawn that reads it.
+SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 500))
 SESSION_DIR_ENV = "RANK_GRID_SESSION_DIR"
 
 CellId = Tuple[str, Any, int]  # (module, key, world)
