@@ -91,14 +91,20 @@ pytest: setup
 
 # [Note: make test's two sides]
 # The C side (the sanitized builds, test_core, test_emu, the fuzz run and the CUDA compile check)
-# is single-threaded compiling and running, about 2.5 minutes; pytest's multi-rank spawns leave
-# part of the second core idle. So the C side runs beside pytest, into build/c-side.log, printed
-# when both are done; make test fails if either does. `make ctest`, `make cuda-check` and
-# `make pytest` run one side alone.
-test: setup $(VENV)/.nccl
-	@mkdir -p build && rm -f build/c-side.status
-	@( $(MAKE) --no-print-directory ctest cuda-check > build/c-side.log 2>&1; echo $$? > build/c-side.status ) & \
-	  $(PY) -m pytest -q tests; py=$$?; wait; \
+# is single-threaded compiling and running, about 2.5 minutes; the set-up (pip unpacking torch)
+# and pytest's multi-rank spawns leave part of the second core idle. So the C tests start first,
+# beside the set-up (they need only the C compiler), and the CUDA compile check, which needs the
+# venv's torch and the NCCL wheel, starts when the set-up is done, beside pytest. Their output
+# goes to build/c-side.log, printed when both sides are done; make test fails if either does.
+# `make ctest`, `make cuda-check` and `make pytest` run one part alone.
+test:
+	@mkdir -p build && rm -f build/c-side.status build/setup.status
+	@( $(MAKE) --no-print-directory ctest > build/c-side.log 2>&1; c=$$?; \
+	   while [ ! -e build/setup.status ]; do sleep 1; done; \
+	   if [ "$$(cat build/setup.status)" = 0 ]; then $(MAKE) --no-print-directory cuda-check >> build/c-side.log 2>&1 || c=1; \
+	   else c=1; fi; echo $$c > build/c-side.status ) & \
+	  $(MAKE) --no-print-directory setup $(VENV)/.nccl; echo $$? > build/setup.status; \
+	  if [ "$$(cat build/setup.status)" = 0 ]; then $(PY) -m pytest -q tests; py=$$?; else py=1; fi; wait; \
 	  echo "== the C side: make ctest cuda-check (build/c-side.log) =="; cat build/c-side.log; \
 	  c=$$(cat build/c-side.status 2>/dev/null || echo 1); \
 	  echo "== make test: pytest exit $$py, C side exit $$c =="; [ "$$py" = 0 ] && [ "$$c" = 0 ]

@@ -9,7 +9,8 @@ from typing import List
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["STRATEGY_NAMES", "contiguous_stride", "grad_tensors", "in_backward", "logger", "parse_strategy"]
+__all__ = ["STRATEGY_NAMES", "contiguous_stride", "grad_tensors", "in_backward", "logger", "move_storage",
+           "parse_strategy"]
 
 logger = logging.getLogger("megatron_fsdp_c")
 
@@ -53,3 +54,27 @@ def contiguous_stride(shape) -> tuple:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def move_storage(t: torch.Tensor, src: torch.Tensor, moved: set) -> bool:
+    """[Note: local shards keep their storage]
+    Makes the storage of `t` hold the memory of `src` (same dtype, shape and device; each the
+    whole of its storage), by swapping the two storages' data pointers: every tensor over t's
+    storage -- t itself, and the detached copies a state dict or a DTensor made of it, which are
+    other tensor objects over the same storage -- then reads and writes src's memory, and src's
+    storage holds t's old memory (freed with src). The per-module API's lazy init moves each
+    pre-engine local shard into the engine's main weights so (param_buffer.build_dist_params), as
+    FSDP2's sharded parameters never change storage: a state dict taken before the first forward
+    keeps aliasing the parameters (torch's test_cached_state_dict); release_engine moves them back
+    out. `moved` holds the storages moved so far in one pass: a storage shared by two tensors
+    (one tensor assigned under two names) moves once, the second keeps its own tensor. Returns
+    False where nothing was moved (the caller then replaces the tensor object, as before)."""
+    s, v = t.untyped_storage(), src.untyped_storage()
+    nbytes = t.numel() * t.element_size()
+    if (t.device != src.device or t.dtype != src.dtype or t.shape != src.shape or nbytes == 0
+            or not t.is_contiguous() or not src.is_contiguous() or t.storage_offset() or src.storage_offset()
+            or s.nbytes() != nbytes or v.nbytes() != nbytes or s._cdata in moved):
+        return False
+    moved.add(s._cdata)
+    s._swap_data_ptr_(v)
+    return True

@@ -9,11 +9,12 @@ each tp coordinate has its own data-parallel group and engine. TP shows in three
 1. Placements, exactly what torch's FSDP2 makes (_fsdp_param.py, _init_sharding_spec_tp): the
    distributed parameter, its gradient and its optimizer states are DTensors on the data-parallel
    mesh (1-D, or (replicate, shard) for HSDP) concatenated with the TP mesh. The data-parallel
-   placement is Shard(0) of the LOCAL TP shard (torch.chunk rows of it, as for a plain parameter);
-   when TP also shards dim 0 it is _StridedShard(0, split_factor=tp) instead, which tells torch
-   that rank (d, t) holds chunk d of TP chunk t, not chunk t of chunk d. The TP placement follows
-   unchanged (Replicate() or Shard(dim)). A replicated group (no_shard, fsdp_no_shard) has
-   Replicate() on the data-parallel dims. So full_tensor(), redistribute, DCP across mesh shapes,
+   placement is Shard(d) of the LOCAL TP shard (torch.chunk pieces of it along d, as for a plain
+   parameter: d = 0, or shard_placement_fn's dim); when TP also shards dim d it is
+   _StridedShard(d, split_factor=tp) instead (FSDP2's split factor, num_shards_map[d]), which
+   tells torch that rank (i, t) holds chunk i of TP chunk t, not chunk t of chunk i. The TP
+   placement follows unchanged (Replicate() or Shard(dim)). A replicated group (no_shard,
+   fsdp_no_shard) has Replicate() on the data-parallel dims. So full_tensor(), redistribute, DCP across mesh shapes,
    get_model_state_dict and clip_grad_norm_ give the true answers with torch's own code.
 2. The compute parameter. For a torch TP parameter (parallelize_module), a DTensor on the TP
    mesh with the parameter's TP placement, whose local tensor is the engine's view of the
@@ -66,10 +67,9 @@ class TPSpec:
     dtensor_compute: bool       # torch TP: the module computes with a DTensor on `mesh`
     sum_grad: bool = False      # Megatron-style sequence_parallel: sum the gradient over tp first
 
-    @property
-    def split_factor(self) -> int:
-        """TP shards of dim 0: the data-parallel placement interleaves with that many."""
-        return self.mesh.size() if isinstance(self.placement, Shard) and self.placement.dim == 0 else 1
+    def split_factor(self, dim: int) -> int:
+        """TP shards of `dim`: a data-parallel Shard(dim) interleaves with that many."""
+        return self.mesh.size() if isinstance(self.placement, Shard) and self.placement.dim == dim else 1
 
     def compute_param(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """The compute parameter of a torch TP parameter: a DTensor on the TP mesh over `local`."""
@@ -140,12 +140,11 @@ _COMPOSED = {}
 
 def spmd_layout(tp: TPSpec, dp_mesh: DeviceMesh, dp_placements: list, what: str) -> Tuple[DeviceMesh, list]:
     """(mesh, placements) of a TP parameter's DTensors: `dp_placements` are a plain parameter's on
-    `dp_mesh` ([Shard(0)], [Replicate(), Shard(0)] for HSDP, Replicate() when replicated); Shard(0)
-    becomes _StridedShard(0, split_factor) when TP shards dim 0 too (item 1 of the Note)."""
+    `dp_mesh` ([Shard(d)], [Replicate(), Shard(d)] for HSDP, Replicate() when replicated); Shard(d)
+    becomes _StridedShard(d, split_factor) when TP shards dim d too (item 1 of the Note)."""
     mesh = compose_meshes(dp_mesh, tp.mesh, what)
-    sf = tp.split_factor
-    placements = [(_StridedShard(0, split_factor=sf) if sf > 1 and isinstance(p, Shard) and p.dim == 0 else p)
-                  for p in dp_placements]
+    placements = [(_StridedShard(p.dim, split_factor=tp.split_factor(p.dim))
+                   if type(p) is Shard and tp.split_factor(p.dim) > 1 else p) for p in dp_placements]
     return mesh, placements + [tp.placement]
 
 

@@ -65,11 +65,14 @@ class MixedPrecisionPolicy:
                 "(e.g. torch.float32), or pass allow_lossy_accumulation=True if this is intended."
             )
 
+    def main_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The main weights' dtype for parameters of `param_dtype` (never narrower than it)."""
+        main = self.main_params_dtype or param_dtype
+        return param_dtype if _PRECISION[main] < _PRECISION[param_dtype] else main
+
     def resolve(self, param_dtype: torch.dtype):
         """(main, grad, comm) dtypes for trainable parameters of `param_dtype`."""
-        main = self.main_params_dtype or param_dtype
-        if _PRECISION[main] < _PRECISION[param_dtype]:
-            main = param_dtype
+        main = self.main_dtype(param_dtype)
         grad = self.main_grads_dtype or param_dtype
         comm = self.grad_comm_dtype or grad
         if (_PRECISION[grad] < _PRECISION[comm] and not self.allow_lossy_accumulation):

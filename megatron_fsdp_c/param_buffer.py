@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
-from ._common import contiguous_stride
+from ._common import contiguous_stride, move_storage
 from ._distributed import DistContext, check_quant_transport
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy, bucket_dtypes
 from .param_record import ParamRecord, as_dtype, into_engine, rows_of, collect_params, engine_dtype, local_shape
@@ -343,11 +343,16 @@ class ParamBuffer:
         """The distributed parameters (and gradient DTensors) over the engine's buffers. With
         `existing`, each record's dist_param is already a DTensor Parameter of the right shape and
         placement (the per-module API made it): its local tensor is re-pointed at the engine's
-        rows, so optimizers built on it keep working (FSDP2 does the same after lazy init)."""
+        rows: its local tensor's storage moves there ([Note: local shards keep their storage] in
+        _common.py), so optimizers built on it and state dicts taken of it keep working, as FSDP2's
+        sharded parameters never change storage."""
+        moved = set()
         for r in self.records:
             if existing:
-                r.dist_param._local_tensor = self.local_view(r, _C.BUF_MAIN_SHARD)
                 dp = r.dist_param
+                view = self.local_view(r, _C.BUF_MAIN_SHARD)
+                if not move_storage(dp._local_tensor, view, moved):
+                    dp._local_tensor = view
             else:
                 dp = r.dist_param = nn.Parameter(self.dtensor(r, _C.BUF_MAIN_SHARD), requires_grad=r.param.requires_grad)
             dp._megatron_fsdp_model = weakref.proxy(owner)  # Megatron-FSDP's attribute

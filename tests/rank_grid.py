@@ -81,11 +81,13 @@ GRID_BUDGET_S = 5400.0      # all spawns of one (group, world size)
 # A spawn runs at most SPAWN_CELLS cells, then the next spawn takes the rest. Each process group a
 # cell makes (every device mesh makes its own; torch's caches keep them, so they cannot be
 # destroyed between cells: ../shared/DESIGN.md) leaves an idle gloo loop thread waking every
-# 10 ms, so a spawn's idle CPU grows with the cells it has run: measured at world 4, ~350 groups
-# per rank by the end of 278 cells, their loops using more CPU than the cells. A few more spawns
-# (~10 s each at world 4) cost less than that. `once()` values are per spawn, so a reference is
-# trained again in each spawn that reads it.
-SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 100))
+# 10 ms, so a spawn's idle CPU grows with the groups its cells have made: measured at world 4
+# when every cell made its own meshes, ~350 groups per rank by the end of 278 cells, their loops
+# using more CPU than the cells. Cells now share their meshes ([Note: one mesh per shape]), and
+# a whole world-4 spawn ends with ~50 groups per rank (world 2: ~5), so the bound is a backstop
+# against a cell that makes groups in a loop; each spawn costs ~4 CPU-seconds of start-up per
+# rank. `once()` values are per spawn, so a reference is trained again in each spawn that reads it.
+SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 500))
 SESSION_DIR_ENV = "RANK_GRID_SESSION_DIR"
 
 CellId = Tuple[str, Any, int]  # (module, key, world)
@@ -161,6 +163,24 @@ def once(key, fn: Callable, *args):
     if key not in _ONCE:
         _ONCE[key] = fn(*args)
     return _ONCE[key]
+
+
+def device_mesh(device_type: str, shape, mesh_dim_names=None):
+    """init_device_mesh(device_type, shape, mesh_dim_names=...), made once per spawn.
+
+    [Note: one mesh per shape]
+    Every device mesh makes its own process groups (one per sub-group of each dim), and they
+    cannot be destroyed between cells ([Note: spawns of bounded length]): measured at world 4,
+    85 cells of the TP, hybrid and DTensor files left 156 groups and ~490 threads per rank, their
+    idle loops taking CPU from every later cell. Cells that want a mesh take it here, so a spawn
+    holds one mesh per (device, shape, dim names) -- as a training script holds one mesh for all
+    its models. Every rank runs the spawn's cells in one order, so the first call, which is
+    collective, comes at the same cell on every rank. A cell that needs a mesh of its own (one
+    that checks what a new mesh does) calls init_device_mesh itself."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = ("device_mesh", device_type, tuple(shape), None if mesh_dim_names is None else tuple(mesh_dim_names))
+    return once(key, lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=key[3]))
 
 
 _OWN_DIR: List[str] = []

@@ -92,8 +92,7 @@ def dtensor_checks(rank, world, kind, strategy):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     hybrid = {}
     if strategy in HYBRID:
-        from torch.distributed.device_mesh import init_device_mesh
-        hybrid = dict(device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard")),
+        hybrid = dict(device_mesh=rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard")),
                       dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD,
                       outer_dp_sharding_strategy=HYBRID[strategy])
         strategy = 3

@@ -35,7 +35,7 @@ CELLS = rank_grid.Cells(__name__)
 
 
 def hybrid_mesh(outer, shard):
-    return init_device_mesh("cpu", (outer, shard), mesh_dim_names=("dp_outer", "dp_shard"))
+    return rank_grid.device_mesh("cpu", (outer, shard), mesh_dim_names=("dp_outer", "dp_shard"))
 
 
 def shard_hybrid(model, opt, mesh, strategy, **kw):
@@ -380,7 +380,7 @@ def per_module_vs_ddp(rank, world, mesh_shape, strategy, micro, skip):
     model = GPT(CFG).double()
     ref, peer = copy.deepcopy(model), copy.deepcopy(model)
     ddp = DDP(ref)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    mesh = rank_grid.device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh, zero_dp_strategy=strategy)
     fully_shard(model, mesh=mesh, zero_dp_strategy=strategy)

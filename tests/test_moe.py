@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 import megatron_fsdp_c as mfsdp
 import rank_grid
@@ -66,9 +66,9 @@ def meshes(world: int, hsdp: bool = False, ep=None):
     """(ep, the expert-parallel mesh, the experts' dp_mod_ep mesh, the dense mesh); ep 2 at world 4,
     else 1 unless given."""
     ep = ep or (2 if world >= 4 else 1)
-    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
-    dense = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard")) if hsdp \
-        else init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    mesh = rank_grid.device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
+    dense = rank_grid.device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard")) if hsdp \
+        else rank_grid.device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     return ep, mesh["ep"], mesh["dp_mod_ep"], dense
 
 

@@ -32,7 +32,9 @@ Behaviours (cell names):
 - LayerNorm / BatchNorm1d / BatchNorm2d groups under bf16 (BatchNorm's fp32 running statistics
   refused next to bf16 weights as under FSDP2, and trained once cast down by hand), BatchNorm with
   output_dtype only, each beside torch's FSDP2: norm_modules
-- megatron_fsdp_c's own MixedPrecisionPolicy (bf16 model, fp32 main weights): our_policy
+- megatron_fsdp_c's own MixedPrecisionPolicy (bf16 model, fp32 main weights): our_policy; its
+  sharded parameters are the fp32 main weights from fully_shard on (state dict, optimizer), a
+  later dtype conversion is refused: our_policy_main_weights
 - clip_grad_norm_ over DTensor gradients (norms 2, 1, inf): the same total norm and clipped
   gradients as DDP's: clip_grad_norm; with groups of different zero_dp_strategy (Replicate and
   Shard(0) gradients mixed): clip_grad_norm_mixed_strategies
@@ -467,6 +469,44 @@ def our_policy(rank, world, ck):
             shard=shard, master=FP32, wire=FP32)
 
 
+@cell("our_policy_main_weights")
+def our_policy_main_weights(rank, world, ck):
+    """Under megatron_fsdp_c's policy the sharded parameters are the float32 main weights from
+    fully_shard on ([Note: main-weight parameters] in megatron_fsdp_c/experimental/_policy.py): a
+    state dict taken before the first forward and an optimizer built then hold them, and the
+    state dict keeps aliasing them through training; the module computes in bf16; converting it
+    to another dtype after fully_shard is refused at the call, naming the fix."""
+    from megatron_fsdp_c import MixedPrecisionPolicy as OurPolicy
+    policy = OurPolicy(main_params_dtype=FP32)
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(), nn.Linear(16, 16)).to(BF16)
+    fully_shard(model[0], mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    sd = model.state_dict()
+    ck.true("state dict before the first forward: float32", all(v.dtype == FP32 for v in sd.values()),
+            str({k: v.dtype for k, v in sd.items()}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        out = model(_data(step, rank).to(BF16))
+        ck.true(f"step {step}: computes in bf16", out.dtype == BF16, str(out.dtype))
+        out.float().sum().backward()
+        ck.true(f"step {step}: float32 gradients", all(p.grad.dtype == FP32 for p in model.parameters()))
+        opt.step()
+        opt.zero_grad()
+    params = dict(model.named_parameters())
+    for k, v in sd.items():
+        local = v.to_local()
+        ck.true(f"{k}: the cached state dict aliases the parameter",
+                local.numel() == 0 or local.data_ptr() == params[k].to_local().data_ptr())
+        ck.equal(f"{k}: the cached state dict holds the trained weights", v, params[k])
+    try:
+        model.bfloat16()
+        err = "no error"
+    except ValueError as e:
+        err = str(e)
+    ck.true("bfloat16() after fully_shard raises ValueError naming the fix", "before fully_shard" in err, err)
+
+
 # ------------------------------------------------------------------------------------------
 # test_fully_shard_clip_grad_norm_.py
 
@@ -502,10 +542,7 @@ def clip_grad_norm(rank, world, ck, norm_type, strategies=None):
 
 # ------------------------------------------------------------------------------------------
 
-KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
-    'our_policy':
-        "megatron_fsdp_c's own MixedPrecisionPolicy with a bf16 model and fp32 main gradients: the fp32 gradient DTensor cannot be attached to a bf16 parameter (torch's grad_dtype check)",
-}
+KNOWN_GAPS = {}  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
 
 
 @pytest.mark.parametrize("name,world", rank_grid.params(CELLS, CELLS.keys(), KNOWN_GAPS))

@@ -33,7 +33,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import rank_grid
@@ -225,7 +224,7 @@ def strategies(rank, world, ck, strategy):
 
 @cell("hsdp", worlds=(4,))
 def hsdp(rank, world, ck):
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = rank_grid.device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     placement = PLACEMENTS["dim1_matrices"]
     model = shard_against_ddp(ck, rank, world, gpt(), lambda m: shard_blocks(
         m, mesh=mesh, shard_placement_fn=placement), gpt_data, loss=gpt_loss).model

@@ -129,13 +129,17 @@ def state_dict_roundtrip(rank, world, ck, dim, reshard):
 @cell("cached_state_dict[dim3]", worlds=(2, 4), dim=3)
 @cell("cached_state_dict[dim8]", worlds=(2, 4), dim=8)
 def cached_state_dict(rank, world, ck, dim):
-    """torch's test: call state_dict() once (to save CPU time) and keep using it while training."""
+    """torch's test: call state_dict() once (to save CPU time) and keep using it while training; also
+    across a .double() after the first forward, which hands the shards back and re-initialises the
+    engine ([Note: local shards keep their storage] in megatron_fsdp_c/_common.py)."""
     torch.manual_seed(42)
     model = nn.Linear(dim, dim, bias=False).double()
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sd = model.state_dict()
-    for step in range(3):
+    for step in range(4):
+        if step == 3:
+            model.double()  # (already float64: only the engine's release and re-initialisation)
         opt.zero_grad()
         model(local_batch(step, rank, (dim, dim))).sum().backward()
         opt.step()
@@ -474,12 +478,7 @@ def bad_input(rank, world, ck):
 
 # ------------------------------------------------------------------------------------------
 
-KNOWN_GAPS = {  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
-    'cached_state_dict[dim3]':
-        "a state dict taken before the first forward keeps the pre-engine local shards: the engine's buffers replace them at the first forward, so it stops aliasing the parameters",
-    'cached_state_dict[dim8]':
-        "a state dict taken before the first forward keeps the pre-engine local shards: the engine's buffers replace them at the first forward, so it stops aliasing the parameters",
-}
+KNOWN_GAPS = {}  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
 
 
 @pytest.mark.parametrize("name,world", rank_grid.params(CELLS, [k for k in CELLS.keys() if k != "bad_input"],

@@ -20,13 +20,12 @@ def stage_model(pp):
 
 
 def train(rank, world, impl, schedule):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
         from megatron_fsdp_c.experimental import fully_shard
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    mesh = rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     model = stage_model(pp)
     for block in model:

@@ -305,14 +305,13 @@ def hfsdp_run(rank, world):
     quantized twice (across replicas, then inside the replica), so only the invariants and the
     end-to-end deviation from DDP are checked here; the exact values are checked in C
     (test_hfsdp_quantized in csrc/tests/test_core.c)."""
-    from torch.distributed.device_mesh import init_device_mesh
     torch.manual_seed(0)
     model = GPT(CFG).double()
     ddp_model = copy.deepcopy(model)
     ddp = DDP(ddp_model)
     ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    mesh = rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     quant = mf.QuantizedCommPolicy(weights="int8", grads="int8", outer_weights="int8", block=64)
     fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], device_mesh=mesh, dp_shard_dim="dp_shard",
                                dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD,

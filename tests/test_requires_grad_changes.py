@@ -123,7 +123,7 @@ def with_reference(rank, ours, joins_later=False):
 def megatron_model(model, optimizer, strategy, mesh=None, outer=None):
     kw = {}
     if mesh is not None:
-        kw = dict(device_mesh=init_device_mesh("cpu", mesh, mesh_dim_names=("dp_outer", "dp_shard")),
+        kw = dict(device_mesh=rank_grid.device_mesh("cpu", mesh, mesh_dim_names=("dp_outer", "dp_shard")),
                   dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", hybrid_fsdp_group=dist.group.WORLD,
                   outer_dp_sharding_strategy=outer or "no_shard")
     fsdp, opt = mf.fully_shard(model, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, **kw)
@@ -150,7 +150,7 @@ def _gradient_sync(model, quiet):
 def per_module_api(rank, world, strategy, mesh=None):
     """megatron_fsdp_c.experimental.fully_shard per block and at the root; the optimizer made after."""
     model = gpt()
-    device_mesh = None if mesh is None else init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
+    device_mesh = None if mesh is None else rank_grid.device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard_per_module(block, mesh=device_mesh, zero_dp_strategy=strategy)
     fully_shard_per_module(model, mesh=device_mesh, zero_dp_strategy=strategy)
@@ -384,7 +384,7 @@ def tensor_parallel(rank, world):
     TP mesh), per-module API: block 0 frozen at sharding and unfrozen at step 2, when block 1 is
     frozen; ours and torch's FSDP2 + TP on the same script, float64."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     out = {}
     for impl, shard in (("ours", fully_shard_per_module), ("torch", torch_fully_shard)):

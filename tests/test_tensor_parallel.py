@@ -19,6 +19,8 @@ unparallelised model in one process on the global batch (the dp ranks' batches c
   float64 against the same reference.
 - 3-D meshes: HSDP + TP (2, 1, 2) and (1, 2, 2) on the per-module API, HSDP and HFSDP + TP on the
   Megatron-style one, float64 against the same reference.
+- shard_placement_fn returning Shard(1) for TP DTensors: FSDP2's placements (_StridedShard(1) where
+  TP shards dim 1 too), float64 against the reference and against FSDP2 + TP at rtol 1e-9.
 - TP-duplicated parameters are bit-identical across the tp group after training, under plain TP
   (Llama's norms) and sequence parallelism (SequenceParallel norms, Megatron's flagged norms); a
   Megatron-style model whose sequence-parallel norms are not flagged diverges across tp.
@@ -260,9 +262,8 @@ def megatronize(model: TPGPT, group, sp=True, flag_norms=True) -> MegatronGPT:
 # -- the cells ----------------------------------------------------------------------------------
 
 def mesh_of(shape):
-    from torch.distributed.device_mesh import init_device_mesh
     names = ("dp", "tp") if len(shape) == 2 else ("dp_replicate", "dp", "tp")
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return rank_grid.device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def dp_mesh(mesh):
@@ -273,10 +274,18 @@ def dp_group(mesh):
     return mesh["dp"].get_group() if mesh.ndim == 2 else mesh["dp_replicate", "dp"]._flatten().get_group()
 
 
-def per_module(kind, impl, dtype, shape=(2, 2), meta=False):
+def shard_dim1(p):
+    """shard_placement_fn: matrices on dim 1 of their TP shard (TP's Shard(1) too: _StridedShard
+    then), vectors on dim 0."""
+    from torch.distributed.tensor import Shard
+    return Shard(1) if p.ndim == 2 else None
+
+
+def per_module(kind, impl, dtype, shape=(2, 2), meta=False, placement_fn=None):
     """torchtitan's recipe on the per-module API (ours or torch's FSDP2): the model and optimizer.
     meta: built on the meta device, parallelized and sharded there, then materialised (to_empty)
-    and initialised (reset_parameters, on the DTensors; on CPU each rank draws its own shard)."""
+    and initialised (reset_parameters, on the DTensors; on CPU each rank draws its own shard).
+    placement_fn: fully_shard's shard_placement_fn."""
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
@@ -288,8 +297,8 @@ def per_module(kind, impl, dtype, shape=(2, 2), meta=False):
     else:
         parallelize_llama(model, mesh["tp"])
     for block in blocks_of(kind, model):
-        fully_shard(block, mesh=dp_mesh(mesh))
-    fully_shard(model, mesh=dp_mesh(mesh))
+        fully_shard(block, mesh=dp_mesh(mesh), shard_placement_fn=placement_fn)
+    fully_shard(model, mesh=dp_mesh(mesh), shard_placement_fn=placement_fn)
     if meta:
         model.to_empty(device="cpu")
         torch.manual_seed(1)
@@ -315,8 +324,8 @@ def tp_duplicated(named):
     return out
 
 
-def per_module_cell(rank, world, kind, impl, dtype, shape=(2, 2), meta=False):
-    model, opt, mesh = per_module(kind, impl, dtype, shape, meta)
+def per_module_cell(rank, world, kind, impl, dtype, shape=(2, 2), meta=False, placement_fn=None):
+    model, opt, mesh = per_module(kind, impl, dtype, shape, meta, placement_fn)
     out = train_steps(kind, model, model.named_parameters, opt, dp_group(mesh), STEPS, clip=kind == "gpt")
     out["layout"] = layout(model.named_parameters())
     out["duplicated"] = tp_duplicated(model.named_parameters())
@@ -471,6 +480,9 @@ def _register():
             add(("per-module", kind, impl, "float32"), per_module_cell, kind, impl, torch.float32)
     for impl in ("ours", "torch"):
         add(("per-module", "gpt", impl, "float32", "meta"), per_module_cell, "gpt", impl, torch.float32, meta=True)
+    for impl in ("ours", "torch"):  # shard_placement_fn's Shard(1) on TP shards
+        add(("per-module", "gpt", impl, "float64", "shard1"), per_module_cell, "gpt", impl, torch.float64,
+            placement_fn=shard_dim1)
     for shape in ((2, 1, 2), (1, 2, 2)):
         add(("per-module", "gpt", "ours", "float64", shape), per_module_cell, "gpt", "ours", torch.float64, shape)
     add(("megatron", "dtensor"), megatron_cell, "dtensor", torch.float64, save="megatron")
@@ -555,6 +567,22 @@ def test_per_module_fp32_is_fsdp2_tp_bit_for_bit(kind):
                 assert set(sa[part]) == set(sb[part])
                 for name in sa[part]:
                     assert torch.equal(sa[part][name], sb[part][name]), (part, name)
+
+
+def test_shard_placement_fn_dim1_on_tp_parameters():
+    """shard_placement_fn returning Shard(1) for TP DTensors (torch's
+    test_init_2d_transformer_shard_diff_dim): FSDP2's placements and local shapes (_StridedShard(1,
+    sf=2) where TP shards dim 1 too, Shard(1) where TP shards dim 0), float64 at rtol 1e-9 against
+    the single-process reference and against FSDP2 + TP running the same script."""
+    ours, theirs = _cells(("per-module", "gpt", "ours", "float64", "shard1")), \
+        _cells(("per-module", "gpt", "torch", "float64", "shard1"))
+    layout = ours[0]["layout"]
+    assert layout["blocks.0.attn.proj.weight"] == ("(_StridedShard(dim=1, sf=2), Shard(dim=1))", (32, 8), ("dp", "tp"))
+    assert layout["embed.tok.weight"] == ("(Shard(dim=1), Shard(dim=0))", (34, 16), ("dp", "tp"))
+    for a, b in zip(ours, theirs):
+        assert a["layout"] == b["layout"]
+        _matches_reference(a, _reference("gpt"))
+        _matches_reference(a, b)
 
 
 def test_placements_are_fsdp2s():

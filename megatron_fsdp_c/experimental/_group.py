@@ -20,7 +20,7 @@ from .._distributed import DistContext, make_dist_context
 from ..param_buffer import local_shape
 from ..no_shard import is_no_shard
 from ._lazy_init import check_sub_mesh
-from ._policy import check_param_dtype
+from ._policy import check_param_dtype, check_plain_tensor, sharded_dtype
 from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
 __all__ = ["Origin", "ShardGroup", "check_origins", "dp_mesh_of", "form_group", "group_of", "post_forward_world",
@@ -66,6 +66,9 @@ class ShardGroup:
     # (id(module), attribute) -> (SPMD mesh, placements) of a parameter that came as a DTensor with
     # dp_mesh_dims ([Note: SPMD compute parameters] in _root.py)
     spmd_specs: dict = dataclasses.field(default_factory=dict)
+    # (id(module), attribute) -> the dtype a parameter computes in, where its sharded DTensor has
+    # another (the main weights' under megatron_fsdp_c's policy, [Note: main-weight parameters] in _policy.py)
+    compute_dtypes: dict = dataclasses.field(default_factory=dict)
     parent: Optional["ShardGroup"] = None  # the group of the closest sharded module above (set by its fully_shard)
 
 
@@ -147,7 +150,11 @@ def _adopt(cur, old: nn.Parameter, g: ShardGroup, mod: nn.Module, attr: str, tp)
                          "assign a DTensor distributed like the parameter it replaces (distribute_tensor(full, "
                          "p.device_mesh, p.placements))")
     placement = old.placements[g.ctx.mesh.ndim - 1]  # the data-parallel shard dim's
-    return _to_dtensor(cur, g.ctx, None if isinstance(placement, Replicate) else placement.dim, g.ctx.device)
+    dtype = sharded_dtype(g.mp_policy, cur.dtype)  # [Note: main-weight parameters] in _policy.py
+    if dtype != cur.dtype:
+        g.compute_dtypes[(id(mod), attr)] = cur.dtype
+    return _to_dtensor(cur, g.ctx, None if isinstance(placement, Replicate) else placement.dim, g.ctx.device,
+                       dtype=dtype)
 
 
 def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:
@@ -225,24 +232,6 @@ def post_forward_world(n: int, mesh: Optional[DeviceMesh]) -> bool:
                       f"the backward's all-gather spans all {size} ranks ([Note: reshard to a smaller world] in "
                       "megatron_fsdp_c/experimental/_group.py)", stacklevel=3)
     return True
-
-
-def check_plain_tensor(t: torch.Tensor, what: str) -> None:
-    """A tensor subclass (TwoTensor, Float8Tensor, ...) or a tensor with FSDP2's all-gather extension
-    hooks (fsdp_pre_all_gather / fsdp_post_all_gather) is refused where it is found, naming the
-    limitation: the engine moves plain elements between its own buffers, so it can neither keep the
-    subclass nor call the hooks around its all-gathers (it would fail later, inside the engine)."""
-    if hasattr(t, "fsdp_pre_all_gather") or hasattr(t, "fsdp_post_all_gather"):
-        raise NotImplementedError(
-            f"{what} defines fsdp_pre_all_gather/fsdp_post_all_gather (FSDP2's all-gather extensions): "
-            "megatron_fsdp_c's all-gathers run in its C engine and cannot call them. Use "
-            "torch.distributed.fsdp.fully_shard for this model, or plain parameters")
-    data = t.data if isinstance(t, nn.Parameter) else t
-    if type(data) is not torch.Tensor:
-        raise NotImplementedError(
-            f"{what} is a tensor subclass ({type(data).__name__}): megatron_fsdp_c shards plain tensors only (its C "
-            "engine moves their elements, not a subclass's inner tensors). Use torch.distributed.fsdp.fully_shard "
-            "for this model, or plain parameters")
 
 
 def _plain(p: nn.Parameter, spmd_mesh: Optional[DeviceMesh]):
@@ -326,10 +315,11 @@ def _group_params(modules, ignored, children: list) -> List[tuple]:
 
 
 def _to_dtensor(p: nn.Parameter, ctx: DistContext, dim: Optional[int], device: torch.device,
-                tp: Optional[TPSpec] = None, what: str = "") -> nn.Parameter:
+                tp: Optional[TPSpec] = None, what: str = "", dtype: Optional[torch.dtype] = None) -> nn.Parameter:
     """This rank's torch.chunk piece of `p` along `dim` (None: all of it, replicated) as a DTensor
     Parameter, its local tensor contiguous as FSDP2's is; of its TP shard for a TP parameter, on the
-    (data-parallel..., tp) mesh ([Note: tensor parallelism])."""
+    (data-parallel..., tp) mesh ([Note: tensor parallelism]); cast to `dtype` if given ([Note:
+    main-weight parameters] in _policy.py)."""
     data = (p._local_tensor if tp is not None else p).detach()
     shape = data.shape
     if not data.is_meta and data.device != device:
@@ -342,6 +332,8 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, dim: Optional[int], device: t
         lo = min(ctx.rank * -(-shape[dim] // ctx.world), shape[dim])
         local = torch.empty(lshape, dtype=data.dtype, device="meta") if data.is_meta \
             else data.narrow(dim, lo, lshape[dim]).clone(memory_format=torch.contiguous_format)
+    if dtype is not None and dtype != local.dtype:
+        local = torch.empty(local.shape, dtype=dtype, device="meta") if local.is_meta else local.to(dtype)
     mesh, placements = ctx.mesh, ctx.placements(placement)
     if tp is not None:
         mesh, placements = spmd_layout(tp, mesh, placements, what)
@@ -411,17 +403,19 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
         if id(p) not in dims:
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
             placement = shard_placement_fn(p) if shard_placement_fn is not None else None
-            dim = _shard_dim(p, placement, what, ctx.world, not replicated)
-            if tp_of[id(p)] is not None and dim != 0 and not replicated:
-                raise NotImplementedError(f"shard_placement_fn returned Shard({dim}) for {what}, a tensor-parallel "
-                                          "DTensor: megatron_fsdp_c shards tensor-parallel parameters on dim 0 only "
-                                          "(return None or Shard(0) for them)")
+            # a TP parameter's local TP shard is what is sharded, on any dim (FSDP2 checks it so too)
+            dim = _shard_dim(p._local_tensor if tp_of[id(p)] is not None else p, placement, what, ctx.world,
+                             not replicated)
             dims[id(p)] = None if replicated else dim
     converted = {}  # id(original) -> DTensor Parameter
+    compute_dtypes = {}  # [Note: main-weight parameters] in _policy.py
     for mod, attr, p in places:
+        dtype = sharded_dtype(mp_policy, p.dtype)
+        if dtype != p.dtype:
+            compute_dtypes[(id(mod), attr)] = p.dtype
         if id(p) not in converted:
             dt = converted[id(p)] = _to_dtensor(p, ctx, dims[id(p)], ctx.device, tp_of[id(p)],
-                                                f"parameter '{attr}' of {type(mod).__name__}")
+                                                f"parameter '{attr}' of {type(mod).__name__}", dtype)
             origin = getattr(p, "_mfsdp_origin", None)  # an attribute, not a dict: tensors compare by value
             if origin is None:
                 origin = p._mfsdp_origin = Origin()
@@ -429,7 +423,7 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
                        mp_policy, reshard_after_forward, tp_specs=[tp_of[id(p)] for _, _, p in places],
-                       spmd_specs=spmd_specs)
+                       spmd_specs=spmd_specs, compute_dtypes=compute_dtypes)
     for m in modules:
         m._mfsdp_group = group
     for child in children:

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from ._group import ShardGroup, group_of
+from ._policy import compute_dtype
 from ._root import RootState, state_of
 
 __all__ = ["FSDPModule", "UnshardHandle", "fsdp_class"]
@@ -282,5 +283,8 @@ class FSDPModule(TorchFSDPModule):
                 state.release_engine(why)
         out = super(TorchFSDPModule, self)._apply(fn, *args, **kwargs)  # the original class's, not torch's FSDP
         for i, (mod, attr, _) in enumerate(g.places):  # to_empty() and friends may replace the parameters
-            g.places[i] = (mod, attr, mod._parameters[attr])
+            p = g.places[i] = (mod, attr, mod._parameters[attr])
+            # a dtype the group's policy cannot keep is refused at this call ([Note: main-weight parameters])
+            compute_dtype(g.mp_policy, g.compute_dtypes.get((id(mod), attr)), p[2].dtype,
+                          f"parameter '{attr}' of {type(mod).__name__}")
         return out

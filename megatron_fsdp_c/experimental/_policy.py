@@ -1,16 +1,18 @@
 """The per-module API's policies: torch's FSDP2 MixedPrecisionPolicy (or megatron_fsdp_c's) and
-OffloadPolicy, checked at fully_shard time; the mixed precision turned into what the engine takes
-at the lazy init, and the casts of the forward's inputs and outputs."""
+OffloadPolicy, checked at fully_shard time; the parameters the engine takes (dtypes, plain
+tensors); the mixed precision turned into what the engine takes at the lazy init, and the casts of
+the forward's inputs and outputs."""
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..mixed_precision import QuantizedCommPolicy
 
-__all__ = ["cast_floats", "check_param_dtype", "check_policies", "check_quant_policy", "engine_policy",
-           "is_torch_policy"]
+__all__ = ["cast_floats", "check_param_dtype", "check_plain_tensor", "check_policies", "check_quant_policy",
+           "compute_dtype", "engine_policy", "is_torch_policy", "sharded_dtype"]
 
 _ENGINE_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the engine casts and sums
 
@@ -36,6 +38,43 @@ def engine_policy(mp, param_dtype: torch.dtype):
                               grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True)
 
 
+def sharded_dtype(mp, dtype: torch.dtype) -> torch.dtype:
+    """[Note: main-weight parameters]
+    The dtype of the sharded DTensor parameter fully_shard makes of a parameter of `dtype`: what
+    optimizers, state dicts and checkpoints see. Under torch's MixedPrecisionPolicy it is the
+    parameter's own dtype (FSDP2 keeps sharded parameters so; param_dtype only casts the
+    gathered copy). Under megatron_fsdp_c's MixedPrecisionPolicy the sharded parameters are the
+    main weights, as in Megatron-FSDP: a bf16 module under main_params_dtype=float32 gets float32
+    DTensor parameters at fully_shard (its local shard cast once, exactly), so an optimizer or a
+    state dict made at any time holds the float32 main weights and their float32 gradients,
+    while the module computes in its own dtype at fully_shard (ShardGroup.compute_dtypes; the
+    engine casts the main weights into each gather). Attaching a float32 gradient to a bf16
+    parameter instead would need Tensor.grad_dtype (torch 2.13 has it) but leave the optimizer
+    stepping bf16 weights: not what the policy asks for."""
+    if isinstance(mp, OurPolicy) and dtype in _ENGINE_FLOATS:
+        return mp.main_dtype(dtype)
+    return dtype
+
+
+def compute_dtype(mp, recorded, dtype: torch.dtype, what: str) -> torch.dtype:
+    """The dtype `what` computes in at the lazy init ([Note: main-weight parameters]): the module's
+    dtype at fully_shard (`recorded`, None when fully_shard kept the parameter's dtype) while the
+    sharded parameter still has the dtype fully_shard gave it, else (a .to() since) its own dtype,
+    which must then be its main weights' too. A ValueError names the call to change otherwise."""
+    if recorded is not None and sharded_dtype(mp, recorded) == dtype:
+        return recorded
+    main = sharded_dtype(mp, dtype)
+    if main != dtype:
+        raise ValueError(
+            f"{what} is a {dtype} DTensor, but its group's megatron_fsdp_c.MixedPrecisionPolicy(main_params_dtype="
+            f"{mp.main_params_dtype}) keeps {main} main weights, and under that policy the sharded parameters are the "
+            f"main weights (fully_shard made them {main}; a .to()/.half()/.bfloat16() or an assignment after "
+            f"fully_shard made this one {dtype}). Convert the module to its compute dtype before fully_shard (it "
+            f"computes in the dtype it had then), or use torch's MixedPrecisionPolicy(param_dtype={dtype}) to compute "
+            f"in {dtype} with {dtype} sharded parameters")
+    return dtype
+
+
 def check_param_dtype(p, what: str, mp) -> None:
     """Parameters of dtypes the engine does not compute with (integers, bool, float8, complex) are
     sharded and gathered as they are, frozen ([Note: opaque parameter dtypes] in ../param_record.py);
@@ -50,6 +89,24 @@ def check_param_dtype(p, what: str, mp) -> None:
     if p.dtype.is_floating_point and target is not None and target != p.dtype:
         raise NotImplementedError(f"{what} has dtype {p.dtype}, which megatron_fsdp_c's engine cannot cast to "
                                   f"param_dtype={target}: shard it in a group without param_dtype, or convert it")
+
+
+def check_plain_tensor(t: torch.Tensor, what: str) -> None:
+    """A tensor subclass (TwoTensor, Float8Tensor, ...) or a tensor with FSDP2's all-gather extension
+    hooks (fsdp_pre_all_gather / fsdp_post_all_gather) is refused where it is found, naming the
+    limitation: the engine moves plain elements between its own buffers, so it can neither keep the
+    subclass nor call the hooks around its all-gathers (it would fail later, inside the engine)."""
+    if hasattr(t, "fsdp_pre_all_gather") or hasattr(t, "fsdp_post_all_gather"):
+        raise NotImplementedError(
+            f"{what} defines fsdp_pre_all_gather/fsdp_post_all_gather (FSDP2's all-gather extensions): "
+            "megatron_fsdp_c's all-gathers run in its C engine and cannot call them. Use "
+            "torch.distributed.fsdp.fully_shard for this model, or plain parameters")
+    data = t.data if isinstance(t, nn.Parameter) else t
+    if type(data) is not torch.Tensor:
+        raise NotImplementedError(
+            f"{what} is a tensor subclass ({type(data).__name__}): megatron_fsdp_c shards plain tensors only (its C "
+            "engine moves their elements, not a subclass's inner tensors). Use torch.distributed.fsdp.fully_shard "
+            "for this model, or plain parameters")
 
 
 def cast_floats(tree, dtype):

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _C
+from .._common import move_storage
 from ._group import ShardGroup
 
 __all__ = ["Registration", "to_sharded_hook"]
@@ -68,13 +69,14 @@ class Registration:
         forward (its sharded parameters are plain DTensors it re-reads). Ours live in the
         engine's buffers, planned for their dtype and device, so such a call first hands them
         back: every group's sharded DTensor parameters are registered, their local shards are
-        copied out of the engine (the same Parameter objects, so optimizers built on them keep
-        working), the gradient hooks are removed and every group under the root forgets the
-        engine; the next forward (or unshard()) initialises a new one from the converted
-        parameters, as the first did. An attached .grad is copied out of the engine too (the
-        same DTensor object), so .to() converts it as torch's Module._apply converts any
-        gradient, and the new engine starts from it (adopt_grads: the next backward accumulates
-        onto it, as FSDP2's onto its sharded .grad). Refused inside a forward or backward, and
+        copied out of the engine into the storage they had (the same Parameter objects and
+        local tensors, so optimizers and state dicts taken of them keep working, [Note: local
+        shards keep their storage] in ../_common.py), the gradient hooks are removed and every
+        group under the root forgets the engine; the next forward (or unshard()) initialises a
+        new one from the converted parameters, as the first did. An attached .grad is copied out
+        of the engine too (the same DTensor object), so .to() converts it as torch's
+        Module._apply converts any gradient, and the new engine starts from it (adopt_grads: the
+        next backward accumulates onto it, as FSDP2's onto its sharded .grad). Refused inside a forward or backward, and
         while gradients are held back by set_requires_gradient_sync(False): those live in the
         engine's unreduced buffers, in no .grad, so nothing could carry them."""
         if self.hooks.in_backward or self.pass_root is not None or self.methods_running:
@@ -91,10 +93,13 @@ class Registration:
         for u in range(len(self.groups)):
             self.register(u, False)
         self.hooks.remove()
+        moved = set()
         with torch.no_grad():
             for r in self.param_buffer.records:
                 dp = r.dist_param
-                dp._local_tensor = dp._local_tensor.detach().clone()  # out of the engine's buffer
+                out = dp._local_tensor.detach().clone()  # out of the engine's buffer, into the same storage
+                if not move_storage(dp._local_tensor, out, moved):  # ([Note: local shards keep their storage])
+                    dp._local_tensor = out
                 if isinstance(dp.grad, DTensor):  # the gradient DTensor views the engine's buffer too
                     dp.grad._local_tensor = dp.grad._local_tensor.detach().clone()
                 origin = getattr(dp, "_mfsdp_origin", None)

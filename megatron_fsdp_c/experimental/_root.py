@@ -19,9 +19,9 @@ from .._sharded import EngineOwner
 from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
-from ._group import ShardGroup, check_origins, check_plain_tensor, group_of, refresh_places
+from ._group import ShardGroup, check_origins, group_of, refresh_places
 from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
-from ._policy import cast_floats, engine_policy, is_torch_policy
+from ._policy import cast_floats, check_plain_tensor, compute_dtype, engine_policy, is_torch_policy
 from ._registration import Registration, to_sharded_hook
 
 __all__ = ["RootState", "build_states", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
@@ -63,7 +63,8 @@ class RootState(Registration, EngineOwner):
                 if r is None:
                     # hooks set on the local shard after fully_shard (FSDP2 finds them there)
                     check_plain_tensor(dp._local_tensor, f"the local shard of parameter '{name}'")
-                    compute, policy = engine_policy(g.mp_policy, dp.dtype)
+                    compute, policy = engine_policy(g.mp_policy, compute_dtype(
+                        g.mp_policy, g.compute_dtypes.get((id(mod), attr)), dp.dtype, f"parameter '{name}'"))
                     # the compute parameter: pointed at the full weights by load_locals; a TP
                     # parameter's is a DTensor on the TP mesh over its gathered TP shard
                     empty = torch.empty(0, dtype=compute, device=ctx.device)
