@@ -240,14 +240,14 @@ def megatron_moe(world: int, strategy: str, hsdp: bool = False, expert_outer: in
     expert_outer) over the same names). Returns (model, optimizer)."""
     ep = 2
     if hsdp:
-        dense = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
-        expt = init_device_mesh("cpu", (expert_outer, world // ep // expert_outer, ep),
-                                mesh_dim_names=("dp_outer", "dp_shard", "ep"))
+        dense = rank_grid.device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        expt = rank_grid.device_mesh("cpu", (expert_outer, world // ep // expert_outer, ep),
+                                     mesh_dim_names=("dp_outer", "dp_shard", "ep"))
         hybrid = {"dp_outer_dim": "dp_outer", "hybrid_fsdp_group": dist.group.WORLD,
                   "hybrid_fsdp_expt_group": expt[("dp_outer", "dp_shard")]._flatten().get_group()}
     else:
-        dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        expt = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_shard", "ep"))
+        dense = rank_grid.device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        expt = rank_grid.device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_shard", "ep"))
         hybrid = {}
     module = moe_model(**config).expert_parallel(expt["ep"].get_group(), expt["ep"].get_local_rank(), ep)
     for block in module.blocks:
@@ -376,7 +376,7 @@ def bad_input(rank, world, ck):
         mfsdp.fully_shard(model, **dict(args, **kwargs))
 
     ck.raised(BAD[2], tied)  # first: the meshes of the cases below are made on purpose to break new groups
-    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp"))
+    hsdp = rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp"))
     expt = DeviceMesh.from_group(expert_mesh.get_group(), "cpu", mesh_dim_names=("dp",))  # named as the dense mesh
     ck.raised(MBAD[2], lambda: megatron(expt, marked=False))
     ck.raised(MBAD[3], lambda: megatron(None))
