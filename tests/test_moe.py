@@ -207,25 +207,40 @@ def dcp_cell(rank, world, ck):
     check_against_reference(ck, "trained on after loading", again, fresh_ref)
 
 
-@cell("dcp_world2", worlds=(2,), needs=[(__name__, "dcp", 4)])
-def dcp_world2(rank, world, ck):
-    """The world-4 checkpoint (ep 2: experts over 2 ranks, dense over 4) loaded at world 2 with ep 2:
-    each rank holds its experts whole (expert dp 1), the dense part over 2."""
-    path = os.path.join(rank_grid.session_dir(), "moe_dcp")
+# The reload at another expert dp saves at world 2 and loads at world 4, the direction the other
+# cross-world checkpoints of the suite take (tests/test_per_module_state.py): the world-2 spawn then
+# runs before the world-4 one, and no cell waits for a spawn that needs it back ([Note: one spawn
+# per world size]).
+RELOAD_STEPS = 2
+
+
+@cell("dcp_save_world2", worlds=(2,))
+def dcp_save_world2(rank, world, ck):
+    """ep 2 at world 2: each rank holds its experts whole (expert dp 1), the dense part over 2;
+    trained, then saved for dcp_load_world4."""
+    model, ref = sharded_moe(world, ep=2), moe_model()
+    train_both(ck, rank, world, model, ref, steps=RELOAD_STEPS)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(rank_grid.session_dir(), "moe_dcp_world2"))
+
+
+@cell("dcp_load_world4", worlds=(4,), needs=[(__name__, "dcp_save_world2", 2)])
+def dcp_load_world4(rank, world, ck):
+    """The world-2 checkpoint loaded at world 4 with ep 2 (experts over 2 ranks: expert dp 2, dense
+    over 4), against the reference trained on world 2's global batches; then one more step."""
     ref = moe_model()
     ropt = adamw(ref)
-    for step in range(2):  # what the world-4 cell trained before saving
-        ref(*global_batch(step, 4)).backward()
+    for step in range(RELOAD_STEPS):
+        ref(*global_batch(step, 2)).backward()
         ropt.step()
         ropt.zero_grad()
-    model = sharded_moe(world, ep=2)
+    model = sharded_moe(world)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=os.path.join(rank_grid.session_dir(), "moe_dcp_world2"))
     model.load_state_dict(state["model"])
-    check_against_reference(ck, "loaded at world 2", model, ref)
+    check_against_reference(ck, "loaded at world 4", model, ref)
     fresh_ref = moe_model()
     fresh_ref.load_state_dict(ref.state_dict())
-    train_both(ck, rank, world, model, fresh_ref, steps=1, first=2)
+    train_both(ck, rank, world, model, fresh_ref, steps=1, first=RELOAD_STEPS)
     check_against_reference(ck, "trained on after loading", model, fresh_ref)
 
 
