@@ -83,11 +83,13 @@ GRID_BUDGET_S = 5400.0      # all spawns of one (group, world size)
 # destroyed between cells: ../shared/DESIGN.md) leaves an idle gloo loop thread waking every
 # 10 ms, so a spawn's idle CPU grows with the groups its cells have made: measured at world 4
 # when every cell made its own meshes, ~350 groups per rank by the end of 278 cells, their loops
-# using more CPU than the cells. Cells now share their meshes ([Note: one mesh per shape]), and
-# a whole world-4 spawn ends with ~50 groups per rank (world 2: ~5), so the bound is a backstop
-# against a cell that makes groups in a loop; each spawn costs ~4 CPU-seconds of start-up per
-# rank. `once()` values are per spawn, so a reference is trained again in each spawn that reads it.
-SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 500))
+# using more CPU than the cells. Cells now share their meshes ([Note: one mesh per shape]), and a
+# 100-cell spawn ends with at most ~30 groups per rank at world 4 (~5 at world 2). Long spawns
+# still cost more than the start-ups they save (~4 CPU-seconds per rank): with one spawn per world
+# size (500 cells) the suite took 592 s of pytest and ~1170 CPU-seconds for all of make test, with
+# 100 cells 483 s of pytest and ~800 CPU-seconds for pytest alone (the same tree, idle machine).
+# `once()` values are per spawn, so a reference is trained again in each spawn that reads it.
+SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 100))
 SESSION_DIR_ENV = "RANK_GRID_SESSION_DIR"
 
 CellId = Tuple[str, Any, int]  # (module, key, world)
