@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import List
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["STRATEGY_NAMES", "contiguous_stride", "grad_tensors", "in_backward", "logger", "move_storage",
-           "parse_strategy"]
+           "parse_strategy", "weak_call"]
 
 logger = logging.getLogger("megatron_fsdp_c")
 
@@ -78,3 +79,23 @@ def move_storage(t: torch.Tensor, src: torch.Tensor, moved: set) -> bool:
     moved.add(s._cdata)
     s._swap_data_ptr_(v)
     return True
+
+
+def weak_call(owner, method: str, *args, **kwargs):
+    """A hook calling owner.<method>(*args, *hook_args, **kwargs), holding owner weakly: a no-op
+    once the owner is gone.
+
+    [Note: hooks hold their owner weakly]
+    A parameter's hook lives in the parameter's hook dict, and a hook manager reaches that
+    parameter through its owner's records: a strong reference makes a cycle through the tensor.
+    torch's collector does not traverse a tensor's hooks while C++ may still hold the tensor, so
+    such a cycle is never collected: every sharded model, with its engine and buffers, lived as
+    long as the process (measured: 38 more parameter records alive per GPT built and dropped, in
+    both APIs; tests/test_reliability.py::test_dropped_models_are_freed)."""
+    ref = weakref.ref(owner)
+
+    def hook(*hook_args):
+        o = ref()
+        if o is not None:
+            getattr(o, method)(*args, *hook_args, **kwargs)
+    return hook

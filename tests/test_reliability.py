@@ -121,7 +121,7 @@ def test_ctrl_c_leaves_no_processes():
 def freed_worker(rank, world):
     """Models per API built, trained a step and dropped: the parameter records alive must not grow
     with the number of models built ([Note: hooks hold their owner weakly] in
-    megatron_fsdp_c/hooks.py). Returns per API the records alive (beyond those before) after one
+    megatron_fsdp_c/_common.py). Returns per API the records alive (beyond those before) after one
     model and after three."""
     from megatron_fsdp_c.experimental import fully_shard
     from megatron_fsdp_c.param_record import ParamRecord

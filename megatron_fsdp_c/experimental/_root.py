@@ -13,9 +13,9 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C
-from .._common import in_backward
+from .._common import in_backward, weak_call
 from .._sharded import EngineOwner
-from ..hooks import HookManager, weak_grad_hook
+from ..hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..param_buffer import ParamBuffer, ParamRecord
 from ._group import ShardGroup, check_origins, group_of, refresh_places
@@ -143,8 +143,8 @@ class RootState(Registration, EngineOwner):
 
     def _hook_spmd(self, r, sp) -> None:
         self._spmd_hooked.add(r.index)
-        sp.register_post_accumulate_grad_hook(weak_grad_hook(self.hooks, r.index, r.bucket, r.item,
-                                                             to_local=_local_of))  # [Note: hooks hold their owner weakly]
+        sp.register_post_accumulate_grad_hook(weak_call(self.hooks, "grad_hook", r.index, r.bucket, r.item,
+                                                        to_local=_local_of))  # [Note: hooks hold their owner weakly]
 
     # -- per-group settings, applied to the engine ------------------------------------------------
     def buckets_of(self, g: ShardGroup) -> List[int]:
