@@ -36,6 +36,11 @@ from ._tensor_parallel import spmd_layout
 __all__ = ["ParamRecord", "ParamBuffer", "collect_params"]  # the records re-exported from param_record.py
 
 ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
+# Elements per item reserved at the end of every shard for the used-parameter flags ([Note: flag
+# tail] in csrc/core/mfsdp_layout.h). 0 until the engine writes and reads them: the flags still go
+# through their own all-reduce ([Note: unused parameters] in _sharded.py). Tests set it to check
+# that nothing (views, state dicts, optimizers, norms) reads a reserved tail.
+FLAG_TAIL = 0
 
 class StorageTally:
     """Counts bytes of storage, each storage once: views, aliases and DTensor local tensors
@@ -76,7 +81,7 @@ class ParamBuffer:
                                int(r.param.requires_grad), int(r.replicated), outer))
         shard_world = 1 if strategy == 0 else ctx.pieces
         self.plan = _C.plan(plan_input, shard_world, ctx.piece_rank if shard_world > 1 else 0, bucket_cap,
-                            ALIGN_BYTES)
+                            ALIGN_BYTES, FLAG_TAIL)
         dtype_of = {code: dt for dt, code in codes.items()}
         specs = []
         max_grad_bytes = 0
@@ -136,6 +141,7 @@ class ParamBuffer:
             shards=bp["shards"], shard_rank=bp["shard_rank"], shard_size=bp["shard_size"],
             weight_size=bp["weight_size"], numels=bp["numels"], pieces=bp["pieces"],
             param_offsets=bp["param_offsets"], shard_offsets=bp["shard_offsets"], outers=bp["outers"],
+            tail_offset=bp["tail_offset"], tail=bp["tail"],
             param_dtype=codes[dtype], main_dtype=codes[main], grad_dtype=codes[grad], comm_dtype=codes[comm],
             weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
                                 and strategy == 3),

@@ -112,6 +112,7 @@ mfsdp_status mfsdp_pipeline_grad_ready(mfsdp_pipeline* p, int32_t b, int32_t ite
   if (keepalive) p->be.memory->retain(p->be.memory_ctx, keepalive);
   bk->pending[bk->n_pending++] = (pending_grad){src, src_dtype, item, keepalive};
   bk->ready[item] = 1;
+  bk->used[item] = 1; /* [Note: used-flag tail] in reduce.c */
   bk->n_ready++;
   if (bk->n_ready == bk->n_trainable) {
     MFSDP_CHECK(flush_pending(p, bk));
@@ -185,6 +186,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
   const mfsdp_kernel_ops* k = p->be.kernels;
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
+    if (bk->spec.layout.n_items) memset(bk->used, 0, (size_t)bk->spec.layout.n_items); /* tails: zeroed below */
     if (!bk->has_grads) continue;
     int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD : MFSDP_BUF_GRAD;
     MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[target].data, bk->buf[target].dtype, bk->buf[target].numel));
@@ -231,6 +233,7 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(k->fill_zero(kc, pl_at(&bk->buf[MFSDP_BUF_OPT_GRAD], bk->shard_offsets[i]), bk->spec.main_dtype,
                                bk->pieces[i]));
+    MFSDP_CHECK(pl_zero_item_flags(p, bk, i));
   }
   if (n == bk->spec.layout.n_items) { /* all zero: nothing of it was reduced across replicas either */
     bk->gstate = MFSDP_G_CLEAN;

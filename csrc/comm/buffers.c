@@ -187,6 +187,7 @@ mfsdp_status pl_create_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype, 0));
   else
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
+  if (bk->flags) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_FLAGS, 3 * (int64_t)s->layout.n_items, MFSDP_F32, 0));
   MFSDP_CHECK(pl_create_comm_buffers(p, bk));
   bk->has_grads = 1;
   bk->gstate = MFSDP_G_CLEAN;
@@ -198,9 +199,10 @@ mfsdp_status pl_create_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
 /* Frees every gradient buffer of a bucket (views first); the weights' buffers stay. */
 void pl_drop_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
   pl_drop_comm_buffers(p, bk);
-  const int kinds[5] = {MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE,
-                        MFSDP_BUF_GRAD};
-  for (int k = 0; k < 5; ++k) drop_buffer(p, bk, kinds[k]);
+  const int kinds[6] = {MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE,
+                        MFSDP_BUF_GRAD, MFSDP_BUF_FLAGS};
+  for (int k = 0; k < 6; ++k) drop_buffer(p, bk, kinds[k]);
+  if (bk->spec.layout.n_items) memset(bk->used, 0, (size_t)bk->spec.layout.n_items);
   bk->has_grads = 0;
   bk->gstate = MFSDP_G_CLEAN;
   bk->holds_unscaled_sums = 0;

@@ -42,7 +42,9 @@
  *   GRAD_WIRE     quantized gradients: this rank's W pieces, the exchange's input (uint8,
  *                 temporary); EXCHANGE is then uint8 too: every rank's piece of this rank's slice.
  *   OUTER_WIRE, OUTER_WIRE_SUB  HFSDP with quantized weights across replicas: the replicas'
- *                 all-gather output (one piece per replica, uint8, temporary) and this rank's. */
+ *                 all-gather output (one piece per replica, uint8, temporary) and this rank's.
+ *   FLAGS         float32, 3 per item: this rank's used-parameter flags and trainable check,
+ *                 copied into every shard's tail at each launch ([Note: used-flag tail] in reduce.c). */
 #ifndef MFSDP_PIPELINE_H
 #define MFSDP_PIPELINE_H
 
@@ -75,6 +77,7 @@ typedef enum mfsdp_buf_kind {
   MFSDP_BUF_GRAD_WIRE,
   MFSDP_BUF_OUTER_WIRE,
   MFSDP_BUF_OUTER_WIRE_SUB,
+  MFSDP_BUF_FLAGS,
   MFSDP_BUF_COUNT
 } mfsdp_buf_kind;
 
@@ -274,6 +277,12 @@ mfsdp_status mfsdp_pipeline_set_trainable(mfsdp_pipeline* p, int32_t bucket, con
 mfsdp_status mfsdp_pipeline_release_grads(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
 /* Finish every in-flight collective. */
 mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p);
+/* Where the bucket's reduced used-parameter flags are ([Note: used-flag tail] in reduce.c): *n
+ * items (0: the bucket carries none), 3 * *n float elements of GRAD_SHARD from element *offset
+ * (its grad dtype): item i was used on some rank since the gradients were last zeroed iff
+ * element i is > 0; in the bucket's last reduction ranks disagreed on whether it trains iff
+ * elements n + i and 2n + i are both > 0. Valid after end_backward / sync_grads. */
+mfsdp_status mfsdp_pipeline_flag_tail(const mfsdp_pipeline* p, int32_t bucket, int64_t* offset, int32_t* n);
 /* Number of NaN/Inf elements in item `item`'s main gradient shard. */
 mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t bucket, int32_t item,
                                                  int64_t* count);

@@ -118,8 +118,9 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->ready = calloc((size_t)(items ? items : 1), 1);
     bk->pending = calloc((size_t)(items ? items : 1), sizeof *bk->pending);
     bk->trainable = calloc((size_t)(items ? items : 1), 1);
+    bk->used = calloc((size_t)(items ? items : 1), 1);
     if (!bk->numels || !bk->pieces || !bk->param_offsets || !bk->shard_offsets || !bk->outers || !bk->ready ||
-        !bk->pending || !bk->trainable) {
+        !bk->pending || !bk->trainable || !bk->used) {
       st = MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "bucket %d tables", i);
       goto fail;
     }
@@ -130,6 +131,10 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->spec.layout.outers = bk->outers;
     set_geometry(bk, cfg);
     pl_wire_setup(p, bk);
+    /* [Note: used-flag tail] in reduce.c: a tail of 3 per item, and no quantized gradient wire
+     * (whose blocks would share a scale with the flags) */
+    bk->flags = (int8_t)(items > 0 && specs[i].grad_mode != MFSDP_GRAD_NONE && l->tail >= 3 * (int64_t)items &&
+                         bk->q_grads < 0);
     if (specs[i].grad_mode != MFSDP_GRAD_NONE && !specs[i].frozen) { /* [Note: requires_grad changes] */
       memset(bk->trainable, 1, (size_t)items);
       bk->n_trainable = items;
@@ -171,6 +176,7 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
     free(bk->outers);
     free(bk->ready);
     free(bk->trainable);
+    free(bk->used);
     for (int32_t k = 0; bk->pending && k < bk->n_pending; ++k)
       if (bk->pending[k].handle) p->be.memory->drop(p->be.memory_ctx, bk->pending[k].handle);
     free(bk->pending);
@@ -287,6 +293,15 @@ mfsdp_status mfsdp_pipeline_local_piece(const mfsdp_pipeline* p, int32_t b, int3
     *where = kind;
     *offset = bk->shard_offsets[item] + (whole ? bk->sub_start : 0);
   }
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_flag_tail(const mfsdp_pipeline* p, int32_t b, int64_t* offset, int32_t* n) {
+  if (b < 0 || b >= p->n) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d out of range [0, %d)", b, p->n);
+  const bucket* bk = &p->b[b];
+  int carries = bk->flags && bk->has_grads;
+  *offset = carries ? bk->sub_start + pl_tail_of(bk) : 0;
+  *n = carries ? bk->spec.layout.n_items : 0;
   return MFSDP_OK;
 }
 

@@ -115,6 +115,9 @@ typedef struct bucket {
   uint8_t* trainable;  /* per item: it trains now (its gradient is expected in every backward) */
   int32_t n_trainable; /* items that train: the bucket reduces while it is > 0 */
   int8_t has_grads;    /* its gradient buffers exist (from the first trainable item until released) */
+  /* [Note: used-flag tail] in reduce.c */
+  int8_t flags;        /* its reductions carry the used-parameter flags in every shard's tail */
+  uint8_t* used;       /* per item: a gradient arrived since the bucket's last launch */
   mfsdp_comm_stats stats;
 } bucket;
 
@@ -191,6 +194,9 @@ static inline int pl_main_in_weight(const bucket* bk) { return !bk->present[MFSD
  * order needs ([Note: collective order]). */
 static inline int pl_reduces(const bucket* bk) { return bk->n_trainable > 0; }
 
+/* Element offset of the flag tail inside every sub-shard ([Note: used-flag tail] in reduce.c). */
+static inline int64_t pl_tail_of(const bucket* bk) { return bk->spec.layout.tail_offset; }
+
 /* Shared helpers, by the file that defines them (each documented at its definition). */
 
 /* pipeline.c */
@@ -226,6 +232,7 @@ PL_INTERNAL mfsdp_status pl_complete_all(mfsdp_pipeline* p);
 PL_INTERNAL mfsdp_status pl_rebase(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL mfsdp_status pl_launch_bucket(mfsdp_pipeline* p, int32_t id);
 PL_INTERNAL mfsdp_status pl_launch_in_order(mfsdp_pipeline* p);
+PL_INTERNAL mfsdp_status pl_zero_item_flags(mfsdp_pipeline* p, bucket* bk, int32_t item);
 
 /* wire.c */
 PL_INTERNAL mfsdp_status pl_wire_check(const mfsdp_pipeline_config* cfg, const mfsdp_backend* be,

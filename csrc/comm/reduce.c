@@ -29,8 +29,31 @@
  * bytes with an all-to-all (each rank receives every rank's narrow piece of its own slice) and
  * adds the pieces into the main gradient in its own dtype, in rank order: each contribution is
  * rounded once (to the wire dtype) and the sum never is. Quantized gradients travel the same way,
- * as wire pieces ([Note: quantized communication] in wire.c). */
+ * as wire pieces ([Note: quantized communication] in wire.c).
+ *
+ * [Note: used-flag tail]
+ * Which parameters some rank used (so that `.grad` stays None where none did, [Note: unused
+ * parameters] in megatron_fsdp_c/_sharded.py) rides in the gradient reductions themselves: no
+ * collective of its own. A bucket planned with a tail of 3 per item ([Note: flag tail] in
+ * core/mfsdp_layout.h) and no quantized gradient wire carries, in the tail of every sub-shard,
+ * for each item i: [i] used, [n + i] trains, [2n + i] frozen. At each launch (write_flags, after
+ * the zeros of unready items and the packing, before the reduction's scaling) this rank's FLAGS
+ * (1 where a gradient arrived since the bucket's last launch, `used`; its trainable bits) go into
+ * every owner's tail: the used third is added, the other two overwrite. The reduction then sums
+ * them like gradients (any op, pre/post scaling, wire dtype, exchange, across replicas): sums of
+ * 0/1 times a positive factor, so "> 0" reads "on some rank" exactly (a positive sum never
+ * rounds to 0), whatever the rounding. The used third lives in the main gradient shard like a
+ * gradient: accumulated (ZeRO-2/3), rebased ([Note: reduce once per step]), zeroed with the
+ * gradients (zero_grads, zero_item_grads), so it reads "used on some rank since the gradients
+ * were last zeroed". The check thirds are fresh per reduction (the accumulator's are zeroed
+ * before each reduced slice is added): both > 0 means the ranks disagreed on whether the item
+ * trains ([Note: changing requires_grad] in _trainable.py). A bucket's flags are final when it
+ * launches (complete, sealed or at the end of backward, [Note: collective order]): no reduction
+ * waits for another. Nothing reads the tail as a weight or gradient: every view, norm and
+ * optimizer state is per item. */
 #include "pipeline_internal.h"
+
+#include <string.h>
 
 /* Low-precision communication, high-precision accumulation: when a reduce-scatter would sum
  * in a dtype narrower than the main gradients, the pipeline exchanges the narrow pieces instead
@@ -105,10 +128,72 @@ static bucket* pop_front(mfsdp_pipeline* p) {
   return bk;
 }
 
+/* [Note: used-flag tail]: this rank's flags into the tail of every owner's sub-shard of GRAD
+ * (materialised, this backward's gradients in): the used third added, the check thirds set. */
+static mfsdp_status write_flags(mfsdp_pipeline* p, bucket* bk) {
+  if (!bk->flags) return MFSDP_OK;
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  void* kc = p->be.kernels_ctx;
+  int32_t n = bk->spec.layout.n_items;
+  const mfsdp_buffer* f = &bk->buf[MFSDP_BUF_FLAGS];
+  MFSDP_CHECK(k->fill_zero(kc, f->data, MFSDP_F32, 3 * (int64_t)n));
+  for (int third = 0; third < 3; ++third) /* runs of ones: few launches, whatever n */
+    for (int32_t j = 0; j < n;) {
+      int one = third == 0 ? bk->used[j] : third == 1 ? bk->trainable[j] : !bk->trainable[j];
+      int32_t end = j + 1;
+      while (end < n && (third == 0 ? bk->used[end] : third == 1 ? bk->trainable[end] : !bk->trainable[end]) == one)
+        ++end;
+      if (one) MFSDP_CHECK(k->fill(kc, pl_at(f, (int64_t)third * n + j), MFSDP_F32, end - j, 1.0));
+      j = end;
+    }
+  const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
+  for (int check = 0; check < 2; ++check) {
+    packer pk = {p, g->data, g->dtype, 1.0, !check, 0, {{0}}};
+    for (int32_t r = 0; r < bk->owners; ++r)
+      MFSDP_CHECK(pl_packer_add(&pk, pl_at(f, check ? n : 0), MFSDP_F32,
+                                pl_slot_of(bk, r) + pl_tail_of(bk) + (check ? n : 0), check ? 2 * (int64_t)n : n));
+    MFSDP_CHECK(pl_packer_flush(&pk));
+  }
+  memset(bk->used, 0, (size_t)n);
+  return MFSDP_OK;
+}
+
+/* The check thirds of the main gradient shard's tails start each reduction at zero ([Note:
+ * used-flag tail]): they say what the ranks trained in this one. */
+static mfsdp_status clear_checks(mfsdp_pipeline* p, bucket* bk) {
+  if (!bk->flags) return MFSDP_OK;
+  const mfsdp_buffer* gs = &bk->buf[MFSDP_BUF_GRAD_SHARD];
+  int64_t n = bk->spec.layout.n_items;
+  for (int32_t o = 0; o < bk->subs; ++o)
+    MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, pl_at(gs, (int64_t)o * bk->sub_size + pl_tail_of(bk) + n),
+                                         gs->dtype, 2 * n));
+  return MFSDP_OK;
+}
+
+/* An item's gradients were zeroed: so is its used flag in every tail that holds it ([Note:
+ * used-flag tail]), and its arrivals since the last launch are forgotten. */
+mfsdp_status pl_zero_item_flags(mfsdp_pipeline* p, bucket* bk, int32_t item) {
+  if (!bk->flags) return MFSDP_OK;
+  const mfsdp_kernel_ops* k = p->be.kernels;
+  void* kc = p->be.kernels_ctx;
+  bk->used[item] = 0;
+  int persistent = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE;
+  const mfsdp_buffer* g = &bk->buf[persistent ? MFSDP_BUF_GRAD : MFSDP_BUF_GRAD_SHARD];
+  int32_t slots = persistent ? bk->owners : bk->subs;
+  for (int32_t r = 0; r < slots; ++r)
+    MFSDP_CHECK(k->fill_zero(kc, pl_at(g, (persistent ? pl_slot_of(bk, r) : (int64_t)r * bk->sub_size) + pl_tail_of(bk) + item),
+                             g->dtype, 1));
+  const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
+  for (int32_t r = 0; !persistent && bk->holds_unscaled_sums && r < bk->owners; ++r)
+    MFSDP_CHECK(k->fill_zero(kc, pl_at(held, pl_slot_of(bk, r) + pl_tail_of(bk) + item), held->dtype, 1));
+  return MFSDP_OK;
+}
+
 /* ZeRO-2/3: this backward's reduced slice (or exchanged pieces) is added to the main gradient
  * shard; the temporary full gradients go. */
 static mfsdp_status finish_accumulate(mfsdp_pipeline* p, bucket* bk) {
   MFSDP_CHECK(pl_rebase_across_replicas(p, bk));
+  MFSDP_CHECK(clear_checks(p, bk));
   if (pl_exchanges(p, bk))
     MFSDP_CHECK(sum_exchanged(p, bk, bk->buf[MFSDP_BUF_GRAD_SHARD].data, 0));
   else
@@ -272,6 +357,7 @@ mfsdp_status pl_launch_bucket(mfsdp_pipeline* p, int32_t id) {
   } else if (bk->gstate == MFSDP_G_REDUCED) {
     MFSDP_CHECK(pl_rebase(p, bk));
   }
+  MFSDP_CHECK(write_flags(p, bk));
   return launch_reduce(p, id);
 }
 

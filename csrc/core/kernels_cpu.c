@@ -146,6 +146,15 @@ mfsdp_status mfsdp_cpu_count_nonfinite(const void* x, int dtype, int64_t n, int6
   return MFSDP_OK;
 }
 
+mfsdp_status mfsdp_cpu_fill(void* x, int dtype, int64_t n, double value) {
+  double chunk[64];
+  for (int i = 0; i < 64; ++i) chunk[i] = value;
+  int64_t elem = mfsdp_dtype_size(dtype);
+  for (int64_t done = 0; done < n; done += 64) /* as copy stores a float64 source: one rounding */
+    MFSDP_CHECK(mfsdp_cpu_copy((char*)x + done * elem, dtype, chunk, MFSDP_F64, n - done < 64 ? n - done : 64, 1.0));
+  return MFSDP_OK;
+}
+
 mfsdp_status mfsdp_cpu_pack(void* dst_base, int dst_dtype, const mfsdp_pack_item* items, int32_t n_items, double alpha,
                             int accumulate) {
   int64_t elem = mfsdp_dtype_size(dst_dtype);
@@ -178,6 +187,11 @@ static mfsdp_status op_count_nonfinite(void* ctx, const void* x, int dt, int64_t
   return mfsdp_cpu_count_nonfinite(x, dt, n, count);
 }
 
+static mfsdp_status op_fill(void* ctx, void* x, int dt, int64_t n, double value) {
+  (void)ctx;
+  return mfsdp_cpu_fill(x, dt, n, value);
+}
+
 static mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items, int32_t n, double alpha,
                             int accumulate) {
   (void)ctx;
@@ -204,4 +218,4 @@ static mfsdp_status op_dequantize_pack(void* ctx, void* dst, int dt, const mfsdp
 
 /* The quantized entries live in quant_cpu.c. */
 const mfsdp_kernel_ops mfsdp_cpu_kernels = {op_copy,     op_accumulate, op_scale,      op_fill_zero,      op_count_nonfinite,
-                                            op_pack,     op_quantize,   op_dequantize, op_dequantize_pack};
+                                            op_pack,     op_quantize,   op_dequantize, op_dequantize_pack, op_fill};

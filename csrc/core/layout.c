@@ -27,7 +27,7 @@ void mfsdp_piece_runs(int64_t numel, int64_t piece, int64_t outer, int32_t rank,
 
 int mfsdp_layout_is_identity(const mfsdp_bucket_layout* l) {
   if (l->world == 1) return 1; /* built so: pieces are whole items, shard offsets = param offsets */
-  return l->n_items == 1 && l->param_offsets[0] == 0 && l->shard_offsets[0] == 0 && l->shard_size == l->pieces[0] &&
+  return l->n_items == 1 && l->tail == 0 && l->param_offsets[0] == 0 && l->shard_offsets[0] == 0 && l->shard_size == l->pieces[0] &&
          l->pieces[0] * l->world == l->numels[0] && mfsdp_layout_outer(l, 0) == 1;
 }
 
@@ -73,7 +73,7 @@ static mfsdp_status push_bucket(mfsdp_plan* plan, int32_t* capacity, mfsdp_bucke
 
 /* Lays out `n` items (indices into params) as one bucket over `world` ranks. */
 static mfsdp_status layout_bucket(mfsdp_bucket_plan* b, const group_builder* g, const int32_t* items, int32_t n,
-                                  const mfsdp_param_info* params, int32_t world, int64_t align) {
+                                  const mfsdp_param_info* params, int32_t world, int64_t align, int64_t tail) {
   size_t count = (size_t)(n ? n : 1);
   int64_t* numels = malloc(count * sizeof *numels);
   int64_t* pieces = malloc(count * sizeof *pieces);
@@ -86,7 +86,7 @@ static mfsdp_status layout_bucket(mfsdp_bucket_plan* b, const group_builder* g, 
   b->replicated = g->replicated;
   b->params = malloc(count * sizeof *b->params);
   b->row_sizes = malloc(count * sizeof *b->row_sizes);
-  b->layout = (mfsdp_bucket_layout){world, n, numels, pieces, param_offsets, shard_offsets, 0, 0, outers};
+  b->layout = (mfsdp_bucket_layout){world, n, numels, pieces, param_offsets, shard_offsets, 0, 0, outers, 0, 0};
   if (!b->params || !b->row_sizes || !numels || !pieces || !param_offsets || !shard_offsets || !outers)
     return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "bucket of %d items", n);
   int64_t weight_cursor = 0, shard_cursor = 0;
@@ -103,6 +103,12 @@ static mfsdp_status layout_bucket(mfsdp_bucket_plan* b, const group_builder* g, 
     weight_cursor = param_offsets[i] + numels[i];
     shard_cursor = shard_offsets[i] + pieces[i];
   }
+  if (tail > 0) { /* [Note: flag tail]: after the last piece of every shard (unsharded: after the last item) */
+    int64_t* cursor = world == 1 ? &weight_cursor : &shard_cursor;
+    b->layout.tail_offset = align_up(*cursor, align);
+    b->layout.tail = tail;
+    *cursor = b->layout.tail_offset + tail;
+  }
   b->layout.weight_size = align_up(weight_cursor > 0 ? weight_cursor : 1, align);
   b->layout.shard_size = world == 1 ? b->layout.weight_size : align_up(shard_cursor > 0 ? shard_cursor : 1, align);
   if (mfsdp_layout_is_identity(&b->layout)) b->layout.weight_size = b->layout.shard_size * world;
@@ -113,7 +119,7 @@ static mfsdp_status layout_bucket(mfsdp_bucket_plan* b, const group_builder* g, 
  * (at least one item each) outside every unit. */
 static mfsdp_status build_group(mfsdp_plan* plan, int32_t* capacity, const group_builder* g,
                                 const mfsdp_param_info* params, int32_t shard_world, int64_t bucket_cap,
-                                int32_t align_bytes) {
+                                int32_t align_bytes, int32_t tail_per_item) {
   int32_t world = g->replicated ? 1 : shard_world;
   int64_t elem = mfsdp_dtype_size(g->dtype);
   int64_t align = align_bytes >= elem ? align_bytes / elem : 1;
@@ -128,7 +134,8 @@ static mfsdp_status build_group(mfsdp_plan* plan, int32_t* capacity, const group
     }
     mfsdp_bucket_plan* b = NULL;
     MFSDP_CHECK(push_bucket(plan, capacity, &b));
-    MFSDP_CHECK(layout_bucket(b, g, g->members + start, end - start, params, world, align));
+    int64_t tail = mfsdp_dtype_is_float(g->dtype) ? (int64_t)tail_per_item * (end - start) : 0;
+    MFSDP_CHECK(layout_bucket(b, g, g->members + start, end - start, params, world, align, tail));
     start = end;
   }
   return MFSDP_OK;
@@ -136,7 +143,15 @@ static mfsdp_status build_group(mfsdp_plan* plan, int32_t* capacity, const group
 
 mfsdp_status mfsdp_plan_build(const mfsdp_param_info* params, int32_t n_params, int32_t shard_world,
                               int64_t bucket_cap, int32_t align_bytes, mfsdp_plan* out) {
+  return mfsdp_plan_build_tailed(params, n_params, shard_world, bucket_cap, align_bytes, 0, out);
+}
+
+mfsdp_status mfsdp_plan_build_tailed(const mfsdp_param_info* params, int32_t n_params, int32_t shard_world,
+                                     int64_t bucket_cap, int32_t align_bytes, int32_t tail_per_item,
+                                     mfsdp_plan* out) {
   memset(out, 0, sizeof *out);
+  if (tail_per_item < 0)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "a tail of %d elements per item", tail_per_item);
   if (n_params < 0 || (n_params > 0 && params == NULL))
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bad parameter list (n=%d)", n_params);
   if (shard_world < 1) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "world size %d < 1", shard_world);
@@ -180,7 +195,8 @@ mfsdp_status mfsdp_plan_build(const mfsdp_param_info* params, int32_t n_params, 
     g->members[g->n++] = i;
   }
   for (int32_t k = 0; k < n_groups; ++k)
-    MFSDP_CHECK_GOTO(build_group(out, &capacity, &groups[k], params, shard_world, bucket_cap, align_bytes), st, exit);
+    MFSDP_CHECK_GOTO(build_group(out, &capacity, &groups[k], params, shard_world, bucket_cap, align_bytes, tail_per_item),
+                     st, exit);
 exit:
   for (int32_t k = 0; k < n_groups; ++k) free(groups[k].members);
   free(groups);
@@ -219,6 +235,15 @@ mfsdp_status mfsdp_layout_validate(const mfsdp_bucket_layout* l, const int64_t* 
           !disjoint(l->shard_offsets[i], piece, l->shard_offsets[j], l->pieces[j]))
         return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "layout items %d and %d overlap", j, i);
   }
+  if (l->tail < 0 || l->tail_offset < 0 || (l->tail > 0 && l->tail_offset + l->tail > l->shard_size))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "layout: tail [%lld, +%lld) outside a shard of %lld",
+                      (long long)l->tail_offset, (long long)l->tail, (long long)l->shard_size);
+  for (int32_t i = 0; i < l->n_items; ++i) /* [Note: flag tail]: no item's rows in it, in either layout */
+    if (!disjoint(l->tail_offset, l->tail, l->shard_offsets[i], l->pieces[i]) ||
+        (l->world == 1 && !disjoint(l->tail_offset, l->tail, l->param_offsets[i], l->numels[i])))
+      return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "layout item %d overlaps the tail", i);
+  if (l->world == 1 && l->tail > 0 && l->tail_offset + l->tail > l->weight_size)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "layout: tail past the %lld weights", (long long)l->weight_size);
   if (l->world == 1)
     for (int32_t i = 0; i < l->n_items; ++i)
       if (l->pieces[i] != l->numels[i] || l->shard_offsets[i] != l->param_offsets[i])

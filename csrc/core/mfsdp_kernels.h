@@ -55,6 +55,9 @@ typedef struct mfsdp_kernel_ops {
   mfsdp_status (*dequantize_pack)(void* ctx, void* dst_base, int dst_dtype, const mfsdp_quant_item* items,
                                   int32_t n_items, int mode, int64_t block, int64_t piece_n, double alpha,
                                   int accumulate);
+  /* x[i] = value, stored as `copy` stores a float64 source (the pipeline's only way to put a
+   * constant in device memory: the used-parameter flags, [Note: flag tail] in mfsdp_layout.h). */
+  mfsdp_status (*fill)(void* ctx, void* x, int dtype, int64_t n, double value);
 } mfsdp_kernel_ops;
 
 extern const mfsdp_kernel_ops mfsdp_cpu_kernels;
@@ -64,6 +67,7 @@ mfsdp_status mfsdp_cpu_accumulate(void* dst, int dst_dtype, const void* src, int
                                   double alpha);
 mfsdp_status mfsdp_cpu_scale(void* x, int dtype, int64_t n, double alpha);
 mfsdp_status mfsdp_cpu_fill_zero(void* x, int dtype, int64_t n);
+mfsdp_status mfsdp_cpu_fill(void* x, int dtype, int64_t n, double value);
 mfsdp_status mfsdp_cpu_count_nonfinite(const void* x, int dtype, int64_t n, int64_t* count);
 mfsdp_status mfsdp_cpu_pack(void* dst_base, int dst_dtype, const mfsdp_pack_item* items, int32_t n_items, double alpha,
                             int accumulate);

@@ -32,7 +32,17 @@
  * Grouping: parameters are grouped by the key (unit, dtype, requires_grad, replicated), groups
  * in first-seen order, items in registration order. Groups outside every unit are cut into
  * buckets of at most bucket_cap elements. Offsets in both layouts and the shard size are
- * multiples of the alignment. */
+ * multiples of the alignment.
+ *
+ * [Note: flag tail]
+ * mfsdp_plan_build_tailed reserves `tail` elements of every shard of a floating bucket, after
+ * its last piece at an aligned tail_offset (an unsharded bucket: after its last item, so the two
+ * layouts stay one): tail_per_item elements per item. No item's rows are ever there, so every
+ * rank-major buffer (the gathers, the gradient buckets, the reduce-scatter's slices, the main
+ * weights and gradient shards) carries the tail at the same offset of each shard with no stride
+ * of its own, and every reduction sums it like a gradient. It is meant for the used-parameter
+ * flags (issue 24, tests/torch_suite/TRIAGE.md "The flag all-reduce"); nothing reads it yet. A
+ * tail makes a sharded one-item bucket a non-identity layout (its gather is copied out). */
 #ifndef MFSDP_LAYOUT_H
 #define MFSDP_LAYOUT_H
 
@@ -66,6 +76,8 @@ typedef struct mfsdp_bucket_layout {
   int64_t weight_size;          /* parameter-major elements */
   int64_t shard_size;           /* rank-major elements per rank; world * shard_size in all */
   const int64_t* outers;        /* blocks of each item (see [Note: chunked layout]); NULL: 1 each */
+  int64_t tail_offset;          /* start of the reserved tail inside every shard ([Note: flag tail]) */
+  int64_t tail;                 /* elements of it (0: none) */
 } mfsdp_bucket_layout;
 
 typedef struct mfsdp_bucket_plan {
@@ -86,6 +98,11 @@ typedef struct mfsdp_plan {
  * align_bytes: offsets and shard sizes are multiples of this many bytes (power of two, >= 1). */
 mfsdp_status mfsdp_plan_build(const mfsdp_param_info* params, int32_t n_params, int32_t shard_world,
                               int64_t bucket_cap, int32_t align_bytes, mfsdp_plan* out);
+/* The same, with tail_per_item (>= 0) elements per item reserved in every shard of each bucket
+ * of a floating dtype ([Note: flag tail]); 0 is mfsdp_plan_build. */
+mfsdp_status mfsdp_plan_build_tailed(const mfsdp_param_info* params, int32_t n_params, int32_t shard_world,
+                                     int64_t bucket_cap, int32_t align_bytes, int32_t tail_per_item,
+                                     mfsdp_plan* out);
 void mfsdp_plan_free(mfsdp_plan* plan);
 
 /* Rank `rank`'s rows of an item of `numel` elements cut in pieces of `piece` elements:

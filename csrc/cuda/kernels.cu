@@ -145,6 +145,16 @@ __global__ void __launch_bounds__(kThreads) binary_kernel(void* __restrict__ dst
                       n, alpha, accumulate, blockIdx.x, gridDim.x);
 }
 
+/* x[i] = value as the copy kernel stores a float64 source (Pair<DT, F64>: one rounding path, the
+ * CPU's); grid-stride, scalar: it fills a few flags ([Note: flag tail] in core/mfsdp_layout.h). */
+template <int DT>
+__global__ void __launch_bounds__(kThreads) fill_kernel(void* __restrict__ x, int64_t n, double value) {
+  using P = Pair<DT, MFSDP_F64>;
+  const typename P::D::T v = P::apply(typename P::D::T(), value, 1.0, false, false);
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    static_cast<typename P::D::T*>(x)[i] = v;
+}
+
 /* A launch's share of a pack: item i's numels[i] elements of srcs[i] go to dst + offsets[i]
  * (see [Note: pack table]). */
 template <int N>
@@ -399,6 +409,19 @@ struct BinaryLaunch {
   }
 };
 
+struct FillLaunch {
+  cuda_ctx* c;
+  void* x;
+  int64_t n;
+  double value;
+  template <int D>
+  mfsdp_status run() {
+    fill_kernel<D><<<blocks_for(c, n), kThreads, 0, c->stream>>>(x, n, value);
+    CUDA_CHECK(cudaGetLastError());
+    return MFSDP_OK;
+  }
+};
+
 /* Launches items [0, n) of a run of one source dtype, a table's worth at a time. */
 struct PackLaunch {
   cuda_ctx* c;
@@ -554,6 +577,15 @@ mfsdp_status op_fill_zero(void* ctx, void* x, int dt, int64_t n) {
   return MFSDP_OK;
 }
 
+mfsdp_status op_fill(void* ctx, void* x, int dt, int64_t n, double value) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  MFSDP_CHECK(check(x, x, n));
+  if (n == 0) return MFSDP_OK;
+  DeviceGuard guard(c);
+  MFSDP_CHECK(guard.enter());
+  return dispatch_float(dt, FillLaunch{c, x, n, value});
+}
+
 mfsdp_status op_count_nonfinite(void* ctx, const void* x, int dt, int64_t n, int64_t* count) {
   cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
   MFSDP_CHECK(check(x, count, n));
@@ -629,7 +661,7 @@ mfsdp_status op_dequantize(void* ctx, void* dst, int dt, const void* wire, int m
 }
 
 const mfsdp_kernel_ops cuda_ops = {op_copy, op_accumulate, op_scale,      op_fill_zero,      op_count_nonfinite,
-                                   op_pack, op_quantize,   op_dequantize, op_dequantize_pack};
+                                   op_pack, op_quantize,   op_dequantize, op_dequantize_pack, op_fill};
 
 }  // namespace
 

@@ -59,7 +59,7 @@ static int dict_long_or(PyObject* d, const char* key, long long fallback, long l
   return dict_long(d, key, out);
 }
 
-/* A bucket dict as _C.plan makes it (plus the dtypes and modes the wrapper adds, and optionally
+/* A bucket dict as _C.plan makes it (tail_offset and tail optional, plus the dtypes and modes the wrapper adds, and optionally
  * its quantized wires: wire_weights, wire_grads, wire_outer_weights as mfsdp_wire_spec codes, and
  * wire_block; and "frozen", default 0: [Note: requires_grad changes] in csrc/comm/trainable.c). */
 static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
@@ -91,6 +91,10 @@ static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
                            (int32_t)v[8],
                            (int32_t)v[9],
                            {(int32_t)w[0], (int32_t)w[1], (int32_t)w[2], w[3]}};
+  long long tail[2] = {0, 0}; /* optional: the reserved tail ([Note: flag tail] in core/mfsdp_layout.h) */
+  for (int i = 0; i < 2 && !PyErr_Occurred(); ++i) dict_long_or(d, i ? "tail" : "tail_offset", 0, &tail[i]);
+  s->layout.tail_offset = tail[0];
+  s->layout.tail = tail[1];
   PyObject* frozen = PyErr_Occurred() ? NULL : PyDict_GetItemString(d, "frozen");
   if (frozen != NULL) {
     int flag = PyObject_IsTrue(frozen); /* -1: the error is set */
@@ -184,7 +188,7 @@ int mfsdp_register_bucket_spec(PyObject* module, module_state* st) {
                                                "GRAD",       "GRAD_SLICE", "GRAD_SHARD", "OPT_GRAD",
                                                "COMM",       "COMM_SLICE", "EXCHANGE",   "WEIGHT_SUB",
                                                "GRAD_SUB",   "GATHER_WIRE", "GATHER_WIRE_SHARD", "GRAD_WIRE",
-                                               "OUTER_WIRE", "OUTER_WIRE_SUB"};
+                                               "OUTER_WIRE", "OUTER_WIRE_SUB", "FLAGS"};
   for (int k = 0; k < MFSDP_BUF_COUNT; ++k) {
     char name[32];
     snprintf(name, sizeof name, "BUF_%s", kinds[k]);

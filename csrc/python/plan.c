@@ -4,13 +4,15 @@
 #include "pieces.h"
 
 PyDoc_STRVAR(plan_doc,
-             "plan(params, shard_world, rank, bucket_cap, align_bytes) -> list[dict]\n\n"
+             "plan(params, shard_world, rank, bucket_cap, align_bytes, flag_tail=0) -> list[dict]\n\n"
              "Groups parameters into buckets and lays each out (csrc/core/mfsdp_layout.h).\n"
              "params: sequence of (numel, row, dtype_code, unit, requires_grad, replicated[, outer]);\n"
              "outer: the blocks before the sharded dim (shape[:d].numel() for Shard(d); 1: dim 0).\n"
              "Each bucket dict carries its key, item parameter indices, both layouts (param_offsets,\n"
              "shard_offsets, pieces, outers, weight_size, shard_size) and `local`: (first, n) of this\n"
-             "rank's rows of every item (first: of its first run, n: all of them). The plan is validated.");
+             "rank's rows of every item (first: of its first run, n: all of them), and tail_offset, tail:\n"
+             "flag_tail elements per item reserved in every shard of a floating bucket ([Note: flag tail]\n"
+             "in csrc/core/mfsdp_layout.h). The plan is validated.");
 
 static PyObject* to_tuple_i64(const int64_t* v, int32_t n) {
   PyObject* t = PyTuple_New(n);
@@ -61,6 +63,14 @@ static PyObject* bucket_to_dict(const mfsdp_bucket_plan* b, int32_t rank) {
   if (d && (PyDict_SetItemString(d, "identity", mfsdp_layout_is_identity(l) ? Py_True : Py_False) < 0 ||
             PyDict_SetItemString(d, "outers", outers) < 0))
     Py_CLEAR(d);
+  if (d) { /* [Note: flag tail] */
+    PyObject* off = PyLong_FromLongLong(l->tail_offset);
+    PyObject* tail = PyLong_FromLongLong(l->tail);
+    if (!off || !tail || PyDict_SetItemString(d, "tail_offset", off) < 0 || PyDict_SetItemString(d, "tail", tail) < 0)
+      Py_CLEAR(d);
+    Py_XDECREF(off);
+    Py_XDECREF(tail);
+  }
 exit:
   Py_XDECREF(params);
   Py_XDECREF(local);
@@ -75,9 +85,9 @@ exit:
 
 static PyObject* py_plan(PyObject* module, PyObject* args) {
   PyObject* seq;
-  int shard_world, rank, align_bytes;
+  int shard_world, rank, align_bytes, flag_tail = 0;
   long long cap;
-  if (!PyArg_ParseTuple(args, "OiiLi:plan", &seq, &shard_world, &rank, &cap, &align_bytes)) return NULL;
+  if (!PyArg_ParseTuple(args, "OiiLi|i:plan", &seq, &shard_world, &rank, &cap, &align_bytes, &flag_tail)) return NULL;
   if (shard_world < 1 || rank < 0 || rank >= shard_world)
     return PyErr_Format(PyExc_ValueError, "plan: rank %d outside world of %d", rank, shard_world);
   PyObject* fast = PySequence_Fast(seq, "plan: params must be a sequence of tuples");
@@ -102,7 +112,7 @@ static PyObject* py_plan(PyObject* module, PyObject* args) {
     }
     infos[i] = (mfsdp_param_info){numel, row, dtype, unit, rg, rep, outer};
   }
-  mfsdp_status s = mfsdp_plan_build(infos, (int32_t)n, shard_world, cap, align_bytes, &plan);
+  mfsdp_status s = mfsdp_plan_build_tailed(infos, (int32_t)n, shard_world, cap, align_bytes, flag_tail, &plan);
   if (s == MFSDP_OK) s = mfsdp_plan_validate(&plan, infos, (int32_t)n);
   if (s != MFSDP_OK) {
     mfsdp_raise(mfsdp_module_state(module), s);

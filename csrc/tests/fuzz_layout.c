@@ -5,7 +5,8 @@
  * bucket, keys consistent, offsets aligned and disjoint in both layouts, pieces of whole rows
  * tiling each item), each rank's piece is exactly its torch.chunk rows, and a round trip:
  * values laid out parameter-major, cut into rank-major shards and copied back out must come
- * back exactly, with every padding element zero. Usage: fuzz_layout [seconds] [seed]. */
+ * back exactly, with every padding element zero. Half the plans reserve a flag tail ([Note: flag
+ * tail] in core/mfsdp_layout.h), which validate keeps clear of every item. Usage: fuzz_layout [seconds] [seed]. */
 #include <time.h>
 
 #include "harness.h"
@@ -24,7 +25,8 @@ static int one_case(uint64_t* rng) {
   int64_t cap = rng_range(rng, 0, 1) ? 0 : rng_range(rng, 1, 5000);
   int align = 1 << rng_range(rng, 0, 6);
   mfsdp_plan plan;
-  mfsdp_status s = mfsdp_plan_build(p, n, world, cap, align, &plan);
+  int tail = rng_range(rng, 0, 1) ? 0 : (int)rng_range(rng, 1, 4); /* [Note: flag tail] */
+  mfsdp_status s = mfsdp_plan_build_tailed(p, n, world, cap, align, tail, &plan);
   CHECK(s == MFSDP_OK, "plan_build: %s", mfsdp_last_error());
   if (s != MFSDP_OK) {
     free(p);
@@ -38,6 +40,9 @@ static int one_case(uint64_t* rng) {
     int64_t elem = mfsdp_dtype_size(bp->dtype), unit = align > elem ? align / elem : 1;
     CHECK(L->shard_size % unit == 0 && L->weight_size % unit == 0, "sizes %lld / %lld not aligned to %d bytes",
           (long long)L->shard_size, (long long)L->weight_size, align);
+    CHECK(L->tail == (mfsdp_dtype_is_float(bp->dtype) ? (int64_t)tail * L->n_items : 0) && L->tail_offset % unit == 0,
+          "tail %lld at %lld: %d per item of a floating bucket, aligned", (long long)L->tail, (long long)L->tail_offset,
+          tail);
     /* item i's element j is the value (i + 1) * 100003 + j: lay it out parameter-major, cut it
      * into rank-major shards the way a reduce-scatter input is packed, check each piece is the
      * torch.chunk rows of its rank, then copy out as after an all-gather: exact round trip. */

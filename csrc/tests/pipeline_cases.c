@@ -36,6 +36,8 @@ const pipe_rig loop_rig = {"threads", loop_rig_world_create, loop_rig_world_dest
 
 /* ---- the cases ---- */
 
+int pipeline_cases_tail = 0;
+
 typedef struct pipe_case {
   const char* name;
   int world, grad_mode, weights_sharded, regather, micro, sync_each;
@@ -91,7 +93,7 @@ static void* pipe_worker(void* arg) {
                           : (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0, 1};
   int shard_world = c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
   mfsdp_plan plan;
-  CHECK_OK(mfsdp_plan_build(infos, N_ITEMS, shard_world, 0, 16, &plan));
+  CHECK_OK(mfsdp_plan_build_tailed(infos, N_ITEMS, shard_world, 0, 16, pipeline_cases_tail, &plan));
   mfsdp_bucket_plan* bp = &plan.buckets[0];
   const mfsdp_bucket_layout* L = &bp->layout;
   mfsdp_bucket_spec spec = {*L, L->world > 1 ? r : 0, c->param_dtype, c->main_dtype, c->grad_dtype, c->comm_dtype,
@@ -209,6 +211,18 @@ static void* pipe_worker(void* arg) {
     }
   }
   CHECK(wrong == 0, "%s rank %d: %d reduced gradients wrong", c->name, r, wrong);
+  if (pipeline_cases_tail >= 3) { /* every rank used and trains every item ([Note: used-flag tail] in reduce.c) */
+    int64_t off;
+    int32_t n;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n));
+    CHECK(n == L->n_items, "%s rank %d: the bucket carries its flags (%d)", c->name, r, n);
+    const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD);
+    for (int i = 0; i < n; ++i)
+      CHECK(load_as_double(gs->data, c->grad_dtype, off + i) > 0 && load_as_double(gs->data, c->grad_dtype, off + n + i) > 0 &&
+                load_as_double(gs->data, c->grad_dtype, off + 2 * n + i) == 0,
+            "%s rank %d item %d: flags %g %g %g", c->name, r, i, load_as_double(gs->data, c->grad_dtype, off + i),
+            load_as_double(gs->data, c->grad_dtype, off + n + i), load_as_double(gs->data, c->grad_dtype, off + 2 * n + i));
+  }
 
   /* optimizer step: main += 1 on this rank's rows, install, gather: everyone sees +1 */
   for (int i = 0; i < L->n_items; ++i) {
@@ -450,7 +464,7 @@ static void* quant_worker(void* arg) {
                           : (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0, 1};
   int shard_world = c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
   mfsdp_plan plan;
-  CHECK_OK(mfsdp_plan_build(infos, N_ITEMS, shard_world, 0, 16, &plan));
+  CHECK_OK(mfsdp_plan_build_tailed(infos, N_ITEMS, shard_world, 0, 16, pipeline_cases_tail, &plan));
   mfsdp_bucket_plan* bp = &plan.buckets[0];
   const mfsdp_bucket_layout* L = &bp->layout;
   int comm = W > 1 || t->force_comm;

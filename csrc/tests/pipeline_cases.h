@@ -20,6 +20,10 @@ typedef struct pipe_rig {
   void (*inject_failure)(void* world, int after);
 } pipe_rig;
 
+/* Elements per item the cases' plans reserve in every shard ([Note: flag tail] in
+ * core/mfsdp_layout.h; default 0): with a tail, every case must give the same results. */
+extern int pipeline_cases_tail;
+
 /* force_comm: issue collectives at world size 1 too (exercises a transport on one device). */
 void run_pipeline_cases(const pipe_rig* rig, int max_world, int force_comm);
 

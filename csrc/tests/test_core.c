@@ -652,6 +652,53 @@ static void test_chunked_layout(void) {
   CHECK(mfsdp_plan_build(&negative, 1, 2, 0, 16, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "negative blocks refused");
 }
 
+/* [Note: flag tail]: a tail per floating bucket, in every shard, disjoint from every item's rows in
+ * both layouts; integer buckets get none; a tailed one-item bucket is no identity layout. */
+static void test_flag_tail_layout(const mfsdp_param_info* block, int n, const mfsdp_param_info* mixed) {
+  mfsdp_plan plain, plan;
+  CHECK_OK(mfsdp_plan_build(block, n, 4, 0, 16, &plain));
+  CHECK_OK(mfsdp_plan_build_tailed(block, n, 4, 0, 16, 3, &plan));
+  CHECK_OK(mfsdp_plan_validate(&plan, block, n));
+  const mfsdp_bucket_layout *P = &plain.buckets[0].layout, *L = &plan.buckets[0].layout;
+  CHECK(L->tail == 3 * n && L->tail_offset % 4 == 0, "3 elements per item, aligned (%lld at %lld)", (long long)L->tail,
+        (long long)L->tail_offset);
+  CHECK(L->tail_offset >= P->shard_size - 3 && L->shard_size >= L->tail_offset + L->tail && L->shard_size % 4 == 0,
+        "after the last piece, inside the aligned shard");
+  for (int i = 0; i < n; ++i)
+    CHECK(L->shard_offsets[i] == P->shard_offsets[i] && L->param_offsets[i] == P->param_offsets[i] &&
+              L->pieces[i] == P->pieces[i],
+          "item %d keeps its place in both layouts", i);
+  CHECK(L->weight_size == P->weight_size, "the parameter-major weights do not grow when sharded");
+  mfsdp_plan_free(&plain);
+  mfsdp_plan_free(&plan);
+
+  mfsdp_param_info with_int[9];
+  memcpy(with_int, mixed, 8 * sizeof *with_int);
+  with_int[8] = (mfsdp_param_info){6, 1, MFSDP_I64, -1, 0, 0, 1};
+  CHECK_OK(mfsdp_plan_build_tailed(with_int, 9, 4, 0, 16, 2, &plan));
+  CHECK_OK(mfsdp_plan_validate(&plan, with_int, 9));
+  int identity = 0;
+  for (int b = 0; b < plan.n_buckets; ++b) {
+    const mfsdp_bucket_layout* l = &plan.buckets[b].layout;
+    int floating = mfsdp_dtype_is_float(plan.buckets[b].dtype);
+    CHECK(l->tail == (floating ? 2 * l->n_items : 0), "bucket %d: a tail iff floating (%lld)", b, (long long)l->tail);
+    if (l->world == 1 && floating)
+      CHECK(l->tail_offset + l->tail <= l->weight_size && l->shard_size == l->weight_size,
+            "unsharded: the tail after the last item, one layout");
+    identity += l->world > 1 && mfsdp_layout_is_identity(l);
+  }
+  CHECK(identity == 0, "no tailed sharded bucket gathers in place (%d)", identity);
+  /* a layout whose tail overlaps an item's rows is refused */
+  mfsdp_bucket_layout bad = plan.buckets[0].layout;
+  bad.tail_offset = bad.shard_offsets[0];
+  bad.tail = 1;
+  CHECK(mfsdp_layout_validate(&bad, NULL) == MFSDP_ERR_INVALID_ARGUMENT, "a tail over an item refused");
+  bad.tail_offset = bad.shard_size;
+  CHECK(mfsdp_layout_validate(&bad, NULL) == MFSDP_ERR_INVALID_ARGUMENT, "a tail past the shard refused");
+  mfsdp_plan_free(&plan);
+  CHECK(mfsdp_plan_build_tailed(block, n, 4, 0, 16, -1, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "negative tail refused");
+}
+
 static void test_layout(void) {
   /* A transformer block (d = 48) at world 4: one bucket; each rank holds torch.chunk rows. */
   mfsdp_param_info block[] = {
@@ -710,6 +757,7 @@ static void test_layout(void) {
   mfsdp_param_info bad = {10, 3, MFSDP_F32, 0, 1, 0};
   CHECK(mfsdp_plan_build(&bad, 1, 2, 0, 16, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "10 is not whole rows of 3");
   CHECK(mfsdp_plan_build(block, n, 0, 0, 16, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "world 0 refused");
+  test_flag_tail_layout(block, n, mixed);
   test_chunked_layout();
 }
 
@@ -722,6 +770,7 @@ static void test_layout(void) {
 typedef struct divergent_thread {
   loop_world* world;
   int rank, grad_mode, sync;
+  int disagree; /* rank 1 freezes item 1 of unit 2 (the others train it) */
 } divergent_thread;
 
 /* Rank r's gradient of item i of unit u, or 0 when rank r did not use it: unit 1 is skipped
@@ -739,7 +788,7 @@ static void* divergent_worker(void* arg) {
   }
   int shard_world = t->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
   mfsdp_plan plan;
-  CHECK_OK(mfsdp_plan_build(infos, DIV_UNITS * 2, shard_world, 0, 16, &plan));
+  CHECK_OK(mfsdp_plan_build_tailed(infos, DIV_UNITS * 2, shard_world, 0, 16, 3, &plan)); /* [Note: flag tail] */
   mfsdp_bucket_spec specs[DIV_UNITS];
   for (int b = 0; b < DIV_UNITS; ++b)
     specs[b] = (mfsdp_bucket_spec){plan.buckets[b].layout, shard_world > 1 ? r : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32,
@@ -751,6 +800,10 @@ static void* divergent_worker(void* arg) {
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, specs, DIV_UNITS, &p));
   if (p == NULL) goto out;
   float* grads[DIV_UNITS][2] = {{0}};
+  int frozen_item = -1; /* unit 2's item holding parameter 2 * 2 + 1 */
+  for (int q = 0; q < plan.buckets[2].layout.n_items; ++q)
+    if (plan.buckets[2].params[q] == 5) frozen_item = q;
+  if (t->disagree && r == 1) CHECK_OK(mfsdp_pipeline_set_trainable(p, 2, &frozen_item, 1, 0));
   CHECK_OK(mfsdp_pipeline_begin_backward(p, t->sync));
   if (r == 0) {
     int32_t skipped[1] = {1};
@@ -759,7 +812,7 @@ static void* divergent_worker(void* arg) {
   for (int k = 0; k < DIV_UNITS * 2; ++k) { /* each rank its own arrival order */
     int n_slots = DIV_UNITS * 2;
     int slot = r % 2 ? (n_slots - 1 - k + r) % n_slots : (k + 2 * r) % n_slots, u = slot / 2, i = slot % 2;
-    if (!div_used(r, u, i)) continue;
+    if (!div_used(r, u, i) || (t->disagree && r == 1 && slot == 5)) continue;
     int64_t n = infos[slot].numel;
     float* g = grads[u][i] = malloc((size_t)n * sizeof *g);
     for (int64_t j = 0; j < n; ++j) g[j] = (float)div_grad(r, u, i, j);
@@ -781,11 +834,44 @@ static void* divergent_worker(void* arg) {
       const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, u, where);
       for (int64_t j = first; j < first + n; ++j) {
         double want = 0;
-        for (int k = 0; k < W; ++k) want += div_grad(k, u, i, j);
+        for (int k = 0; k < W; ++k) want += t->disagree && k == 1 && slot == 5 ? 0 : div_grad(k, u, i, j);
         wrong += fabs(load_as_double(og->data, MFSDP_F32, off + j - first) - want) > 1e-4 * (fabs(want) + 1);
       }
     }
   CHECK(wrong == 0, "grad mode %d sync %d rank %d: %d reduced gradients wrong", t->grad_mode, t->sync, r, wrong);
+  /* [Note: used-flag tail]: the reductions brought every rank the same flags: used iff some rank
+   * used the item, trainable disagreement only where rank 1 froze one */
+  for (int u = 0; u < DIV_UNITS; ++u) {
+    int64_t off;
+    int32_t n;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, u, &off, &n));
+    CHECK(n == plan.buckets[u].layout.n_items, "bucket %d carries its %d items' flags (%d)", u,
+          plan.buckets[u].layout.n_items, n);
+    const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, u, MFSDP_BUF_GRAD_SHARD);
+    for (int q = 0; q < n; ++q) {
+      int slot = plan.buckets[u].params[q], i = slot % 2, anywhere = 0;
+      for (int k = 0; k < W; ++k) anywhere |= div_used(k, u, i) && !(t->disagree && k == 1 && slot == 5);
+      double used = load_as_double(gs->data, MFSDP_F32, off + q);
+      double trains = load_as_double(gs->data, MFSDP_F32, off + n + q);
+      double frozen = load_as_double(gs->data, MFSDP_F32, off + 2 * n + q);
+      CHECK((used > 0) == anywhere && used >= 0, "mode %d rank %d unit %d item %d: used flag %g, used anywhere %d",
+            t->grad_mode, r, u, q, used, anywhere);
+      int split = t->disagree && slot == 5;
+      CHECK(trains > 0 && (frozen > 0) == split, "mode %d rank %d unit %d item %d: trains %g frozen %g (split %d)",
+            t->grad_mode, r, u, q, trains, frozen, split);
+    }
+  }
+  /* zeroed gradients take their used flags along */
+  int32_t first = 0;
+  CHECK_OK(mfsdp_pipeline_zero_item_grads(p, 1, &first, 1));
+  {
+    int64_t off;
+    int32_t n;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 1, &off, &n));
+    const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 1, MFSDP_BUF_GRAD_SHARD);
+    CHECK(load_as_double(gs->data, MFSDP_F32, off) == 0.0 && load_as_double(gs->data, MFSDP_F32, off + 1) > 0,
+          "zero_item_grads clears its item's used flag only");
+  }
   mfsdp_pipeline_destroy(p);
   for (int u = 0; u < DIV_UNITS; ++u) {
     free(grads[u][0]);
@@ -800,15 +886,16 @@ out:
  * every collective still matches across ranks (the thread transport compares them) and the
  * reduced gradients are the sums of what each rank used. */
 static void test_rank_divergent_graphs(void) {
-  const int modes[3][2] = {{MFSDP_GRAD_SCATTER_ACCUMULATE, 0}, {MFSDP_GRAD_SCATTER_IN_PLACE, 1},
-                           {MFSDP_GRAD_ALL_REDUCE, 1}};
-  for (int m = 0; m < 3; ++m) {
+  const int modes[5][3] = {{MFSDP_GRAD_SCATTER_ACCUMULATE, 0, 0}, {MFSDP_GRAD_SCATTER_IN_PLACE, 1, 0},
+                           {MFSDP_GRAD_ALL_REDUCE, 1, 0}, {MFSDP_GRAD_SCATTER_ACCUMULATE, 1, 1},
+                           {MFSDP_GRAD_ALL_REDUCE, 1, 1}};
+  for (int m = 0; m < 5; ++m) {
     loop_world world;
     loop_world_init(&world, DIV_WORLD);
     pthread_t threads[DIV_WORLD];
     divergent_thread args[DIV_WORLD];
     for (int r = 0; r < DIV_WORLD; ++r) {
-      args[r] = (divergent_thread){&world, r, modes[m][0], modes[m][1]};
+      args[r] = (divergent_thread){&world, r, modes[m][0], modes[m][1], modes[m][2]};
       pthread_create(&threads[r], NULL, divergent_worker, &args[r]);
     }
     for (int r = 0; r < DIV_WORLD; ++r) pthread_join(threads[r], NULL);
@@ -1390,6 +1477,10 @@ int main(void) {
   test_requires_grad_changes();
   run_pipeline_cases(&loop_rig, 4, 0);
   run_quantized_cases(&loop_rig, 4, 0);
+  pipeline_cases_tail = 3; /* [Note: flag tail]: a reserved tail changes no result */
+  run_pipeline_cases(&loop_rig, 4, 0);
+  run_quantized_cases(&loop_rig, 4, 0);
+  pipeline_cases_tail = 0;
   test_hfsdp_quantized();
   test_pipeline_misuse();
   if (test_failures) {

@@ -179,6 +179,25 @@ static void test_kernels(void) {
   CHECK_OK(mfsdp_cuda_kernels->fill_zero(k.ctx, y + 3, MFSDP_F32, 990));
   cudaStreamSynchronize(k.stream);
   CHECK(y[3] == 0.0f && y[992] == 0.0f && y[993] == x[993] && y[2] == x[2], "fill_zero covers exactly its range");
+  /* fill (the used-parameter flags, [Note: flag tail] in core/mfsdp_layout.h): every dtype, as the
+   * CPU stores the value, exactly its range, on device 1 while device 0 is current */
+  for (int dt = 0; dt < MFSDP_NUM_FLOAT_DTYPES; ++dt) {
+    const double values[3] = {1.0, -2.5, 1.0 / 3.0};
+    for (int v = 0; v < 3; ++v) {
+      char want[1100 * 8], got[1100 * 8];
+      fill_test_values(want, dt, 1100, &rng);
+      memcpy(got, want, sizeof got);
+      CHECK_OK(mfsdp_cpu_fill(want + 3 * mfsdp_dtype_size(dt), dt, 1093, values[v]));
+      CHECK_OK(mfsdp_cuda_kernels->fill(k.ctx, got + 3 * mfsdp_dtype_size(dt), dt, 1093, values[v]));
+      cudaStreamSynchronize(k.stream);
+      CHECK(count_differences(want, got, dt, 1100) == 0, "fill %s with %g differs from the CPU's",
+            mfsdp_dtype_name(dt), values[v]);
+      CHECK(load_as_double(got, dt, 3) != 0.0 && load_as_double(got, dt, 1095) == load_as_double(want, dt, 1095),
+            "fill %s: its range, nothing past it", mfsdp_dtype_name(dt));
+    }
+  }
+  int32_t no_float[2] = {0};
+  CHECK(mfsdp_cuda_kernels->fill(k.ctx, no_float, MFSDP_I32, 2, 1.0) == MFSDP_ERR_UNSUPPORTED, "fill of ints refused");
   /* NaN / Inf counts */
   for (int dt = 0; dt < MFSDP_NUM_FLOAT_DTYPES; ++dt) {
     char buf[70001 * 8];
@@ -1258,12 +1277,16 @@ int main(int argc, char** argv) {
   if (wanted(argc, argv, "pipeline")) {
     run_pipeline_cases(&nccl_rig, 4, 0);
     run_pipeline_cases(&nccl_rig, 1, 1); /* world 1 with collectives, as tests/test_cuda.py runs on one GPU */
-    emu_set_jitter_us(300);               /* again with streams starting work at random moments */
+    /* these two with a flag tail: the used-parameter flags written on the device (the fill kernel)
+     * and reduced with the gradients ([Note: used-flag tail] in csrc/comm/reduce.c) */
+    pipeline_cases_tail = 3;
+    emu_set_jitter_us(300); /* again with streams starting work at random moments */
     run_pipeline_cases(&nccl_rig, 4, 0);
     emu_set_jitter_us(0);
     g_defer_streams = 1; /* and with every rank's stream as far behind its host as CUDA allows */
     run_pipeline_cases(&nccl_rig, 4, 0);
     g_defer_streams = 0;
+    pipeline_cases_tail = 0;
     CHECK(emu_nccl_premul_reductions() > 0, "no_shard / ZeRO-1 float32 reductions pre-multiply inside NCCL");
   }
   if (wanted(argc, argv, "quant-pipeline")) { /* the quantized wires through the native transport */
