@@ -919,7 +919,12 @@ typedef struct hybrid_thread {
   int hfsdp;      /* ZeRO-3 buckets whose main weights and gradients are sharded across replicas too */
 } hybrid_thread;
 
-static double hy_grad(int rank, int mb, int item, int64_t j) { return 0.25 * (rank + 1) + 0.5 * mb - 0.1 * item + 1e-3 * j; }
+/* Parameter 1 is used by the last rank of the last replica in the first backward only: its used
+ * flag must cross the replicas ([Note: used-flag tail] in csrc/comm/reduce.c). */
+static int hy_used(int rank, int mb, int item) { return item == 0 || (rank == HY_INNER * HY_OUTER - 1 && mb == 0); }
+static double hy_grad(int rank, int mb, int item, int64_t j) {
+  return hy_used(rank, mb, item) ? 0.25 * (rank + 1) + 0.5 * mb - 0.1 * item + 1e-3 * j : 0;
+}
 static double hy_weight(int item, int64_t j) { return item - 0.01 * j; }
 
 static void* hybrid_worker(void* arg) {
@@ -928,7 +933,7 @@ static void* hybrid_worker(void* arg) {
   mfsdp_param_info infos[2] = {{6 * 4, 4, MFSDP_F32, 0, 1, 0}, {5, 1, MFSDP_F32, 0, 1, 0}};
   int shard_world = t->hfsdp ? W : t->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : HY_INNER;
   mfsdp_plan plan;
-  CHECK_OK(mfsdp_plan_build(infos, 2, shard_world, 0, 16, &plan));
+  CHECK_OK(mfsdp_plan_build_tailed(infos, 2, shard_world, 0, 16, 3, &plan)); /* [Note: flag tail] */
   const mfsdp_bucket_layout* L = &plan.buckets[0].layout;
   mfsdp_bucket_spec spec = {*L, t->hfsdp ? rank : shard_world > 1 ? t->inner_rank : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32,
                             MFSDP_F32, t->hfsdp, shard_world > 1 && !t->hfsdp, t->grad_mode};
@@ -958,8 +963,9 @@ static void* hybrid_worker(void* arg) {
     int last = mb == t->backwards - 1, sync = t->sync_each || t->outer_hold || last;
     if (t->outer_hold) CHECK_OK(mfsdp_pipeline_set_outer_hold(p, &bucket0, 1, !last));
     CHECK_OK(mfsdp_pipeline_begin_backward(p, sync));
-    float* g[2];
+    float* g[2] = {NULL, NULL};
     for (int i = 1; i >= 0; --i) {
+      if (!hy_used(rank, mb, plan.buckets[0].params[i])) continue;
       g[i] = malloc((size_t)L->numels[i] * sizeof *g[i]);
       for (int64_t j = 0; j < L->numels[i]; ++j) g[i][j] = (float)hy_grad(rank, mb, plan.buckets[0].params[i], j);
       CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, i, g[i], MFSDP_F32, L->numels[i], NULL));
@@ -985,6 +991,17 @@ static void* hybrid_worker(void* arg) {
         fprintf(stderr, "  hybrid mode %d rank %d item %d elem %lld: got %g want %g\n", t->grad_mode, rank, i,
                 (long long)j, got, want);
     }
+  }
+  { /* every rank: both parameters used somewhere in this step, and trained everywhere */
+    int64_t off;
+    int32_t n;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n));
+    const float* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD)->data;
+    CHECK(n == 2 && gs[off] > 0 && gs[off + 1] > 0 && gs[off + 2] > 0 && gs[off + 3] > 0 && gs[off + 4] == 0 &&
+              gs[off + 5] == 0,
+          "hybrid mode %d (HFSDP %d) rank %d step %d: flags %g %g / %g %g / %g %g", t->grad_mode, t->hfsdp, rank, step,
+          n ? gs[off] : -1, n ? gs[off + 1] : -1, n ? gs[off + 2] : -1, n ? gs[off + 3] : -1, n ? gs[off + 4] : -1,
+          n ? gs[off + 5] : -1);
   }
   mfsdp_comm_stats st;
   mfsdp_pipeline_stats(p, -1, &st);
