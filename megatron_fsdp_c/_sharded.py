@@ -6,16 +6,20 @@ unused-parameter flags, attaching gradients, introspection. Each is also the Hoo
 (hooks.py) of its HookManager.
 
 [Note: unused parameters]
-The gradient hooks mark each parameter used locally (a byte per parameter, `_used`, cleared when
-its optimizer zeroes it). At each sync one small all-reduce (MAX over those bytes,
-`_used_anywhere`) tells every rank which parameters some rank used; a backward that reduces
-nothing (every group's sync off) reduces no flags either, they wait for the next sync. A
-parameter becomes "has a gradient" then (`_has_grad`), and loses it only when
-zero_grad(set_to_none=True) clears it,
-exactly torch's own `.grad` life cycle. Parameters used on some ranks only still get the others'
-zeros in the reduction (see [Note: collective order] in csrc/comm/reduce.c). The same all-reduce
-carries the check that every rank trains the same parameters ([Note: changing requires_grad] in
-_trainable.py).
+At each sync every rank learns which parameters some rank used since their gradients were last
+zeroed, and a parameter becomes "has a gradient" then (`_has_grad`), losing it only when
+zero_grad(set_to_none=True) clears it: exactly torch's own `.grad` life cycle, also when graphs
+differ across ranks. The flags ride in the gradient reductions the backward issues anyway ([Note:
+used-flag tail] in csrc/comm/reduce.c: each bucket's reduction carries its items' flags in the
+tail of every shard, `_reduced_flags` reads them), so a synced backward issues exactly FSDP2's
+collectives; the same tail carries the check that every rank trains the same parameters
+([Note: changing requires_grad] in _trainable.py). A backward that reduces nothing (every group's
+sync off) reduces no flags either: they wait in the engine for the next reduction. Where a bucket
+carries no tail (its gradients cross the wire quantized: blocks would share a scale with the
+flags), one small all-reduce per sync does it instead (MAX over the gradient hooks' local bytes,
+`_used`, cleared when the optimizer zeroes them, and a digest of the trainable set:
+`_used_anywhere`). Parameters used on some ranks only still get the others' zeros in the
+reduction (see [Note: collective order] in csrc/comm/reduce.c).
 """
 from __future__ import annotations
 
@@ -144,7 +148,8 @@ class EngineOwner:
     # -- gradients ------------------------------------------------------------------------
     def _used_anywhere(self) -> bytes:
         """The used-parameter bytes OR-ed over the data-parallel ranks (one small collective, which
-        also checks that every rank trains the same parameters)."""
+        also checks that every rank trains the same parameters): only where a bucket carries no
+        flag tail (see [Note: unused parameters])."""
         ctx = self.dist_ctx
         n = len(self._used)
         if ctx.dp_world == 1:
@@ -156,15 +161,40 @@ class EngineOwner:
         self._trainable_tracker.check_agreement(reduced[n:])
         return reduced[:n]
 
+    def _reduced_flags(self, records) -> Optional[bytes]:
+        """The used bytes of `records` (by record index) as their buckets' reductions brought them
+        ([Note: used-flag tail] in csrc/comm/reduce.c): no collective. Raises when ranks trained
+        different parameters. None when a bucket of theirs carries no flags."""
+        engine = self.param_buffer.engine
+        by_bucket = {}
+        for r in records:
+            by_bucket.setdefault(r.bucket, []).append(r)
+        tails = {b: engine.flag_tail(b) for b in by_bucket}
+        if any(t is None for t in tails.values()):
+            return None
+        used = bytearray(len(self._used))
+        split = []
+        for b, recs in by_bucket.items():
+            offset, n = tails[b]
+            flags = (engine.tensor(b, _C.BUF_GRAD_SHARD).narrow(0, offset, 3 * n) > 0).cpu().tolist()
+            for r in recs:
+                used[r.index] = flags[r.item]
+                if flags[n + r.item] and flags[2 * n + r.item]:
+                    split.append(r)
+        if split:
+            self._trainable_tracker.disagreement()
+        return bytes(used)
+
     def _attach_grads(self, records) -> None:
         """`.grad` of each distributed parameter of `records`: its gradient DTensor once some
         rank used it, None until then (see [Note: unused parameters]). With nothing to attach (every
-        group's gradient sync off) the flags are not reduced: no collective, as FSDP2 issues none
-        in a backward without sync."""
+        group's gradient sync off) nothing is read: the flags wait in the engine."""
         records = [r for r in records if r.grad_dtensor is not None]
         if not records:
             return
-        used = self._used_anywhere()
+        used = bytes(self._used) if self.dist_ctx.dp_world == 1 else self._reduced_flags(records)
+        if used is None:
+            used = self._used_anywhere()
         has = self._has_grad
         for r in records:
             if used[r.index]:

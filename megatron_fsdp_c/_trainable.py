@@ -33,11 +33,14 @@ trainable when DDP was built) and FSDP2:
   (HookManager.retrain, [Note: gather order] in hooks.py) before the forward begins.
 - Every rank must change the same parameters between the same two steps, as under DDP: whether a
   bucket reduces is part of the shared collective order ([Note: collective order] in
-  csrc/comm/reduce.c). A hash of the snapshot rides in the used-flag all-reduce every gradient
-  sync makes (8 bytes and their complements under MAX: a byte agrees on every rank iff the two
-  maxima sum to 255), so a disagreement raises a RuntimeError naming the parameters at the next
-  sync. When it changed the collectives themselves (a bucket reduced on some ranks only), the
-  backward before that sync fails or times out in them instead (collective_timeout).
+  csrc/comm/reduce.c). Each bucket's reduction carries, per item, a "trains" and a "frozen" flag
+  of every rank ([Note: used-flag tail] in csrc/comm/reduce.c): both set in the reduced sums means
+  the ranks disagreed, and the next sync raises a RuntimeError naming the parameters
+  (`disagreement`). Where a bucket carries no flag tail (quantized gradients), a hash of the
+  snapshot rides in the used-flag all-reduce instead (8 bytes and their complements under MAX: a
+  byte agrees on every rank iff the two maxima sum to 255). When a disagreement changed the
+  collectives themselves (a bucket reduced on some ranks only), the backward before that sync
+  fails or times out in them instead (collective_timeout).
 - Mixed precision: in the Megatron-FSDP API a bucket frozen at sharding keeps main weights of its
   compute dtype, so with a wider main_params_dtype its parameters cannot start training (a clear
   error naming the fix) unless they were trainable when sharded or the optimizer given to
@@ -149,6 +152,11 @@ class RequiresGradTracker:
         """`reduced`: the MAX over the ranks of this rank's digest followed by its complements."""
         if all(a + b == 255 for a, b in zip(reduced[:8], reduced[8:16])):
             return
+        self.disagreement()
+
+    def disagreement(self) -> None:
+        """Raises the error naming the parameters the ranks train differently. Collective: every
+        rank calls it at the same sync (every rank reduced the same flags)."""
         ctx = self.owner.dist_ctx
         states = [None] * ctx.dp_world
         dist.all_gather_object(states, bytes(self.state), group=ctx.all_dp_group)

@@ -36,11 +36,10 @@ from ._tensor_parallel import spmd_layout
 __all__ = ["ParamRecord", "ParamBuffer", "collect_params"]  # the records re-exported from param_record.py
 
 ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
-# Elements per item reserved at the end of every shard for the used-parameter flags ([Note: flag
-# tail] in csrc/core/mfsdp_layout.h). 0 until the engine writes and reads them: the flags still go
-# through their own all-reduce ([Note: unused parameters] in _sharded.py). Tests set it to check
-# that nothing (views, state dicts, optimizers, norms) reads a reserved tail.
-FLAG_TAIL = 0
+# Elements per item reserved at the end of every shard for the used-parameter flags and the
+# trainable check ([Note: flag tail] in csrc/core/mfsdp_layout.h, [Note: used-flag tail] in
+# csrc/comm/reduce.c, [Note: unused parameters] in _sharded.py).
+FLAG_TAIL = 3
 
 class StorageTally:
     """Counts bytes of storage, each storage once: views, aliases and DTensor local tensors

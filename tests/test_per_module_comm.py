@@ -14,6 +14,12 @@ Behaviours (cell names):
 - the flags of the backwards without sync wait for the next sync: a parameter one rank used in
   a microbatch without sync only gets its gradient on every rank; one no rank used keeps
   .grad None: flags_carried_to_sync
+- a synced backward issues exactly FSDP2's collectives (the used-parameter flags ride in the
+  gradient reductions, [Note: used-flag tail] in csrc/comm/reduce.c): on a 1-D mesh and on an HSDP
+  2 x 2 mesh (one all-reduce per reduce-scatter), with a parameter one rank of the other replica
+  used reaching every rank and one nobody used keeping .grad None; in the Megatron-FSDP API, every
+  strategy's synced backward (1-D, and HSDP at world 4) issues only the engine's own reductions
+  (CommDebugMode's counts equal comm_stats'): synced_backward_collectives
 """
 import pytest
 import torch
@@ -114,6 +120,69 @@ def flags_carried_to_sync(rank, world, ck):
         want = not name.startswith("never")
         ck.true(f"{name}: .grad {'set' if want else 'None'} on every rank", (p.grad is not None) == want,
                 f"grad is {'None' if p.grad is None else 'set'}")
+
+
+class Unit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@cell("synced_backward_collectives", worlds=(2, 4))
+def synced_backward_collectives(rank, world, ck):
+    import torch.distributed as dist
+    import megatron_fsdp_c as mf
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    x = local_batch(0, rank, (2, 8)).float()
+    meshes = [("1-D", rank_grid.device_mesh("cpu", (world,)))]
+    if world == 4:
+        meshes.append(("HSDP 2x2", rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))))
+    for label, mesh in meshes:
+        hsdp = mesh.ndim == 2
+        seen = {}
+        for impl, shard in (("torch", torch_fully_shard), ("ours", fully_shard)):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            shard(model[1], mesh=mesh)
+            shard(model, mesh=mesh)
+            model(x).sum().backward()  # the first step (ours: its lazy init) is not counted
+            seen[impl] = counts(lambda: model(x).sum().backward())
+        ag, rs, ar = seen["ours"]
+        ck.equal(f"{label}: a synced backward's (all-gathers, reduce-scatters, all-reduces), as FSDP2's",
+                 seen["ours"], seen["torch"])
+        ck.equal(f"{label}: all-reduces", ar, rs if hsdp else 0)
+        # the flags cross the replicas with the gradients: `sometimes` used on the last rank only
+        torch.manual_seed(0)
+        model = Branches().double()
+        fully_shard(model, mesh=mesh)
+        model(x.double(), use=rank == world - 1).sum().backward()
+        for name, p in model.named_parameters():
+            want = not name.startswith("never")
+            ck.true(f"{label}, {name}: .grad {'set' if want else 'None'} on every rank", (p.grad is not None) == want,
+                    f"grad is {'None' if p.grad is None else 'set'}")
+    # the Megatron-FSDP API: no collective but the engine's gradient reductions and gathers
+    layouts = [("1-D", {})]
+    if world == 4:
+        layouts.append(("HSDP 2x2", dict(device_mesh=rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=(
+            "dp_outer", "dp_shard")), dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+            hybrid_fsdp_group=dist.group.WORLD)))
+    for label, kw in layouts:
+        for strategy in (0, 1, 2, 3):
+            torch.manual_seed(0)
+            model, _ = mf.fully_shard(nn.Sequential(Unit(), Unit()), None, fsdp_unit_modules=[Unit],
+                                      zero_dp_strategy=strategy, **kw)
+            model(x).sum().backward()
+            before = model.comm_stats()
+            ag, rs, ar = counts(lambda: model(x).sum().backward())
+            after = model.comm_stats()
+            d = {k: after[k] - before[k] for k in after}
+            ck.equal(f"Megatron-FSDP API {label}, strategy {strategy}: (all-gathers, reduce-scatters, all-reduces) "
+                     "are the engine's", (ag, rs, ar),
+                     (d["all_gathers"] + d["outer_all_gathers"], d["reduce_scatters"] + d["outer_reduce_scatters"],
+                      d["all_reduces"] + d["outer_all_reduces"]))
 
 
 @pytest.mark.parametrize("name,world", rank_grid.params(CELLS, CELLS.keys()))

@@ -488,6 +488,19 @@ static PyObject* engine_grad_state(PyObject* self, PyObject* arg) {
   return PyUnicode_FromString(names[mfsdp_pipeline_grad_state(e->pipeline, (int32_t)b)]);
 }
 
+static PyObject* engine_flag_tail(PyObject* self, PyObject* arg) {
+  engine_object* e = (engine_object*)self;
+  long b = PyLong_AsLong(arg);
+  if (PyErr_Occurred() || !ready(e)) return NULL;
+  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+  int64_t offset = 0;
+  int32_t n = 0;
+  mfsdp_status st = mfsdp_pipeline_flag_tail(e->pipeline, (int32_t)b, &offset, &n);
+  if (st != MFSDP_OK) return fail(self, st);
+  if (n == 0) Py_RETURN_NONE;
+  return Py_BuildValue("(Li)", (long long)offset, (int)n);
+}
+
 static PyObject* engine_stats(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b = -1;
@@ -592,6 +605,9 @@ static PyMethodDef engine_methods[] = {
     {"weight_state", engine_weight_state, METH_O, "weight_state(bucket) -> 'empty'|'gathering'|'ready'|'stale'."},
     {"grad_state", engine_grad_state, METH_O, "grad_state(bucket) -> 'clean'|'dirty'|'reducing'|'reduced'."},
     {"stats", engine_stats, METH_VARARGS, "stats(bucket=-1) -> collective counts and bytes."},
+    {"flag_tail", engine_flag_tail, METH_O,
+     "flag_tail(bucket) -> (offset, n) or None: the reduced used-parameter flags, 3 * n elements of GRAD_SHARD\n"
+     "from offset ([Note: used-flag tail] in csrc/comm/reduce.c); None: the bucket carries none."},
     {"count_nonfinite_grad", engine_count_nonfinite_grad, METH_VARARGS,
      "count_nonfinite_grad(bucket, item) -> NaN/Inf count in this rank's main gradient of the item."},
     {"close", engine_close, METH_NOARGS, "close(): free every buffer now."},
