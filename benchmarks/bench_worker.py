@@ -292,12 +292,14 @@ def main():
     dist.barrier()
     comm_after = sharded.comm_stats() if sharded is not None else None
     flag_sync_ms = None
-    if sharded is not None and train:  # the unused-parameter flag reduction, once per gradient sync
-        flag_times = []
+    if sharded is not None and train:  # the unused-parameter flags, once per gradient sync: read from the
+        flag_times = []                 # reductions' tails, or their all-reduce ([Note: unused parameters])
+        records = [r for r in sharded.param_buffer.records if r.grad_dtensor is not None]
         for _ in range(30):
             dist.barrier()
             t0 = time.perf_counter()
-            sharded._used_anywhere()
+            if sharded._reduced_flags(records) is None:
+                sharded._used_anywhere()
             flag_times.append(time.perf_counter() - t0)
         flag_sync_ms = 1e3 * statistics.median(flag_times)
     # Held bytes, taken between backward and the optimizer step, when gradients exist for every

@@ -79,8 +79,10 @@ class ParamBuffer:
             plan_input.append((math.prod(r.shape), row, codes[engine_dtype(r.param.dtype)], r.unit,
                                int(r.param.requires_grad), int(r.replicated), outer))
         shard_world = 1 if strategy == 0 else ctx.pieces
+        # quantized gradients: the flag tail on their blocks' boundaries ([Note: used-flag tail])
+        blocks = {q.block for q in (r.quant or quant_policy for r in records) if q is not None and q.grads}
         self.plan = _C.plan(plan_input, shard_world, ctx.piece_rank if shard_world > 1 else 0, bucket_cap,
-                            ALIGN_BYTES, FLAG_TAIL)
+                            ALIGN_BYTES, FLAG_TAIL, math.lcm(*blocks) if blocks else 0)
         dtype_of = {code: dt for dt, code in codes.items()}
         specs = []
         max_grad_bytes = 0

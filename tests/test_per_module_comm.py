@@ -19,7 +19,8 @@ Behaviours (cell names):
   2 x 2 mesh (one all-reduce per reduce-scatter), with a parameter one rank of the other replica
   used reaching every rank and one nobody used keeping .grad None; in the Megatron-FSDP API, every
   strategy's synced backward (1-D, and HSDP at world 4) issues only the engine's own reductions
-  (CommDebugMode's counts equal comm_stats'): synced_backward_collectives
+  (CommDebugMode's counts equal comm_stats'); int8 gradients (ZeRO-3) issue no all-reduce either:
+  synced_backward_collectives
 """
 import pytest
 import torch
@@ -163,6 +164,13 @@ def synced_backward_collectives(rank, world, ck):
             want = not name.startswith("never")
             ck.true(f"{label}, {name}: .grad {'set' if want else 'None'} on every rank", (p.grad is not None) == want,
                     f"grad is {'None' if p.grad is None else 'set'}")
+    # quantized gradients (an all-to-all of int8 pieces) carry the flags too: no all-reduce
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    for m in (model[1], model):
+        fully_shard(m, quantized_comm_policy=mf.QuantizedCommPolicy(grads="int8", block=32))
+    model(x).sum().backward()
+    ck.equal("1-D, int8 gradients: all-reduces of a synced backward", counts(lambda: model(x).sum().backward())[2], 0)
     # the Megatron-FSDP API: no collective but the engine's gradient reductions and gathers
     layouts = [("1-D", {})]
     if world == 4:

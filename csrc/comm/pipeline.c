@@ -131,10 +131,15 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->spec.layout.outers = bk->outers;
     set_geometry(bk, cfg);
     pl_wire_setup(p, bk);
-    /* [Note: used-flag tail] in reduce.c: a tail of 3 per item, and no quantized gradient wire
-     * (whose blocks would share a scale with the flags) */
+    /* [Note: used-flag tail] in reduce.c: a tail of 3 per item; a quantized gradient wire only
+     * when its blocks never mix flags and gradients (the tail and every sub-shard on block
+     * boundaries) and the flags are exactly 0 or 1 at each launch (ZeRO-2/3: a fresh bucket; the
+     * persistent sums of no_shard/ZeRO-1 would put a rebased flag next to a larger one, which a
+     * coarse block could round to 0) */
+    int quant_ok = bk->q_grads < 0 || (specs[i].grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE &&
+                                       l->tail_offset % bk->q_block == 0 && bk->sub_size % bk->q_block == 0);
     bk->flags = (int8_t)(items > 0 && specs[i].grad_mode != MFSDP_GRAD_NONE && l->tail >= 3 * (int64_t)items &&
-                         bk->q_grads < 0);
+                         quant_ok);
     if (specs[i].grad_mode != MFSDP_GRAD_NONE && !specs[i].frozen) { /* [Note: requires_grad changes] */
       memset(bk->trainable, 1, (size_t)items);
       bk->n_trainable = items;

@@ -35,7 +35,7 @@
  * Which parameters some rank used (so that `.grad` stays None where none did, [Note: unused
  * parameters] in megatron_fsdp_c/_sharded.py) rides in the gradient reductions themselves: no
  * collective of its own. A bucket planned with a tail of 3 per item ([Note: flag tail] in
- * core/mfsdp_layout.h) and no quantized gradient wire carries, in the tail of every sub-shard,
+ * core/mfsdp_layout.h) carries, in the tail of every sub-shard,
  * for each item i: [i] used, [n + i] trains, [2n + i] frozen. At each launch (write_flags, after
  * the zeros of unready items and the packing, before the reduction's scaling) this rank's FLAGS
  * (1 where a gradient arrived since the bucket's last launch, `used`; its trainable bits) go into
@@ -50,7 +50,11 @@
  * trains ([Note: changing requires_grad] in _trainable.py). A bucket's flags are final when it
  * launches (complete, sealed or at the end of backward, [Note: collective order]): no reduction
  * waits for another. Nothing reads the tail as a weight or gradient: every view, norm and
- * optimizer state is per item. */
+ * optimizer state is per item. Quantized gradient wires ([Note: quantized communication] in
+ * wire.c) carry it only where no block mixes flags and gradients and the flags are exactly 0 or
+ * 1 (ZeRO-2/3 with the tail and sub-shards on block boundaries, which the planner's tail_align
+ * gives): a no_shard/ZeRO-1 persistent sum puts a rebased flag (up to the world) beside a 1,
+ * which a coarse int4 block could round to 0; those buckets carry none (pipeline.c). */
 #include "pipeline_internal.h"
 
 #include <string.h>
@@ -180,9 +184,10 @@ mfsdp_status pl_zero_item_flags(mfsdp_pipeline* p, bucket* bk, int32_t item) {
   int persistent = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE;
   const mfsdp_buffer* g = &bk->buf[persistent ? MFSDP_BUF_GRAD : MFSDP_BUF_GRAD_SHARD];
   int32_t slots = persistent ? bk->owners : bk->subs;
-  for (int32_t r = 0; r < slots; ++r)
-    MFSDP_CHECK(k->fill_zero(kc, pl_at(g, (persistent ? pl_slot_of(bk, r) : (int64_t)r * bk->sub_size) + pl_tail_of(bk) + item),
-                             g->dtype, 1));
+  for (int32_t r = 0; r < slots; ++r) {
+    int64_t slot = persistent ? pl_slot_of(bk, r) : (int64_t)r * bk->sub_size;
+    MFSDP_CHECK(k->fill_zero(kc, pl_at(g, slot + pl_tail_of(bk) + item), g->dtype, 1));
+  }
   const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
   for (int32_t r = 0; !persistent && bk->holds_unscaled_sums && r < bk->owners; ++r)
     MFSDP_CHECK(k->fill_zero(kc, pl_at(held, pl_slot_of(bk, r) + pl_tail_of(bk) + item), held->dtype, 1));

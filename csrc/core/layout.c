@@ -8,6 +8,16 @@
 
 static int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
+static int64_t lcm(int64_t a, int64_t b) {
+  int64_t x = a, y = b;
+  while (y) {
+    int64_t t = x % y;
+    x = y;
+    y = t;
+  }
+  return a / x * b;
+}
+
 void mfsdp_piece_of(int64_t numel, int64_t piece, int32_t rank, int64_t* first, int64_t* n) {
   int64_t a = (int64_t)rank * piece, z = a + piece;
   if (a > numel) a = numel;
@@ -73,7 +83,8 @@ static mfsdp_status push_bucket(mfsdp_plan* plan, int32_t* capacity, mfsdp_bucke
 
 /* Lays out `n` items (indices into params) as one bucket over `world` ranks. */
 static mfsdp_status layout_bucket(mfsdp_bucket_plan* b, const group_builder* g, const int32_t* items, int32_t n,
-                                  const mfsdp_param_info* params, int32_t world, int64_t align, int64_t tail) {
+                                  const mfsdp_param_info* params, int32_t world, int64_t align, int64_t tail,
+                                  int64_t tail_align) {
   size_t count = (size_t)(n ? n : 1);
   int64_t* numels = malloc(count * sizeof *numels);
   int64_t* pieces = malloc(count * sizeof *pieces);
@@ -105,6 +116,7 @@ static mfsdp_status layout_bucket(mfsdp_bucket_plan* b, const group_builder* g, 
   }
   if (tail > 0) { /* [Note: flag tail]: after the last piece of every shard (unsharded: after the last item) */
     int64_t* cursor = world == 1 ? &weight_cursor : &shard_cursor;
+    align = tail_align > 1 ? lcm(align, tail_align) : align; /* the tail and the shard's end */
     b->layout.tail_offset = align_up(*cursor, align);
     b->layout.tail = tail;
     *cursor = b->layout.tail_offset + tail;
@@ -119,7 +131,7 @@ static mfsdp_status layout_bucket(mfsdp_bucket_plan* b, const group_builder* g, 
  * (at least one item each) outside every unit. */
 static mfsdp_status build_group(mfsdp_plan* plan, int32_t* capacity, const group_builder* g,
                                 const mfsdp_param_info* params, int32_t shard_world, int64_t bucket_cap,
-                                int32_t align_bytes, int32_t tail_per_item) {
+                                int32_t align_bytes, int32_t tail_per_item, int64_t tail_align) {
   int32_t world = g->replicated ? 1 : shard_world;
   int64_t elem = mfsdp_dtype_size(g->dtype);
   int64_t align = align_bytes >= elem ? align_bytes / elem : 1;
@@ -135,7 +147,7 @@ static mfsdp_status build_group(mfsdp_plan* plan, int32_t* capacity, const group
     mfsdp_bucket_plan* b = NULL;
     MFSDP_CHECK(push_bucket(plan, capacity, &b));
     int64_t tail = mfsdp_dtype_is_float(g->dtype) ? (int64_t)tail_per_item * (end - start) : 0;
-    MFSDP_CHECK(layout_bucket(b, g, g->members + start, end - start, params, world, align, tail));
+    MFSDP_CHECK(layout_bucket(b, g, g->members + start, end - start, params, world, align, tail, tail_align));
     start = end;
   }
   return MFSDP_OK;
@@ -143,15 +155,16 @@ static mfsdp_status build_group(mfsdp_plan* plan, int32_t* capacity, const group
 
 mfsdp_status mfsdp_plan_build(const mfsdp_param_info* params, int32_t n_params, int32_t shard_world,
                               int64_t bucket_cap, int32_t align_bytes, mfsdp_plan* out) {
-  return mfsdp_plan_build_tailed(params, n_params, shard_world, bucket_cap, align_bytes, 0, out);
+  return mfsdp_plan_build_tailed(params, n_params, shard_world, bucket_cap, align_bytes, 0, 0, out);
 }
 
 mfsdp_status mfsdp_plan_build_tailed(const mfsdp_param_info* params, int32_t n_params, int32_t shard_world,
                                      int64_t bucket_cap, int32_t align_bytes, int32_t tail_per_item,
-                                     mfsdp_plan* out) {
+                                     int64_t tail_align, mfsdp_plan* out) {
   memset(out, 0, sizeof *out);
-  if (tail_per_item < 0)
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "a tail of %d elements per item", tail_per_item);
+  if (tail_per_item < 0 || tail_align < 0 || tail_align > (1 << 20))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "a tail of %d elements per item aligned to %lld", tail_per_item,
+                      (long long)tail_align);
   if (n_params < 0 || (n_params > 0 && params == NULL))
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bad parameter list (n=%d)", n_params);
   if (shard_world < 1) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "world size %d < 1", shard_world);
@@ -195,7 +208,7 @@ mfsdp_status mfsdp_plan_build_tailed(const mfsdp_param_info* params, int32_t n_p
     g->members[g->n++] = i;
   }
   for (int32_t k = 0; k < n_groups; ++k)
-    MFSDP_CHECK_GOTO(build_group(out, &capacity, &groups[k], params, shard_world, bucket_cap, align_bytes, tail_per_item),
+    MFSDP_CHECK_GOTO(build_group(out, &capacity, &groups[k], params, shard_world, bucket_cap, align_bytes, tail_per_item, tail_align),
                      st, exit);
 exit:
   for (int32_t k = 0; k < n_groups; ++k) free(groups[k].members);

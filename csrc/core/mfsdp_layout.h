@@ -40,9 +40,10 @@
  * layouts stay one): tail_per_item elements per item. No item's rows are ever there, so every
  * rank-major buffer (the gathers, the gradient buckets, the reduce-scatter's slices, the main
  * weights and gradient shards) carries the tail at the same offset of each shard with no stride
- * of its own, and every reduction sums it like a gradient. It is meant for the used-parameter
- * flags (issue 24, tests/torch_suite/TRIAGE.md "The flag all-reduce"); nothing reads it yet. A
- * tail makes a sharded one-item bucket a non-identity layout (its gather is copied out). */
+ * of its own, and every reduction sums it like a gradient: the pipeline keeps the used-parameter
+ * flags there ([Note: used-flag tail] in csrc/comm/reduce.c); weights never read it (every view
+ * is per item). A tail makes a sharded one-item bucket a non-identity layout (its gather is
+ * copied out, as FSDP2 copies out every gather). */
 #ifndef MFSDP_LAYOUT_H
 #define MFSDP_LAYOUT_H
 
@@ -99,10 +100,12 @@ typedef struct mfsdp_plan {
 mfsdp_status mfsdp_plan_build(const mfsdp_param_info* params, int32_t n_params, int32_t shard_world,
                               int64_t bucket_cap, int32_t align_bytes, mfsdp_plan* out);
 /* The same, with tail_per_item (>= 0) elements per item reserved in every shard of each bucket
- * of a floating dtype ([Note: flag tail]); 0 is mfsdp_plan_build. */
+ * of a floating dtype ([Note: flag tail]); 0 is mfsdp_plan_build. tail_align (<= 1: none): the
+ * tail's offset and the shard size of a tailed bucket are also multiples of this many elements
+ * (a quantization block: the tail then shares no block with an item's rows). */
 mfsdp_status mfsdp_plan_build_tailed(const mfsdp_param_info* params, int32_t n_params, int32_t shard_world,
                                      int64_t bucket_cap, int32_t align_bytes, int32_t tail_per_item,
-                                     mfsdp_plan* out);
+                                     int64_t tail_align, mfsdp_plan* out);
 void mfsdp_plan_free(mfsdp_plan* plan);
 
 /* Rank `rank`'s rows of an item of `numel` elements cut in pieces of `piece` elements:

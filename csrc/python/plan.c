@@ -4,7 +4,7 @@
 #include "pieces.h"
 
 PyDoc_STRVAR(plan_doc,
-             "plan(params, shard_world, rank, bucket_cap, align_bytes, flag_tail=0) -> list[dict]\n\n"
+             "plan(params, shard_world, rank, bucket_cap, align_bytes, flag_tail=0, tail_align=0) -> list[dict]\n\n"
              "Groups parameters into buckets and lays each out (csrc/core/mfsdp_layout.h).\n"
              "params: sequence of (numel, row, dtype_code, unit, requires_grad, replicated[, outer]);\n"
              "outer: the blocks before the sharded dim (shape[:d].numel() for Shard(d); 1: dim 0).\n"
@@ -12,7 +12,8 @@ PyDoc_STRVAR(plan_doc,
              "shard_offsets, pieces, outers, weight_size, shard_size) and `local`: (first, n) of this\n"
              "rank's rows of every item (first: of its first run, n: all of them), and tail_offset, tail:\n"
              "flag_tail elements per item reserved in every shard of a floating bucket ([Note: flag tail]\n"
-             "in csrc/core/mfsdp_layout.h). The plan is validated.");
+             "in csrc/core/mfsdp_layout.h), at offsets (and shard sizes) that are multiples of tail_align\n"
+             "elements when it is > 1 (a quantization block). The plan is validated.");
 
 static PyObject* to_tuple_i64(const int64_t* v, int32_t n) {
   PyObject* t = PyTuple_New(n);
@@ -86,8 +87,9 @@ exit:
 static PyObject* py_plan(PyObject* module, PyObject* args) {
   PyObject* seq;
   int shard_world, rank, align_bytes, flag_tail = 0;
-  long long cap;
-  if (!PyArg_ParseTuple(args, "OiiLi|i:plan", &seq, &shard_world, &rank, &cap, &align_bytes, &flag_tail)) return NULL;
+  long long cap, tail_align = 0;
+  if (!PyArg_ParseTuple(args, "OiiLi|iL:plan", &seq, &shard_world, &rank, &cap, &align_bytes, &flag_tail, &tail_align))
+    return NULL;
   if (shard_world < 1 || rank < 0 || rank >= shard_world)
     return PyErr_Format(PyExc_ValueError, "plan: rank %d outside world of %d", rank, shard_world);
   PyObject* fast = PySequence_Fast(seq, "plan: params must be a sequence of tuples");
@@ -112,7 +114,7 @@ static PyObject* py_plan(PyObject* module, PyObject* args) {
     }
     infos[i] = (mfsdp_param_info){numel, row, dtype, unit, rg, rep, outer};
   }
-  mfsdp_status s = mfsdp_plan_build_tailed(infos, (int32_t)n, shard_world, cap, align_bytes, flag_tail, &plan);
+  mfsdp_status s = mfsdp_plan_build_tailed(infos, (int32_t)n, shard_world, cap, align_bytes, flag_tail, tail_align, &plan);
   if (s == MFSDP_OK) s = mfsdp_plan_validate(&plan, infos, (int32_t)n);
   if (s != MFSDP_OK) {
     mfsdp_raise(mfsdp_module_state(module), s);

@@ -26,7 +26,8 @@ static int one_case(uint64_t* rng) {
   int align = 1 << rng_range(rng, 0, 6);
   mfsdp_plan plan;
   int tail = rng_range(rng, 0, 1) ? 0 : (int)rng_range(rng, 1, 4); /* [Note: flag tail] */
-  mfsdp_status s = mfsdp_plan_build_tailed(p, n, world, cap, align, tail, &plan);
+  int64_t tail_align = rng_range(rng, 0, 1) ? 0 : rng_range(rng, 1, 300); /* a quantization block */
+  mfsdp_status s = mfsdp_plan_build_tailed(p, n, world, cap, align, tail, tail_align, &plan);
   CHECK(s == MFSDP_OK, "plan_build: %s", mfsdp_last_error());
   if (s != MFSDP_OK) {
     free(p);
@@ -43,6 +44,9 @@ static int one_case(uint64_t* rng) {
     CHECK(L->tail == (mfsdp_dtype_is_float(bp->dtype) ? (int64_t)tail * L->n_items : 0) && L->tail_offset % unit == 0,
           "tail %lld at %lld: %d per item of a floating bucket, aligned", (long long)L->tail, (long long)L->tail_offset,
           tail);
+    CHECK(L->tail == 0 || tail_align < 2 || (L->tail_offset % tail_align == 0 && L->shard_size % tail_align == 0),
+          "tail at %lld, shard of %lld: not multiples of the block %lld", (long long)L->tail_offset,
+          (long long)L->shard_size, (long long)tail_align);
     /* item i's element j is the value (i + 1) * 100003 + j: lay it out parameter-major, cut it
      * into rank-major shards the way a reduce-scatter input is packed, check each piece is the
      * torch.chunk rows of its rank, then copy out as after an all-gather: exact round trip. */

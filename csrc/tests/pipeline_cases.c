@@ -93,7 +93,7 @@ static void* pipe_worker(void* arg) {
                           : (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0, 1};
   int shard_world = c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
   mfsdp_plan plan;
-  CHECK_OK(mfsdp_plan_build_tailed(infos, N_ITEMS, shard_world, 0, 16, pipeline_cases_tail, &plan));
+  CHECK_OK(mfsdp_plan_build_tailed(infos, N_ITEMS, shard_world, 0, 16, pipeline_cases_tail, 0, &plan));
   mfsdp_bucket_plan* bp = &plan.buckets[0];
   const mfsdp_bucket_layout* L = &bp->layout;
   mfsdp_bucket_spec spec = {*L, L->world > 1 ? r : 0, c->param_dtype, c->main_dtype, c->grad_dtype, c->comm_dtype,
@@ -464,7 +464,7 @@ static void* quant_worker(void* arg) {
                           : (mfsdp_param_info){SHAPES[i][0], SHAPES[i][1], c->param_dtype, 0, 1, 0, 1};
   int shard_world = c->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
   mfsdp_plan plan;
-  CHECK_OK(mfsdp_plan_build_tailed(infos, N_ITEMS, shard_world, 0, 16, pipeline_cases_tail, &plan));
+  CHECK_OK(mfsdp_plan_build_tailed(infos, N_ITEMS, shard_world, 0, 16, pipeline_cases_tail, c->block, &plan));
   mfsdp_bucket_plan* bp = &plan.buckets[0];
   const mfsdp_bucket_layout* L = &bp->layout;
   int comm = W > 1 || t->force_comm;
@@ -544,6 +544,19 @@ static void* quant_worker(void* arg) {
   }
   CHECK_OK(mfsdp_pipeline_sync_grads(p));
   t->rig->rank_sync(dev);
+  if (pipeline_cases_tail >= 3) { /* [Note: used-flag tail] in reduce.c: quantized ZeRO-2/3 gradients carry flags */
+    int64_t off;
+    int32_t n;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n));
+    int carries = !qg || c->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE;
+    CHECK(n == (carries ? L->n_items : 0), "%s world %d rank %d: %d items' flags", c->name, W, r, n);
+    const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD);
+    for (int i = 0; i < n; ++i)
+      CHECK(load_as_double(gs->data, c->grad_dtype, off + i) > 0 && load_as_double(gs->data, c->grad_dtype, off + n + i) > 0 &&
+                load_as_double(gs->data, c->grad_dtype, off + 2 * n + i) == 0,
+            "%s world %d rank %d item %d: flags %g %g %g", c->name, W, r, i, load_as_double(gs->data, c->grad_dtype, off + i),
+            load_as_double(gs->data, c->grad_dtype, off + n + i), load_as_double(gs->data, c->grad_dtype, off + 2 * n + i));
+  }
   /* the reference of this rank's reduced slice (grad dtype), then as the optimizer sees it */
   int gdt = c->grad_dtype;
   double alpha = c->op == MFSDP_REDUCE_AVG ? 1.0 / W : 1.0;

@@ -657,7 +657,7 @@ static void test_chunked_layout(void) {
 static void test_flag_tail_layout(const mfsdp_param_info* block, int n, const mfsdp_param_info* mixed) {
   mfsdp_plan plain, plan;
   CHECK_OK(mfsdp_plan_build(block, n, 4, 0, 16, &plain));
-  CHECK_OK(mfsdp_plan_build_tailed(block, n, 4, 0, 16, 3, &plan));
+  CHECK_OK(mfsdp_plan_build_tailed(block, n, 4, 0, 16, 3, 0, &plan));
   CHECK_OK(mfsdp_plan_validate(&plan, block, n));
   const mfsdp_bucket_layout *P = &plain.buckets[0].layout, *L = &plan.buckets[0].layout;
   CHECK(L->tail == 3 * n && L->tail_offset % 4 == 0, "3 elements per item, aligned (%lld at %lld)", (long long)L->tail,
@@ -675,7 +675,7 @@ static void test_flag_tail_layout(const mfsdp_param_info* block, int n, const mf
   mfsdp_param_info with_int[9];
   memcpy(with_int, mixed, 8 * sizeof *with_int);
   with_int[8] = (mfsdp_param_info){6, 1, MFSDP_I64, -1, 0, 0, 1};
-  CHECK_OK(mfsdp_plan_build_tailed(with_int, 9, 4, 0, 16, 2, &plan));
+  CHECK_OK(mfsdp_plan_build_tailed(with_int, 9, 4, 0, 16, 2, 0, &plan));
   CHECK_OK(mfsdp_plan_validate(&plan, with_int, 9));
   int identity = 0;
   for (int b = 0; b < plan.n_buckets; ++b) {
@@ -696,7 +696,15 @@ static void test_flag_tail_layout(const mfsdp_param_info* block, int n, const mf
   bad.tail_offset = bad.shard_size;
   CHECK(mfsdp_layout_validate(&bad, NULL) == MFSDP_ERR_INVALID_ARGUMENT, "a tail past the shard refused");
   mfsdp_plan_free(&plan);
-  CHECK(mfsdp_plan_build_tailed(block, n, 4, 0, 16, -1, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "negative tail refused");
+  CHECK(mfsdp_plan_build_tailed(block, n, 4, 0, 16, -1, 0, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "negative tail refused");
+  /* aligned to a quantization block of 7: the tail and the shard's end on multiples of 7 (and of 4) */
+  CHECK_OK(mfsdp_plan_build_tailed(block, n, 4, 0, 16, 3, 7, &plan));
+  CHECK_OK(mfsdp_plan_validate(&plan, block, n));
+  L = &plan.buckets[0].layout;
+  CHECK(L->tail_offset % 28 == 0 && L->shard_size % 28 == 0 && L->tail_offset >= L->shard_offsets[n - 1] + L->pieces[n - 1],
+        "tail at %lld, shard of %lld: multiples of 28 after the last piece", (long long)L->tail_offset,
+        (long long)L->shard_size);
+  mfsdp_plan_free(&plan);
 }
 
 static void test_layout(void) {
@@ -788,7 +796,7 @@ static void* divergent_worker(void* arg) {
   }
   int shard_world = t->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : W;
   mfsdp_plan plan;
-  CHECK_OK(mfsdp_plan_build_tailed(infos, DIV_UNITS * 2, shard_world, 0, 16, 3, &plan)); /* [Note: flag tail] */
+  CHECK_OK(mfsdp_plan_build_tailed(infos, DIV_UNITS * 2, shard_world, 0, 16, 3, 0, &plan)); /* [Note: flag tail] */
   mfsdp_bucket_spec specs[DIV_UNITS];
   for (int b = 0; b < DIV_UNITS; ++b)
     specs[b] = (mfsdp_bucket_spec){plan.buckets[b].layout, shard_world > 1 ? r : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32,
@@ -933,7 +941,7 @@ static void* hybrid_worker(void* arg) {
   mfsdp_param_info infos[2] = {{6 * 4, 4, MFSDP_F32, 0, 1, 0}, {5, 1, MFSDP_F32, 0, 1, 0}};
   int shard_world = t->hfsdp ? W : t->grad_mode == MFSDP_GRAD_ALL_REDUCE ? 1 : HY_INNER;
   mfsdp_plan plan;
-  CHECK_OK(mfsdp_plan_build_tailed(infos, 2, shard_world, 0, 16, 3, &plan)); /* [Note: flag tail] */
+  CHECK_OK(mfsdp_plan_build_tailed(infos, 2, shard_world, 0, 16, 3, 0, &plan)); /* [Note: flag tail] */
   const mfsdp_bucket_layout* L = &plan.buckets[0].layout;
   mfsdp_bucket_spec spec = {*L, t->hfsdp ? rank : shard_world > 1 ? t->inner_rank : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32,
                             MFSDP_F32, t->hfsdp, shard_world > 1 && !t->hfsdp, t->grad_mode};
