@@ -773,11 +773,11 @@ static void test_layout(void) {
 /* graphs that differ across ranks (see [Note: collective order] in reduce.c) */
 
 #define DIV_UNITS 3
-#define DIV_WORLD 3
+#define DIV_WORLD 4 /* worlds 1 to this */
 
 typedef struct divergent_thread {
   loop_world* world;
-  int rank, grad_mode, sync;
+  int world_size, rank, grad_mode, sync;
   int disagree; /* rank 1 freezes item 1 of unit 2 (the others train it) */
 } divergent_thread;
 
@@ -788,7 +788,7 @@ static double div_grad(int r, int u, int i, int64_t j) { return div_used(r, u, i
 
 static void* divergent_worker(void* arg) {
   divergent_thread* t = arg;
-  int W = DIV_WORLD, r = t->rank;
+  int W = t->world_size, r = t->rank;
   mfsdp_param_info infos[DIV_UNITS * 2];
   for (int u = 0; u < DIV_UNITS; ++u) { /* two items per unit, sizes differing by unit */
     infos[2 * u] = (mfsdp_param_info){(u + 2) * 4 * 5, 5, MFSDP_F32, u, 1, 0};
@@ -869,14 +869,14 @@ static void* divergent_worker(void* arg) {
             t->grad_mode, r, u, q, trains, frozen, split);
     }
   }
-  /* zeroed gradients take their used flags along */
+  /* zeroed gradients take their used flags along (unit 2: used by rank 0 at least) */
   int32_t first = 0;
-  CHECK_OK(mfsdp_pipeline_zero_item_grads(p, 1, &first, 1));
+  CHECK_OK(mfsdp_pipeline_zero_item_grads(p, 2, &first, 1));
   {
     int64_t off;
     int32_t n;
-    CHECK_OK(mfsdp_pipeline_flag_tail(p, 1, &off, &n));
-    const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 1, MFSDP_BUF_GRAD_SHARD);
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 2, &off, &n));
+    const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 2, MFSDP_BUF_GRAD_SHARD);
     CHECK(load_as_double(gs->data, MFSDP_F32, off) == 0.0 && load_as_double(gs->data, MFSDP_F32, off + 1) > 0,
           "zero_item_grads clears its item's used flag only");
   }
@@ -897,19 +897,22 @@ static void test_rank_divergent_graphs(void) {
   const int modes[5][3] = {{MFSDP_GRAD_SCATTER_ACCUMULATE, 0, 0}, {MFSDP_GRAD_SCATTER_IN_PLACE, 1, 0},
                            {MFSDP_GRAD_ALL_REDUCE, 1, 0}, {MFSDP_GRAD_SCATTER_ACCUMULATE, 1, 1},
                            {MFSDP_GRAD_ALL_REDUCE, 1, 1}};
-  for (int m = 0; m < 5; ++m) {
-    loop_world world;
-    loop_world_init(&world, DIV_WORLD);
-    pthread_t threads[DIV_WORLD];
-    divergent_thread args[DIV_WORLD];
-    for (int r = 0; r < DIV_WORLD; ++r) {
-      args[r] = (divergent_thread){&world, r, modes[m][0], modes[m][1], modes[m][2]};
-      pthread_create(&threads[r], NULL, divergent_worker, &args[r]);
+  for (int w = 1; w <= DIV_WORLD; ++w)
+    for (int m = 0; m < 5; ++m) {
+      if (modes[m][2] && w < 2) continue; /* a disagreement needs two ranks */
+      loop_world world;
+      loop_world_init(&world, w);
+      pthread_t threads[DIV_WORLD];
+      divergent_thread args[DIV_WORLD];
+      for (int r = 0; r < w; ++r) {
+        args[r] = (divergent_thread){&world, w, r, modes[m][0], modes[m][1], modes[m][2]};
+        pthread_create(&threads[r], NULL, divergent_worker, &args[r]);
+      }
+      for (int r = 0; r < w; ++r) pthread_join(threads[r], NULL);
+      CHECK(world.mismatches == 0, "world %d grad mode %d: %d collectives differed across ranks", w, modes[m][0],
+            world.mismatches);
+      loop_world_destroy(&world);
     }
-    for (int r = 0; r < DIV_WORLD; ++r) pthread_join(threads[r], NULL);
-    CHECK(world.mismatches == 0, "grad mode %d: %d collectives differed across ranks", modes[m][0], world.mismatches);
-    loop_world_destroy(&world);
-  }
 }
 
 /* ------------------------------------------------------------------------------------------ */
