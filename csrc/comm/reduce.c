@@ -29,7 +29,9 @@
  * bytes with an all-to-all (each rank receives every rank's narrow piece of its own slice) and
  * adds the pieces into the main gradient in its own dtype, in rank order: each contribution is
  * rounded once (to the wire dtype) and the sum never is. Quantized gradients travel the same way,
- * as wire pieces ([Note: quantized communication] in wire.c). */
+ * as wire pieces ([Note: quantized communication] in wire.c). A bucket whose spec says
+ * `sum_in_comm_dtype` (torch's MixedPrecisionPolicy: FSDP2 reduces in reduce_dtype) keeps the
+ * collective's own narrow sum instead, and its reduced values are widened when accumulated. */
 #include "pipeline_internal.h"
 
 /* Low-precision communication, high-precision accumulation: when a reduce-scatter would sum
@@ -40,7 +42,8 @@ int pl_exchanges(const mfsdp_pipeline* p, const bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
   if (s->grad_mode == MFSDP_GRAD_NONE || p->cfg.dp_world < 2) return 0;
   if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && bk->shards < 2) return 0;
-  return bk->q_grads >= 0 || mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
+  if (bk->q_grads >= 0) return 1;
+  return !s->sum_in_comm_dtype && mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
 }
 
 /* An all-reduce done as exchange + gather splits the bucket into dp_world blocks: its comm
