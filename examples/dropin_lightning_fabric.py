@@ -9,7 +9,7 @@ torch's FSDPModule). Run each side and compare:
 Measured 2026-11-23 (CPU, gloo, world 2, fp32): losses and gradient norms identical to FSDP2
 (norms 1.5413975715637207, 1.7814909219741821); ours issued 4 reduce-scatters in 2 steps of 2
 microbatches (2 buckets x 1 syncing backward a step: the no-sync is ours)."""
-import os, sys, torch, torch.nn as nn
+import sys, torch, torch.nn as nn
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 

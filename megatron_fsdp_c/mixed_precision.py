@@ -1,9 +1,10 @@
 """MixedPrecisionPolicy: the dtypes of main weights, main gradients and gradient communication.
 
 The compute dtype is the module's parameter dtype (a bf16 model computes in bf16). Gradients
-are always widened before they are summed: a low-precision gradient is cast up and added to the
-main gradient in the wider type, and a reduction in a narrow communication dtype is accumulated
-into the (wider) main gradient, rounding once.
+are widened before they are summed: a low-precision gradient is cast up and added to the main
+gradient in the wider type, and a reduction in a narrow communication dtype is accumulated into
+the (wider) main gradient, rounding once (unless sum_in_comm_dtype asks for the collective's own
+narrow sum, as torch's FSDP2 does).
 """
 from __future__ import annotations
 
@@ -45,12 +46,18 @@ class MixedPrecisionPolicy:
         accumulated into the main gradient in its own (wider) dtype.
     allow_lossy_accumulation: main_grads_dtype narrower than grad_comm_dtype throws away bits of
         every reduced gradient; that is refused unless this is set.
+    sum_in_comm_dtype: with a grad_comm_dtype narrower than the main gradients, False (default)
+        sends the narrow values but sums them in the main gradient dtype, rounding each rank's
+        contribution once and the sum never ([Note: exchange reduction] in csrc/comm/reduce.c);
+        True lets the collective sum in grad_comm_dtype, as NCCL's reduce-scatter and torch's
+        FSDP2 do (every partial sum rounded): their numbers. Quantized gradients ignore it.
     """
 
     main_params_dtype: Optional[torch.dtype] = torch.float32
     main_grads_dtype: Optional[torch.dtype] = None
     grad_comm_dtype: Optional[torch.dtype] = None
     allow_lossy_accumulation: bool = False
+    sum_in_comm_dtype: bool = False
 
     def __post_init__(self):
         _check_dtype("main_params_dtype", self.main_params_dtype)

@@ -148,6 +148,7 @@ class ParamBuffer:
                                 and strategy == 3),
             weights_regather=int(sharded and strategy in (1, 2)),
             trainable_mode=grad_mode, frozen=int(not bp["requires_grad"]),
+            sum_in_comm_dtype=int(policy.sum_in_comm_dtype),
             grad_mode=grad_mode if bp["requires_grad"] else _C.GRAD_NONE,
             **wire,
         )

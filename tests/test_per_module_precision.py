@@ -6,11 +6,12 @@ spawns (see [Note: one spawn per world size] in rank_grid.py).
 torch's MixedPrecisionPolicy semantics, as documented by FSDP2 (and our one difference):
 - param_dtype: the compute dtype; the sharded parameters, their gradients and the optimizer stay
   in the parameter's dtype. The reference here is an fp32 master model with a compute-dtype copy.
-- reduce_dtype (default: param_dtype): the dtype gradients travel in. Where it is narrower than
-  the parameter, FSDP2's reduce-scatter sums in it; ours rounds each rank's (pre-scaled)
-  contribution to it once and sums in the parameter's dtype, in rank order ([Note: exchange
-  reduction] in csrc/comm/reduce.c). The reference does exactly that, so the numbers match bit
-  for bit. Where reduce_dtype is the parameter's dtype the library reduce-scatters with gloo, whose
+- reduce_dtype (default: param_dtype): the dtype gradients travel in and are summed in (FSDP2's
+  reduce-scatter; ours too under torch's policy: `sum_in_comm_dtype`, [Note: exchange reduction]
+  in csrc/comm/reduce.c). The reference sums the pre-scaled shares in that dtype in rank order,
+  which gloo's sums match bit for bit at world 2; at world 4 gloo sums in another order, so
+  there the check is against FSDP2 itself (torch_policy_sums_like_fsdp2, bit for bit). megatron_fsdp_c's own policy sums the narrow shares in the main
+  dtype instead, and its reference does. Where reduce_dtype is the parameter's dtype the library reduce-scatters with gloo, whose
   fp32 sums of 4 ranks run in another order than the reference's (see [Note: reduction order] in
   tests/test_parity.py): at world 4 that policy (bf16 compute, fp32 reduction) runs with float64
   main weights and reduction instead, where sums of bf16 gradients are exact in any order, so it
@@ -22,6 +23,7 @@ torch's MixedPrecisionPolicy semantics, as documented by FSDP2 (and our one diff
 Behaviours (cell names):
 - bf16 compute with fp32 or bf16 (default) reduction, fp32 compute with bf16 reduction, with
   reshard_after_forward True/False: mp_training
+- a narrow reduce_dtype gives FSDP2's numbers bit for bit (bf16, fp16): torch_policy_sums_like_fsdp2
 - gradient accumulation with sync off under bf16 compute and fp32 reduction: mp_accumulation
 - dataclass / nested dataclass / namedtuple activations between groups under bf16: structured_io
 - cast_forward_inputs on every module of a list group: grouped_cast_forward_inputs
@@ -32,6 +34,8 @@ Behaviours (cell names):
 - LayerNorm / BatchNorm1d / BatchNorm2d groups under bf16 (BatchNorm's fp32 running statistics
   refused next to bf16 weights as under FSDP2, and trained once cast down by hand), BatchNorm with
   output_dtype only, each beside torch's FSDP2: norm_modules
+- megatron_fsdp_c's own MixedPrecisionPolicy with a bf16 wire, summed wide or (sum_in_comm_dtype)
+  in bf16: our_policy_bf16_wire
 - megatron_fsdp_c's own MixedPrecisionPolicy (bf16 model, fp32 main weights): our_policy; its
   sharded parameters are the fp32 main weights from fully_shard on (state dict, optimizer), a
   later dtype conversion is refused: our_policy_main_weights
@@ -83,7 +87,7 @@ def rank_order_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def mp_loop(ck, rank, world, model, mp, data, *, steps=4, accumulate=1, reshard=True, shard=None, master=None,
-            wire=None):
+            wire=None, narrow=None):
     """Trains `model` (sharded here with `mp`; its dtype is the main weights' unless `master` says)
     against a master replica with a compute-dtype copy whose gradients are reduced as the
     documented semantics say (in `wire`, by default mp's reduce_dtype); bit for bit (see the
@@ -115,9 +119,13 @@ def mp_loop(ck, rank, world, model, mp, data, *, steps=4, accumulate=1, reshard=
             pc.grad = None
         return loss
 
-    def reduce(m):  # each rank's share rounded once to the wire dtype, summed in the main dtype
+    if narrow is None:  # torch's policy sums in the wire dtype (FSDP2's reduce-scatter); ours wide by default
+        narrow = getattr(mp, "sum_in_comm_dtype", True)
+
+    def reduce(m):  # each rank's share rounded once to the wire dtype, summed in the wire or main dtype
         for p in m.parameters():
-            p.grad = rank_order_sum((p.grad / world).to(wire).to(master))
+            share = (p.grad / world).to(wire)
+            p.grad = rank_order_sum(share).to(master) if narrow else rank_order_sum(share.to(master))
 
     def flags(step, mb):
         if accumulate > 1:
@@ -152,11 +160,44 @@ def _data(step, rank):
 @cell("mp_training[bf16-float64_reduce-reshard]", worlds=(4,), param_dtype=BF16, reduce_dtype=torch.float64,
       reshard=True, master=torch.float64)  # world 4's bf16-fp32_reduce (see the module docstring)
 @cell("mp_training[bf16-fp32_reduce-keep]", param_dtype=BF16, reduce_dtype=FP32, reshard=False)
-@cell("mp_training[bf16-bf16_reduce-reshard]", worlds=(2, 4), param_dtype=BF16, reduce_dtype=None, reshard=True)
+# bf16 sums of 4 ranks run in gloo's order, not the reference's: world 4 is checked against FSDP2
+# itself (torch_policy_sums_like_fsdp2[bf16])
+@cell("mp_training[bf16-bf16_reduce-reshard]", param_dtype=BF16, reduce_dtype=None, reshard=True)
 @cell("mp_training[fp32-bf16_reduce-reshard]", param_dtype=None, reduce_dtype=BF16, reshard=True)
 def mp_training(rank, world, ck, param_dtype, reduce_dtype, reshard, master=FP32):
     mp_loop(ck, rank, world, _stack(master), MP(param_dtype=param_dtype, reduce_dtype=reduce_dtype), _data,
             reshard=reshard)
+
+
+@cell("torch_policy_sums_like_fsdp2[bf16]", worlds=(2, 4), param_dtype=BF16, reduce_dtype=None)
+@cell("torch_policy_sums_like_fsdp2[fp32-bf16_reduce]", param_dtype=None, reduce_dtype=BF16)
+@cell("torch_policy_sums_like_fsdp2[fp16]", param_dtype=torch.float16, reduce_dtype=None)
+def torch_policy_sums_like_fsdp2(rank, world, ck, param_dtype, reduce_dtype):
+    """Under torch's MixedPrecisionPolicy a narrow reduce_dtype is summed in it, as FSDP2's
+    reduce-scatter sums: the same script with torch's fully_shard gives the same losses and
+    parameters bit for bit (4 Adam steps; fp16 at world 2 only, where FSDP2 divides by the world
+    before the sum as we do: from world 4 on it divides before and after)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    runs = []
+    for shard in (torch_fully_shard, fully_shard):
+        model = _stack()
+        mp = MP(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for m in model:
+            shard(m, mp_policy=mp)
+        shard(model, mp_policy=mp)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(4):
+            loss = model(_data(step, rank)).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, [p.full_tensor() for p in model.parameters()]))
+    (theirs, their_params), (ours, our_params) = runs
+    ck.true("losses equal FSDP2's", theirs == ours, f"{theirs} vs {ours}")
+    worst = max((a - b).abs().max().item() for a, b in zip(their_params, our_params))
+    ck.true("parameters equal FSDP2's", worst == 0.0, f"max |diff| {worst:.3g}")
 
 
 @cell("mp_accumulation[reshard]", reshard=True)
@@ -448,6 +489,18 @@ def norm_modules(rank, world, ck, kind, cast_buffers=False):
     expect_error = kind.startswith("batchnorm") and kind != "batchnorm_output_dtype_only" and not cast_buffers
     ck.true("BatchNorm under param_dtype raises unless its buffers are cast (FSDP2 on CPU does)",
             (runs["torch"][0] == "raised") == expect_error, str(runs["torch"][:2]))
+
+
+@cell("our_policy_bf16_wire[wide_sums]", narrow=False)
+@cell("our_policy_bf16_wire[sum_in_comm_dtype]", narrow=True)
+def our_policy_bf16_wire(rank, world, ck, narrow):
+    """megatron_fsdp_c.MixedPrecisionPolicy with a bf16 wire under fp32 main gradients: the shares
+    are summed in fp32 (default) or, with sum_in_comm_dtype=True, in bf16 as FSDP2 sums; each
+    against its reference, bit for bit (the two differ: the check tells them apart)."""
+    from megatron_fsdp_c import MixedPrecisionPolicy as OurPolicy
+    policy = OurPolicy(main_params_dtype=FP32, main_grads_dtype=FP32, grad_comm_dtype=BF16,
+                       sum_in_comm_dtype=narrow)
+    mp_loop(ck, rank, world, _stack(), policy, _data, steps=2, wire=BF16, narrow=narrow)
 
 
 @cell("our_policy")

@@ -23,7 +23,6 @@ Behaviours (cell names):
 - the refusals FSDP2 makes, with its exception types and messages (a dim past the last,
   uneven sharding on a dim other than 0), leaving the module as it was: refusals
 """
-import copy
 import os
 
 import pytest

@@ -125,6 +125,9 @@ typedef struct mfsdp_bucket_spec {
   mfsdp_wire_spec wire;     /* quantized communication (zero: none) */
   int32_t frozen;           /* every item frozen at creation: no gradient memory until one trains
                                (mfsdp_pipeline_set_trainable, [Note: requires_grad changes] in trainable.c) */
+  int32_t sum_in_comm_dtype; /* a comm dtype narrower than the gradients is summed by the collective in
+                                it (NCCL's and torch FSDP2's numbers), not by the exchange reduction
+                                ([Note: exchange reduction] in reduce.c); quantized wires ignore it */
 } mfsdp_bucket_spec;
 
 typedef struct mfsdp_pipeline_config {

@@ -35,8 +35,9 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
   mfsdp_status st = mfsdp_layout_validate(l, NULL);
   if (st != MFSDP_OK) return MFSDP_FAIL(st, "bucket %d: %s", i, mfsdp_last_error());
   if (!mfsdp_dtype_valid(s->param_dtype) || s->grad_mode < MFSDP_GRAD_NONE ||
-      s->grad_mode > MFSDP_GRAD_SCATTER_ACCUMULATE || (s->frozen != 0 && s->frozen != 1))
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: bad dtype, grad mode or frozen flag", i);
+      s->grad_mode > MFSDP_GRAD_SCATTER_ACCUMULATE || (s->frozen != 0 && s->frozen != 1) ||
+      (s->sum_in_comm_dtype != 0 && s->sum_in_comm_dtype != 1))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: bad dtype, grad mode, frozen or sum_in_comm_dtype flag", i);
   if (s->grad_mode != MFSDP_GRAD_NONE &&
       (!mfsdp_dtype_is_float(s->main_dtype) || !mfsdp_dtype_is_float(s->grad_dtype) ||
        !mfsdp_dtype_is_float(s->comm_dtype) || !mfsdp_dtype_is_float(s->param_dtype)))

@@ -29,7 +29,9 @@
  * bytes with an all-to-all (each rank receives every rank's narrow piece of its own slice) and
  * adds the pieces into the main gradient in its own dtype, in rank order: each contribution is
  * rounded once (to the wire dtype) and the sum never is. Quantized gradients travel the same way,
- * as wire pieces ([Note: quantized communication] in wire.c).
+ * as wire pieces ([Note: quantized communication] in wire.c). A bucket whose spec says
+ * `sum_in_comm_dtype` (torch's MixedPrecisionPolicy: FSDP2 reduces in reduce_dtype) keeps the
+ * collective's own narrow sum instead, and its reduced values are widened when accumulated.
  *
  * [Note: used-flag tail]
  * Which parameters some rank used (so that `.grad` stays None where none did, [Note: unused
@@ -40,7 +42,8 @@
  * the zeros of unready items and the packing, before the reduction's scaling) this rank's FLAGS
  * (1 where a gradient arrived since the bucket's last launch, `used`; its trainable bits) go into
  * every owner's tail: the used third is added, the other two overwrite. The reduction then sums
- * them like gradients (any op, pre/post scaling, wire dtype, exchange, across replicas): sums of
+ * them like gradients (any op, pre/post scaling, wire dtype, exchange, a sum in the comm dtype,
+ * across replicas): sums of
  * 0/1 times a positive factor, so "> 0" reads "on some rank" exactly (a positive sum never
  * rounds to 0), whatever the rounding. The used third lives in the main gradient shard like a
  * gradient: accumulated (ZeRO-2/3), rebased ([Note: reduce once per step]), zeroed with the
@@ -67,7 +70,8 @@ int pl_exchanges(const mfsdp_pipeline* p, const bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
   if (s->grad_mode == MFSDP_GRAD_NONE || p->cfg.dp_world < 2) return 0;
   if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && bk->shards < 2) return 0;
-  return bk->q_grads >= 0 || mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
+  if (bk->q_grads >= 0) return 1;
+  return !s->sum_in_comm_dtype && mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
 }
 
 /* An all-reduce done as exchange + gather splits the bucket into dp_world blocks: its comm

@@ -916,6 +916,77 @@ static void test_rank_divergent_graphs(void) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* narrow sums ([Note: exchange reduction] in reduce.c): bf16 gradients of 1 (rank 0) and 2^-9
+ * (ranks 1, 2) sum to 1 + 2^-8. The exchange reduction of a reduce-scatter sums them in float32
+ * (1.00390625); with `sum_in_comm_dtype` the collective's bf16 sum is kept, which rounds it to 1
+ * (ties to even). */
+
+#define NARROW_WORLD 3
+
+typedef struct narrow_thread {
+  loop_world* world;
+  int rank, grad_mode, narrow;
+} narrow_thread;
+
+static void* narrow_worker(void* arg) {
+  narrow_thread* t = arg;
+  int W = NARROW_WORLD, sharded = t->grad_mode != MFSDP_GRAD_ALL_REDUCE;
+  mfsdp_param_info info = {6 * 4, 4, MFSDP_F32, 0, 1, 0};
+  mfsdp_plan plan;
+  CHECK_OK(mfsdp_plan_build(&info, 1, sharded ? W : 1, 0, 16, &plan));
+  const mfsdp_bucket_layout* L = &plan.buckets[0].layout;
+  mfsdp_bucket_spec spec = {*L, sharded ? t->rank : 0, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_BF16,
+                            t->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE, t->grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE,
+                            t->grad_mode};
+  spec.sum_in_comm_dtype = t->narrow;
+  loop_rank lr = {t->world, t->rank};
+  mfsdp_backend be = {&heap_memory_ops, NULL, &loop_transport_ops, &lr, &mfsdp_cpu_kernels, NULL};
+  mfsdp_pipeline_config cfg = {W, t->rank, 1.0, MFSDP_REDUCE_SUM, 1 << 20, 0};
+  mfsdp_pipeline* p = NULL;
+  CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
+  if (p == NULL) goto out;
+  float* g = malloc((size_t)L->numels[0] * sizeof *g);
+  for (int64_t j = 0; j < L->numels[0]; ++j) g[j] = t->rank == 0 ? 1.0f : ldexpf(1.0f, -9);
+  CHECK_OK(mfsdp_pipeline_begin_backward(p, 1));
+  CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, 0, g, MFSDP_F32, L->numels[0], NULL));
+  CHECK_OK(mfsdp_pipeline_end_backward(p));
+  CHECK_OK(mfsdp_pipeline_sync_grads(p));
+  free(g);
+  int32_t where;
+  int64_t off, n;
+  CHECK_OK(mfsdp_pipeline_local_piece(p, 0, 0, MFSDP_BUF_OPT_GRAD, &where, &off, &n));
+  const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, 0, where);
+  /* the all-reduce form rounds its sum to the comm dtype either way (gather_exchanged), and this
+   * transport sums exactly: both give 1 there, the check is that the flag changes nothing else */
+  double want = t->narrow || !sharded ? 1.0 : 1.0 + ldexp(1.0, -8);
+  int wrong = 0;
+  for (int64_t k = 0; k < n; ++k) wrong += load_as_double(og->data, MFSDP_F32, off + k) != want;
+  CHECK(n > 0 && wrong == 0, "grad mode %d, sum_in_comm_dtype %d, rank %d: %d of %lld reduced gradients are not %.9g",
+        t->grad_mode, t->narrow, t->rank, wrong, (long long)n, want);
+  mfsdp_pipeline_destroy(p);
+out:
+  mfsdp_plan_free(&plan);
+  return NULL;
+}
+
+static void test_narrow_sums(void) {
+  const int modes[3] = {MFSDP_GRAD_SCATTER_ACCUMULATE, MFSDP_GRAD_SCATTER_IN_PLACE, MFSDP_GRAD_ALL_REDUCE};
+  for (int m = 0; m < 3; ++m)
+    for (int narrow = 0; narrow <= 1; ++narrow) {
+      loop_world world;
+      loop_world_init(&world, NARROW_WORLD);
+      pthread_t threads[NARROW_WORLD];
+      narrow_thread args[NARROW_WORLD];
+      for (int r = 0; r < NARROW_WORLD; ++r) {
+        args[r] = (narrow_thread){&world, r, modes[m], narrow};
+        pthread_create(&threads[r], NULL, narrow_worker, &args[r]);
+      }
+      for (int r = 0; r < NARROW_WORLD; ++r) pthread_join(threads[r], NULL);
+      loop_world_destroy(&world);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* hybrid sharding (see [Note: hybrid sharding] in replicas.c): 2 replicas x 2 shards; HFSDP
  * ([Note: optimizer sharded across replicas]): the same, main weights and gradients in 4 pieces */
 
@@ -1501,6 +1572,7 @@ int main(void) {
   test_quant();
   test_layout();
   test_rank_divergent_graphs();
+  test_narrow_sums();
   test_hybrid_sharding();
   test_requires_grad_changes();
   run_pipeline_cases(&loop_rig, 4, 0);

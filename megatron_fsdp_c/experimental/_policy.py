@@ -32,10 +32,12 @@ def engine_policy(mp, param_dtype: torch.dtype):
         return param_dtype, mp
     compute = mp.param_dtype or param_dtype
     # FSDP2: sharded parameters and gradients stay in the parameter's dtype; reduce in
-    # reduce_dtype (or the compute dtype). A narrower reduction still sums in the gradient
-    # dtype here ([Note: exchange reduction] in csrc/comm/reduce.c).
+    # reduce_dtype (or the compute dtype), summed in it by the collective as FSDP2's
+    # reduce-scatter sums (sum_in_comm_dtype; megatron_fsdp_c's own policy sums wide by default,
+    # [Note: exchange reduction] in csrc/comm/reduce.c).
     return compute, OurPolicy(main_params_dtype=param_dtype, main_grads_dtype=param_dtype,
-                              grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True)
+                              grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True,
+                              sum_in_comm_dtype=True)
 
 
 def sharded_dtype(mp, dtype: torch.dtype) -> torch.dtype:
