@@ -37,27 +37,26 @@
  * Which parameters some rank used (so that `.grad` stays None where none did, [Note: unused
  * parameters] in megatron_fsdp_c/_sharded.py) rides in the gradient reductions themselves: no
  * collective of its own. A bucket planned with a tail of 3 per item ([Note: flag tail] in
- * core/mfsdp_layout.h) carries, in the tail of every sub-shard,
- * for each item i: [i] used, [n + i] trains, [2n + i] frozen. At each launch (write_flags, after
- * the zeros of unready items and the packing, before the reduction's scaling) this rank's FLAGS
- * (1 where a gradient arrived since the bucket's last launch, `used`; its trainable bits) go into
- * every owner's tail: the used third is added, the other two overwrite. The reduction then sums
- * them like gradients (any op, pre/post scaling, wire dtype, exchange, a sum in the comm dtype,
- * across replicas): sums of
- * 0/1 times a positive factor, so "> 0" reads "on some rank" exactly (a positive sum never
- * rounds to 0), whatever the rounding. The used third lives in the main gradient shard like a
- * gradient: accumulated (ZeRO-2/3), rebased ([Note: reduce once per step]), zeroed with the
- * gradients (zero_grads, zero_item_grads), so it reads "used on some rank since the gradients
- * were last zeroed". The check thirds are fresh per reduction (the accumulator's are zeroed
- * before each reduced slice is added): both > 0 means the ranks disagreed on whether the item
- * trains ([Note: changing requires_grad] in _trainable.py). A bucket's flags are final when it
- * launches (complete, sealed or at the end of backward, [Note: collective order]): no reduction
- * waits for another. Nothing reads the tail as a weight or gradient: every view, norm and
- * optimizer state is per item. Quantized gradient wires ([Note: quantized communication] in
- * wire.c) carry it only where no block mixes flags and gradients and the flags are exactly 0 or
- * 1 (ZeRO-2/3 with the tail and sub-shards on block boundaries, which the planner's tail_align
- * gives): a no_shard/ZeRO-1 persistent sum puts a rebased flag (up to the world) beside a 1,
- * which a coarse int4 block could round to 0; those buckets carry none (pipeline.c). */
+ * core/mfsdp_layout.h) carries, in the tail of every sub-shard, for each item i: [i] used, [n + i]
+ * trains, [2n + i] frozen. At each launch (write_flags, after the zeros of unready items and the
+ * packing, before the reduction's scaling) this rank's FLAGS (1 where a gradient arrived since the
+ * bucket's last launch, `used`; its trainable bits) go into every owner's tail: the used third is
+ * added, the other two overwrite. The reduction then sums them like gradients (any op, pre/post
+ * scaling, wire dtype, exchange, a sum in the comm dtype, across replicas): sums of 0/1 times a
+ * positive factor, so "> 0" reads "on some rank" exactly (a positive sum never rounds to 0),
+ * whatever the rounding. The used third lives in the main gradient shard like a gradient:
+ * accumulated (ZeRO-2/3), rebased ([Note: reduce once per step]), zeroed with the gradients
+ * (zero_grads, zero_item_grads), so it reads "used on some rank since the gradients were last
+ * zeroed". The check thirds are fresh per reduction (the accumulator's are zeroed before each
+ * reduced slice is added): both > 0 means the ranks disagreed on whether the item trains ([Note:
+ * changing requires_grad] in _trainable.py). A bucket's flags are final when it launches
+ * (complete, sealed or at the end of backward, [Note: collective order]): no reduction waits for
+ * another. Nothing reads the tail as a weight or gradient: every view, norm and optimizer state is
+ * per item. Quantized gradient wires ([Note: quantized communication] in wire.c) carry it only
+ * where no block mixes flags and gradients and the flags are exactly 0 or 1 (ZeRO-2/3 with the
+ * tail and sub-shards on block boundaries, which the planner's tail_align gives): a
+ * no_shard/ZeRO-1 persistent sum puts a rebased flag (up to the world) beside a 1, which a coarse
+ * int4 block could round to 0; those buckets carry none (pipeline.c). */
 #include "pipeline_internal.h"
 
 #include <string.h>
