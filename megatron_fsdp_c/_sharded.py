@@ -15,8 +15,9 @@ tail of every shard, `_reduced_flags` reads them), so a synced backward issues e
 collectives; the same tail carries the check that every rank trains the same parameters
 ([Note: changing requires_grad] in _trainable.py). A backward that reduces nothing (every group's
 sync off) reduces no flags either: they wait in the engine for the next reduction. Where a bucket
-carries no tail (no_shard/ZeRO-1 gradients crossing the wire quantized, see the Note in reduce.c),
-one small all-reduce per sync does it instead (MAX over the gradient hooks' local bytes,
+offers no flags (no_shard/ZeRO-1 gradients crossing the wire quantized; with replicas, a sync whose
+reduction did not cross them: set_requires_all_reduce(False); see the Note in reduce.c), one small
+all-reduce per sync does it instead (MAX over the gradient hooks' local bytes,
 `_used`, cleared when the optimizer zeroes them, and a digest of the trainable set:
 `_used_anywhere`). Parameters used on some ranks only still get the others' zeros in the
 reduction (see [Note: collective order] in csrc/comm/reduce.c).

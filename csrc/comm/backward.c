@@ -195,6 +195,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
       bk->holds_unscaled_sums = 0;
     }
     bk->outer_reduced = 0;
+    bk->flags_local = 0; /* zero tails everywhere: every rank's */
     if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->sub_size));
     bk->gstate = MFSDP_G_CLEAN;
@@ -238,6 +239,7 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
   if (n == bk->spec.layout.n_items) { /* all zero: nothing of it was reduced across replicas either */
     bk->gstate = MFSDP_G_CLEAN;
     bk->outer_reduced = 0;
+    bk->flags_local = 0;
   }
   return MFSDP_OK;
 }

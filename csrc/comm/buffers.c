@@ -207,6 +207,7 @@ void pl_drop_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
   bk->gstate = MFSDP_G_CLEAN;
   bk->holds_unscaled_sums = 0;
   bk->outer_reduced = 0;
+  bk->flags_local = 0;
 }
 
 /* The runs of the rank-major GRAD holding no item's rows (see [Note: chunked layout]):

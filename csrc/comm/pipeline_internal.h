@@ -118,6 +118,7 @@ typedef struct bucket {
   /* [Note: used-flag tail] in reduce.c */
   int8_t flags;        /* its reductions carry the used-parameter flags in every shard's tail */
   uint8_t* used;       /* per item: a gradient arrived since the bucket's last launch */
+  int8_t flags_local;  /* replicas: its last reduction did not cross them (the flags are this replica's) */
   mfsdp_comm_stats stats;
 } bucket;
 

@@ -56,7 +56,9 @@
  * where no block mixes flags and gradients and the flags are exactly 0 or 1 (ZeRO-2/3 with the
  * tail and sub-shards on block boundaries, which the planner's tail_align gives): a
  * no_shard/ZeRO-1 persistent sum puts a rebased flag (up to the world) beside a 1, which a coarse
- * int4 block could round to 0; those buckets carry none (pipeline.c). */
+ * int4 block could round to 0; those buckets carry none (pipeline.c). With replicas, the flags of a
+ * reduction that did not cross them (a backward without sync under ZeRO-2/3 until the next sync's,
+ * or set_outer_hold) are one replica's: mfsdp_pipeline_flag_tail offers none until one does. */
 #include "pipeline_internal.h"
 
 #include <string.h>

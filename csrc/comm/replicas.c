@@ -72,8 +72,11 @@ static mfsdp_status launch_outer(mfsdp_pipeline* p, bucket* bk) {
  * sync) its result goes on across the replicas, unless that reduction is deferred. */
 mfsdp_status pl_reduce_across_replicas(mfsdp_pipeline* p, bucket* bk) {
   int syncing = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync;
-  if (!has_outer(p) || bk->defer_outer_reduce || !syncing) return MFSDP_OK;
-  return launch_outer(p, bk);
+  if (!has_outer(p)) return MFSDP_OK;
+  /* the used-parameter flags in its tail are every rank's only once they crossed the replicas
+   * ([Note: used-flag tail] in reduce.c) */
+  bk->flags_local = bk->defer_outer_reduce || !syncing;
+  return bk->flags_local ? MFSDP_OK : launch_outer(p, bk);
 }
 
 /* A ZeRO-2/3 gradient shard already reduced across the replicas is about to receive more: what

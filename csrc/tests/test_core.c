@@ -1055,6 +1055,13 @@ static void* hybrid_worker(void* arg) {
     CHECK_OK(mfsdp_pipeline_end_backward(p));
     free(g[0]);
     free(g[1]);
+    int64_t off;
+    int32_t n;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n)); /* this replica's flags only: none offered */
+    int crossed = sync && !t->outer_hold ? 1 : last;
+    if (t->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE || sync)
+      CHECK(n == (crossed ? 2 : 0), "hybrid mode %d (HFSDP %d) rank %d backward %d: %d flags offered", t->grad_mode,
+            t->hfsdp, rank, mb, n);
   }
   CHECK_OK(mfsdp_pipeline_sync_grads(p));
   int wrong = 0;
