@@ -173,15 +173,19 @@ class EngineOwner:
         tails = {b: engine.flag_tail(b) for b in by_bucket}
         if any(t is None for t in tails.values()):
             return None
+        # every bucket's tail, one copy to the host (one synchronisation on a GPU)
+        flags = torch.cat([engine.tensor(b, _C.BUF_GRAD_SHARD).narrow(0, tails[b][0], 3 * tails[b][1]) > 0
+                           for b in by_bucket]).cpu().tolist()
         used = bytearray(len(self._used))
         split = []
+        start = 0
         for b, recs in by_bucket.items():
-            offset, n = tails[b]
-            flags = (engine.tensor(b, _C.BUF_GRAD_SHARD).narrow(0, offset, 3 * n) > 0).cpu().tolist()
+            n = tails[b][1]
             for r in recs:
-                used[r.index] = flags[r.item]
-                if flags[n + r.item] and flags[2 * n + r.item]:
+                used[r.index] = flags[start + r.item]
+                if flags[start + n + r.item] and flags[start + 2 * n + r.item]:
                     split.append(r)
+            start += 3 * n
         if split:
             self._trainable_tracker.disagreement()
         return bytes(used)
