@@ -15,9 +15,8 @@ tail of every shard, `_reduced_flags` reads them), so a synced backward issues e
 collectives; the same tail carries the check that every rank trains the same parameters
 ([Note: changing requires_grad] in _trainable.py). A backward that reduces nothing (every group's
 sync off) reduces no flags either: they wait in the engine for the next reduction. Where a bucket
-offers no flags (no_shard/ZeRO-1 gradients crossing the wire quantized; with replicas, a sync whose
-reduction did not cross them: set_requires_all_reduce(False); see the Note in reduce.c), one small
-all-reduce per sync does it instead (MAX over the gradient hooks' local bytes,
+carries no flags (no_shard/ZeRO-1 gradients crossing the wire quantized, see the Note in
+reduce.c), one small all-reduce per sync does it instead (MAX over the gradient hooks' local bytes,
 `_used`, cleared when the optimizer zeroes them, and a digest of the trainable set:
 `_used_anywhere`). Parameters used on some ranks only still get the others' zeros in the
 reduction (see [Note: collective order] in csrc/comm/reduce.c).
@@ -165,7 +164,9 @@ class EngineOwner:
     def _reduced_flags(self, records) -> Optional[bytes]:
         """The used bytes of `records` (by record index) as their buckets' reductions brought them
         ([Note: used-flag tail] in csrc/comm/reduce.c): no collective. Raises when ranks trained
-        different parameters. None when a bucket of theirs carries no flags."""
+        different parameters (checked where the reduction crossed every rank: with replicas, not
+        after set_requires_all_reduce(False), whose flags are the replica's, as its gradients are).
+        None when a bucket of theirs carries no flags."""
         engine = self.param_buffer.engine
         by_bucket = {}
         for r in records:
@@ -183,7 +184,7 @@ class EngineOwner:
             n = tails[b][1]
             for r in recs:
                 used[r.index] = flags[start + r.item]
-                if flags[start + n + r.item] and flags[start + 2 * n + r.item]:
+                if tails[b][2] and flags[start + n + r.item] and flags[start + 2 * n + r.item]:
                     split.append(r)
             start += 3 * n
         if split:

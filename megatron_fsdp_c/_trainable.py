@@ -36,8 +36,9 @@ trainable when DDP was built) and FSDP2:
   csrc/comm/reduce.c). Each bucket's reduction carries, per item, a "trains" and a "frozen" flag
   of every rank ([Note: used-flag tail] in csrc/comm/reduce.c): both set in the reduced sums means
   the ranks disagreed, and the next sync raises a RuntimeError naming the parameters
-  (`disagreement`). Where a bucket offers no flags (see [Note: unused parameters] in _sharded.py),
-  a hash of the snapshot rides in the used-flag all-reduce instead (8 bytes and their complements under MAX: a
+  (`disagreement`; with replicas, at a sync whose reduction crossed them). Where a bucket carries
+  no flags (see [Note: unused parameters] in _sharded.py), a hash of the snapshot rides in the
+  used-flag all-reduce instead (8 bytes and their complements under MAX: a
   byte agrees on every rank iff the two maxima sum to 255). When a disagreement changed the
   collectives themselves (a bucket reduced on some ranks only), the backward before that sync
   fails or times out in them instead (collective_timeout).

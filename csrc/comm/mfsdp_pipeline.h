@@ -281,12 +281,13 @@ mfsdp_status mfsdp_pipeline_release_grads(mfsdp_pipeline* p, const int32_t* buck
 /* Finish every in-flight collective. */
 mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p);
 /* Where the bucket's reduced used-parameter flags are ([Note: used-flag tail] in reduce.c): *n
- * items (0: the bucket carries none, or, with replicas, its last reduction did not cross them:
- * then they are not every rank's), 3 * *n float elements of GRAD_SHARD from element *offset
+ * items (0: the bucket carries none), 3 * *n float elements of GRAD_SHARD from element *offset
  * (its grad dtype): item i was used on some rank since the gradients were last zeroed iff
  * element i is > 0; in the bucket's last reduction ranks disagreed on whether it trains iff
- * elements n + i and 2n + i are both > 0. Valid after end_backward / sync_grads. */
-mfsdp_status mfsdp_pipeline_flag_tail(const mfsdp_pipeline* p, int32_t bucket, int64_t* offset, int32_t* n);
+ * elements n + i and 2n + i are both > 0. *every_rank: 0 when, with replicas, its last reduction
+ * did not cross them (the flags are this replica's). Valid after end_backward / sync_grads. */
+mfsdp_status mfsdp_pipeline_flag_tail(const mfsdp_pipeline* p, int32_t bucket, int64_t* offset, int32_t* n,
+                                      int32_t* every_rank);
 /* Number of NaN/Inf elements in item `item`'s main gradient shard. */
 mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t bucket, int32_t item,
                                                  int64_t* count);

@@ -302,10 +302,12 @@ mfsdp_status mfsdp_pipeline_local_piece(const mfsdp_pipeline* p, int32_t b, int3
   return MFSDP_OK;
 }
 
-mfsdp_status mfsdp_pipeline_flag_tail(const mfsdp_pipeline* p, int32_t b, int64_t* offset, int32_t* n) {
+mfsdp_status mfsdp_pipeline_flag_tail(const mfsdp_pipeline* p, int32_t b, int64_t* offset, int32_t* n,
+                                      int32_t* every_rank) {
   if (b < 0 || b >= p->n) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d out of range [0, %d)", b, p->n);
   const bucket* bk = &p->b[b];
-  int carries = bk->flags && bk->has_grads && !bk->flags_local;
+  int carries = bk->flags && bk->has_grads;
+  *every_rank = !bk->flags_local;
   *offset = carries ? bk->sub_start + pl_tail_of(bk) : 0;
   *n = carries ? bk->spec.layout.n_items : 0;
   return MFSDP_OK;

@@ -58,7 +58,9 @@
  * no_shard/ZeRO-1 persistent sum puts a rebased flag (up to the world) beside a 1, which a coarse
  * int4 block could round to 0; those buckets carry none (pipeline.c). With replicas, the flags of a
  * reduction that did not cross them (a backward without sync under ZeRO-2/3 until the next sync's,
- * or set_outer_hold) are one replica's: mfsdp_pipeline_flag_tail offers none until one does. */
+ * or set_outer_hold) are one replica's (`flags_local`, said by mfsdp_pipeline_flag_tail): the used
+ * flags are then those of the replica, as its gradients are, and the trainable check waits for a
+ * reduction across every rank (run on one replica only, its error would leave the others waiting). */
 #include "pipeline_internal.h"
 
 #include <string.h>

@@ -494,11 +494,11 @@ static PyObject* engine_flag_tail(PyObject* self, PyObject* arg) {
   if (PyErr_Occurred() || !ready(e)) return NULL;
   if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
   int64_t offset = 0;
-  int32_t n = 0;
-  mfsdp_status st = mfsdp_pipeline_flag_tail(e->pipeline, (int32_t)b, &offset, &n);
+  int32_t n = 0, every_rank = 1;
+  mfsdp_status st = mfsdp_pipeline_flag_tail(e->pipeline, (int32_t)b, &offset, &n, &every_rank);
   if (st != MFSDP_OK) return fail(self, st);
   if (n == 0) Py_RETURN_NONE;
-  return Py_BuildValue("(Li)", (long long)offset, (int)n);
+  return Py_BuildValue("(LiO)", (long long)offset, (int)n, every_rank ? Py_True : Py_False);
 }
 
 static PyObject* engine_stats(PyObject* self, PyObject* args) {
@@ -606,8 +606,9 @@ static PyMethodDef engine_methods[] = {
     {"grad_state", engine_grad_state, METH_O, "grad_state(bucket) -> 'clean'|'dirty'|'reducing'|'reduced'."},
     {"stats", engine_stats, METH_VARARGS, "stats(bucket=-1) -> collective counts and bytes."},
     {"flag_tail", engine_flag_tail, METH_O,
-     "flag_tail(bucket) -> (offset, n) or None: the reduced used-parameter flags, 3 * n elements of GRAD_SHARD\n"
-     "from offset ([Note: used-flag tail] in csrc/comm/reduce.c); None: the bucket carries none."},
+     "flag_tail(bucket) -> (offset, n, every_rank) or None: the reduced used-parameter flags, 3 * n elements of\n"
+     "GRAD_SHARD from offset ([Note: used-flag tail] in csrc/comm/reduce.c); every_rank False: its last reduction\n"
+     "did not cross the replicas; None: the bucket carries none."},
     {"count_nonfinite_grad", engine_count_nonfinite_grad, METH_VARARGS,
      "count_nonfinite_grad(bucket, item) -> NaN/Inf count in this rank's main gradient of the item."},
     {"close", engine_close, METH_NOARGS, "close(): free every buffer now."},

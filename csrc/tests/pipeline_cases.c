@@ -213,8 +213,8 @@ static void* pipe_worker(void* arg) {
   CHECK(wrong == 0, "%s rank %d: %d reduced gradients wrong", c->name, r, wrong);
   if (pipeline_cases_tail >= 3) { /* every rank used and trains every item ([Note: used-flag tail] in reduce.c) */
     int64_t off;
-    int32_t n;
-    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n));
+    int32_t n, every;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n, &every));
     CHECK(n == L->n_items, "%s rank %d: the bucket carries its flags (%d)", c->name, r, n);
     const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD);
     for (int i = 0; i < n; ++i)
@@ -546,8 +546,8 @@ static void* quant_worker(void* arg) {
   t->rig->rank_sync(dev);
   if (pipeline_cases_tail >= 3) { /* [Note: used-flag tail] in reduce.c: quantized ZeRO-2/3 gradients carry flags */
     int64_t off;
-    int32_t n;
-    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n));
+    int32_t n, every;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n, &every));
     int carries = !qg || c->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE;
     CHECK(n == (carries ? L->n_items : 0), "%s world %d rank %d: %d items' flags", c->name, W, r, n);
     const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD);

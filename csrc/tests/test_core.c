@@ -851,10 +851,10 @@ static void* divergent_worker(void* arg) {
    * used the item, trainable disagreement only where rank 1 froze one */
   for (int u = 0; u < DIV_UNITS; ++u) {
     int64_t off;
-    int32_t n;
-    CHECK_OK(mfsdp_pipeline_flag_tail(p, u, &off, &n));
-    CHECK(n == plan.buckets[u].layout.n_items, "bucket %d carries its %d items' flags (%d)", u,
-          plan.buckets[u].layout.n_items, n);
+    int32_t n, every;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, u, &off, &n, &every));
+    CHECK(n == plan.buckets[u].layout.n_items && every, "bucket %d carries its %d items' flags (%d), every rank's",
+          u, plan.buckets[u].layout.n_items, n);
     const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, u, MFSDP_BUF_GRAD_SHARD);
     for (int q = 0; q < n; ++q) {
       int slot = plan.buckets[u].params[q], i = slot % 2, anywhere = 0;
@@ -874,8 +874,8 @@ static void* divergent_worker(void* arg) {
   CHECK_OK(mfsdp_pipeline_zero_item_grads(p, 2, &first, 1));
   {
     int64_t off;
-    int32_t n;
-    CHECK_OK(mfsdp_pipeline_flag_tail(p, 2, &off, &n));
+    int32_t n, every;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 2, &off, &n, &every));
     const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 2, MFSDP_BUF_GRAD_SHARD);
     CHECK(load_as_double(gs->data, MFSDP_F32, off) == 0.0 && load_as_double(gs->data, MFSDP_F32, off + 1) > 0,
           "zero_item_grads clears its item's used flag only");
@@ -1056,12 +1056,12 @@ static void* hybrid_worker(void* arg) {
     free(g[0]);
     free(g[1]);
     int64_t off;
-    int32_t n;
-    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n)); /* this replica's flags only: none offered */
+    int32_t n, every;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n, &every)); /* every rank's once across the replicas */
     int crossed = sync && !t->outer_hold ? 1 : last;
     if (t->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE || sync)
-      CHECK(n == (crossed ? 2 : 0), "hybrid mode %d (HFSDP %d) rank %d backward %d: %d flags offered", t->grad_mode,
-            t->hfsdp, rank, mb, n);
+      CHECK(n == 2 && every == crossed, "hybrid mode %d (HFSDP %d) rank %d backward %d: %d flags, every rank's %d",
+            t->grad_mode, t->hfsdp, rank, mb, n, every);
   }
   CHECK_OK(mfsdp_pipeline_sync_grads(p));
   int wrong = 0;
@@ -1083,10 +1083,10 @@ static void* hybrid_worker(void* arg) {
   }
   { /* every rank: both parameters used somewhere in this step, and trained everywhere */
     int64_t off;
-    int32_t n;
-    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n));
+    int32_t n, every;
+    CHECK_OK(mfsdp_pipeline_flag_tail(p, 0, &off, &n, &every));
     const float* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD)->data;
-    CHECK(n == 2 && gs[off] > 0 && gs[off + 1] > 0 && gs[off + 2] > 0 && gs[off + 3] > 0 && gs[off + 4] == 0 &&
+    CHECK(n == 2 && every && gs[off] > 0 && gs[off + 1] > 0 && gs[off + 2] > 0 && gs[off + 3] > 0 && gs[off + 4] == 0 &&
               gs[off + 5] == 0,
           "hybrid mode %d (HFSDP %d) rank %d step %d: flags %g %g / %g %g / %g %g", t->grad_mode, t->hfsdp, rank, step,
           n ? gs[off] : -1, n ? gs[off + 1] : -1, n ? gs[off + 2] : -1, n ? gs[off + 3] : -1, n ? gs[off + 4] : -1,
