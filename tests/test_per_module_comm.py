@@ -16,7 +16,8 @@ Behaviours (cell names):
   .grad None: flags_carried_to_sync
 - a synced backward issues exactly FSDP2's collectives (the used-parameter flags ride in the
   gradient reductions, [Note: used-flag tail] in csrc/comm/reduce.c): on a 1-D mesh and on an HSDP
-  2 x 2 mesh (one all-reduce per reduce-scatter), with a parameter one rank of the other replica
+  2 x 2 mesh (one all-reduce per reduce-scatter; none in a set_requires_all_reduce(False)
+  microbatch, as FSDP2), with a parameter one rank of the other replica
   used reaching every rank and one nobody used keeping .grad None; in the Megatron-FSDP API, every
   strategy's synced backward (1-D, and HSDP at world 4) issues only the engine's own reductions
   (CommDebugMode's counts equal comm_stats'); int8 gradients (ZeRO-3) issue no all-reduce either:
@@ -151,9 +152,17 @@ def synced_backward_collectives(rank, world, ck):
             shard(model, mesh=mesh)
             model(x).sum().backward()  # the first step (ours: its lazy init) is not counted
             seen[impl] = counts(lambda: model(x).sum().backward())
+            if hsdp:  # a reduce-scatter-only microbatch, then one across the replicas again
+                model.set_requires_all_reduce(False)
+                seen[impl, "rs only"] = counts(lambda: model(x).sum().backward())
+                model.set_requires_all_reduce(True)
+                seen[impl, "after"] = counts(lambda: model(x).sum().backward())
         ag, rs, ar = seen["ours"]
         ck.equal(f"{label}: a synced backward's (all-gathers, reduce-scatters, all-reduces), as FSDP2's",
                  seen["ours"], seen["torch"])
+        for phase in ("rs only", "after") if hsdp else ():
+            ck.equal(f"{label}, set_requires_all_reduce {phase == 'after'}: the collectives, as FSDP2's",
+                     seen["ours", phase], seen["torch", phase])
         ck.equal(f"{label}: all-reduces", ar, rs if hsdp else 0)
         # the flags cross the replicas with the gradients: `sometimes` used on the last rank only
         torch.manual_seed(0)
