@@ -32,6 +32,11 @@ class RootState(Registration, EngineOwner):
 
     overlap_param_gather = True
 
+    def engines(self) -> tuple:
+        """The owners of this model's engines: itself (megatron_fsdp_c.close() ends their
+        communication, as for a Megatron-style model)."""
+        return (self,)
+
     def __init__(self, root: nn.Module, groups: List[ShardGroup]):
         self.root = root
         self.groups = groups  # this engine's: the groups under the root on one mesh ([Note: a mesh per group])
