@@ -113,15 +113,16 @@ def make_batch(args, step, rank, device):
     return x, torch.randn(spec["batch"], spec["width"], generator=g).to(device)
 
 
-def theoretical_bytes(model_obj, strategy, micro, grad_elem):
+def theoretical_bytes(model_obj, strategy, micro, grad_elem, gathered_once=()):
     """Collective bytes per optimisation step implied by the strategy, without padding (the
     all-gather/reduce-scatter full size S, as nccl-tests report algbw = S / t). Gradients are
-    communicated with grad_elem bytes an element."""
+    communicated with grad_elem bytes an element. Units in `gathered_once` stay gathered from
+    forward to backward (the per-module root group, as FSDP2 keeps its root's)."""
     buf = model_obj.param_buffer
     elem = {r.name: r.param.element_size() for r in buf.records}
     numel = {r.name: math.prod(r.shape) for r in buf.records}  # a TP parameter's: its TP shard's
-    unit_bytes = sum(numel[r.name] * elem[r.name] for r in buf.records if r.unit >= 0)
-    root_bytes = sum(numel[r.name] * elem[r.name] for r in buf.records if r.unit < 0)
+    unit_bytes = sum(numel[r.name] * elem[r.name] for r in buf.records if r.unit >= 0 and r.unit not in gathered_once)
+    root_bytes = sum(numel[r.name] * elem[r.name] for r in buf.records if r.unit < 0 or r.unit in gathered_once)
     grad_bytes = sum(numel[r.name] * grad_elem for r in buf.records if r.requires_grad)
     if strategy == 0:
         return {"all_reduce": grad_bytes}
@@ -334,7 +335,9 @@ def main():
         if train and args.framework == "mfsdp" and args.strategy == 3 and not args.mesh:
             result["wire_theory"] = theoretical_wire_bytes(sharded, 1, sharded.param_buffer.specs)
         if train and quant is None and args.grad_comm == "fp32":
-            result["comm_theory"] = theoretical_bytes(sharded, args.strategy, 1, grad_elem=4)  # fp32 reductions
+            once = (runner._mfsdp_group.unit.index,) if args.framework == "mfsdp2" else ()
+            result["comm_theory"] = theoretical_bytes(sharded, args.strategy, 1, grad_elem=4,  # fp32 reductions
+                                                      gathered_once=once)
     if rank == 0:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")
