@@ -63,6 +63,9 @@ class MixedPrecisionPolicy:
         _check_dtype("main_params_dtype", self.main_params_dtype)
         _check_dtype("main_grads_dtype", self.main_grads_dtype)
         _check_dtype("grad_comm_dtype", self.grad_comm_dtype)
+        for flag in ("allow_lossy_accumulation", "sum_in_comm_dtype"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"MixedPrecisionPolicy.{flag} must be True or False, got {getattr(self, flag)!r}")
         grads, comm = self.main_grads_dtype, self.grad_comm_dtype
         if (grads is not None and comm is not None and _PRECISION[grads] < _PRECISION[comm]
                 and not self.allow_lossy_accumulation):

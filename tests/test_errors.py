@@ -130,6 +130,8 @@ def test_policy_validation():
         mf.MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16, grad_comm_dtype=torch.float32)
     mf.MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16, grad_comm_dtype=torch.float32,
                             allow_lossy_accumulation=True)
+    with pytest.raises(TypeError, match="sum_in_comm_dtype must be True or False"):
+        mf.MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16, sum_in_comm_dtype="bf16")
 
 
 @pytest.mark.parametrize("value", ["lots", "-1"])
