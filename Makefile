@@ -23,7 +23,7 @@ EMU_DEPS := csrc/tests/emu/cuda_runtime.h csrc/tests/emu/nccl.h csrc/tests/emu/e
 	          csrc/tests/emu/host_kernels.py csrc/cuda/kernels.cu csrc/cuda/nccl_transport.c csrc/tests/test_emu.c
 FUZZ_SECONDS ?= 20
 
-.PHONY: setup example test ctest cuda-check pytest bench bench-quant clean
+.PHONY: setup example test compat ctest cuda-check pytest bench bench-quant clean
 
 $(VENV)/.ready: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -108,6 +108,13 @@ test:
 	  echo "== the C side: make ctest cuda-check (build/c-side.log) =="; cat build/c-side.log; \
 	  c=$$(cat build/c-side.status 2>/dev/null || echo 1); \
 	  echo "== make test: pytest exit $$py, C side exit $$c =="; [ "$$py" = 0 ] && [ "$$c" = 0 ]
+
+# The compatibility pass on one torch of the supported range ([Note: supported torch versions] in
+# megatron_fsdp_c/_torch_compat.py): a fresh venv with PyPI's torch==$(TORCH), the README's install
+# line, the example and the pytest suite, on a copy of the tree (.ci/compat says what and how long).
+# CI runs it at both ends: make compat TORCH=2.11.0 and TORCH=2.15.0.
+compat:
+	TORCH=$(TORCH) PYTHON=$(PYTHON) .ci/compat
 
 bench: setup
 	$(VENV)/bin/python benchmarks/run.py

@@ -14,6 +14,7 @@ nvcc's CUDA major is torch's, and nccl.h is the NCCL torch runs. The CUDA runtim
 statically and its symbols kept private, and libnccl.so.2 is linked by its soname with an rpath
 to torch's copy: in one process there is then one libnccl, torch's, and no second libcudart.so.
 """
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -53,29 +55,50 @@ def say(text):
     print(f"megatron_fsdp_c: {text}", file=sys.stderr)
 
 
-def torch_facts():
-    """(cuda version or None, torch's NCCL (major, minor, patch) or None, path of the libnccl
-    torch loaded or None), or None when torch cannot be imported here."""
+# What the build needs to know of the torch it will run with, printed as JSON by a Python that can
+# import it (this one, or under pip's build isolation the environment's own: see torch_facts).
+TORCH_FACTS = r"""
+import json, torch
+cuda = torch.version.cuda
+nccl_version = nccl_path = None
+if cuda:
     try:
-        import torch
-    except ImportError:
-        return None
-    cuda = torch.version.cuda
-    nccl_version = nccl_path = None
-    if cuda:
-        try:
-            v = torch.cuda.nccl.version()
-            nccl_version = tuple(v) if isinstance(v, tuple) else (v // 10000, v % 10000 // 100, v % 100)
-        except Exception:  # noqa: BLE001 - a torch without NCCL
-            pass
-        libs = set()
-        with open("/proc/self/maps") as f:  # the libnccl that importing torch mapped: torch's own
-            for line in f:
-                fields = line.split(None, 5)  # address perms offset device inode [path]
-                if len(fields) == 6 and "/libnccl" in fields[5]:
-                    libs.add(fields[5].strip())
-        nccl_path = sorted(libs)[0] if len(libs) == 1 else None
-    return cuda, nccl_version, nccl_path
+        v = torch.cuda.nccl.version()
+        nccl_version = list(v) if isinstance(v, tuple) else [v // 10000, v % 10000 // 100, v % 100]
+    except Exception:  # a torch without NCCL
+        pass
+    libs = set()
+    with open("/proc/self/maps") as f:  # the libnccl that importing torch mapped: torch's own
+        for line in f:
+            fields = line.split(None, 5)  # address perms offset device inode [path]
+            if len(fields) == 6 and "/libnccl" in fields[5]:
+                libs.add(fields[5].strip())
+    nccl_path = sorted(libs)[0] if len(libs) == 1 else None
+print(json.dumps([torch.__version__, cuda, nccl_version, nccl_path]))
+"""
+
+
+def torch_facts():
+    """(torch version, cuda version or None, torch's NCCL [major, minor, patch] or None, path of
+    the libnccl torch loaded or None), or None when no torch is found.
+
+    [Note: the build finds the user's torch]
+    The CUDA build must match the torch the package will run with, and that is the torch of the
+    interpreter pip builds for. Without build isolation it imports here. Under pip's isolation
+    (plain `pip install .`) it is hidden: pip points PYTHONPATH at its build environment, whose
+    sitecustomize drops the interpreter's site-packages. The same interpreter without those two
+    variables sees them again, so the facts are read there, in a child process; pip replaces
+    PYTHONPATH wholesale, so nothing of the user's is lost by dropping it."""
+    env = dict(os.environ)
+    tries = [env]
+    if "PYTHONPATH" in env or "PYTHONNOUSERSITE" in env:
+        tries.append({k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")})
+    for e in tries:
+        out = subprocess.run([sys.executable, "-c", TORCH_FACTS], capture_output=True, text=True, env=e, cwd="/")
+        if out.returncode == 0 and out.stdout.strip():
+            version, cuda, nccl_version, nccl_path = json.loads(out.stdout.strip().splitlines()[-1])
+            return version, cuda, tuple(nccl_version) if nccl_version else None, nccl_path
+    return None
 
 
 def find_nvcc():
@@ -169,13 +192,12 @@ def find_cuda():
     nvcc, looked = find_nvcc()
     if facts is None and not forced:
         if nvcc is None:
-            say("torch is not importable at build time and there is no nvcc: building CPU-only")
+            say("torch is not installed for this Python and there is no nvcc: building CPU-only")
             return None
-        sys.exit("megatron_fsdp_c: nvcc is here but torch is not importable at build time (pip's build isolation?), "
-                 "so the CUDA build cannot be matched to torch's CUDA and NCCL. Build with "
-                 "`pip install --no-build-isolation .` (or -e .) where torch is installed, or set MFSDP_CUDA=0 for a "
-                 "CPU-only build")
-    torch_cuda, torch_nccl, torch_lib = facts if facts else (None, None, None)
+        sys.exit(f"megatron_fsdp_c: nvcc is here but torch is not installed for {sys.executable}, so the CUDA build "
+                 "cannot be matched to torch's CUDA and NCCL. Install torch first (pip install torch), or set "
+                 "MFSDP_CUDA=0 for a CPU-only build")
+    _, torch_cuda, torch_nccl, torch_lib = facts if facts else (None, None, None, None)
     if not forced and not torch_cuda:
         say("torch is a CPU build: building CPU-only (MFSDP_CUDA=1 forces a CUDA build)")
         return None
@@ -197,13 +219,36 @@ def find_cuda():
                                  "into torch?): a second libnccl here would break both")
     except CudaBuildError as e:
         why = "was asked for (MFSDP_CUDA=1)" if forced else "is needed: torch is a CUDA build"
-        sys.exit(f"megatron_fsdp_c: the CUDA build {why}, but it cannot be made: {e}")
+        sys.exit(f"megatron_fsdp_c: the CUDA build {why}, but it cannot be made: {e}. (MFSDP_CUDA=0 builds "
+                 "CPU-only: no CUDA kernels or native NCCL transport)")
     say(f"CUDA build: nvcc {major}.{minor} ({nvcc}), torch CUDA {torch_cuda or '- (CPU torch)'}; static cudart "
         f"{cudart}; NCCL {'.'.join(map(str, nccl_version or ())) or '?'} headers {nccl_inc}, library {nccl_lib}"
         f"{' (the one torch loads)' if torch_lib else ''}")
     return dict(nvcc=nvcc, include=include, cudart=cudart, nccl_inc=nccl_inc, nccl_lib=nccl_lib)
 
 
+def setuptools_metadata():
+    """[Note: the build reads either setuptools]
+    `pip install .` builds with the setuptools pyproject.toml asks for (>= 77, which reads the
+    license as an SPDX expression); `--no-build-isolation` builds with the environment's own,
+    which in a plain venv of Python 3.11 is 65 (PEP 639's SPDX `project.license` string is a
+    configuration error there, and the table form old ones read is refused from 2027). So the
+    license is dynamic and given here in the form the running setuptools reads. Below 70.1,
+    setuptools builds wheels only with the `wheel` package: without it the build stops here,
+    with the two ways out, instead of at pip's "invalid command 'bdist_wheel'"."""
+    version = tuple(int(x) for x in re.findall(r"\d+", setuptools.__version__)[:2])
+    if version < (70, 1):
+        try:
+            import wheel  # noqa: F401 - provides bdist_wheel to setuptools < 70.1
+        except ImportError:
+            sys.exit(f"megatron_fsdp_c: this environment's setuptools {setuptools.__version__} cannot build a wheel "
+                     "(it needs the `wheel` package below 70.1). Build without --no-build-isolation (pip then "
+                     "builds with a new setuptools, still against this environment's torch), or "
+                     "`pip install -U setuptools` first")
+    return {"license_expression": "Apache-2.0"} if version >= (77, 0) else {"license": "Apache-2.0"}
+
+
+METADATA = setuptools_metadata()  # first: it may stop the build
 CUDA = find_cuda()
 
 
@@ -255,4 +300,4 @@ def extension():
     )
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExt}, **METADATA)

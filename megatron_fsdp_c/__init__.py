@@ -7,6 +7,7 @@ wrapper) whose layout planner, kernels and collective pipeline are C (megatron_f
 # by name, so torch's copy is the one _C binds to), and _C's module init imports torch anyway.
 import torch  # noqa: F401
 
+from . import _torch_compat  # noqa: F401 - first: an unsupported torch stops the import here, naming the range
 from . import _C  # noqa: F401 - the engine, importable as megatron_fsdp_c._C
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .fully_shard import ShardingStrategy, close, fully_shard, fully_shard_model, fully_shard_optimizer

@@ -1,5 +1,6 @@
-"""Small helpers shared across the package. A leaf: it imports nothing from megatron_fsdp_c, so
-every module may import it without forming an import circle (tests/test_structure.py checks)."""
+"""Small helpers shared across the package. Near the floor: it imports only _torch_compat (a leaf)
+from megatron_fsdp_c, so every module may import it without forming an import circle
+(tests/test_structure.py checks)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,8 @@ from typing import List
 
 import torch
 from torch.utils._pytree import tree_flatten
+
+from ._torch_compat import STORAGE_SWAP
 
 __all__ = ["STRATEGY_NAMES", "contiguous_stride", "grad_tensors", "in_backward", "logger", "move_storage",
            "parse_strategy", "weak_call"]
@@ -69,7 +72,11 @@ def move_storage(t: torch.Tensor, src: torch.Tensor, moved: set) -> bool:
     keeps aliasing the parameters (torch's test_cached_state_dict); release_engine moves them back
     out. `moved` holds the storages moved so far in one pass: a storage shared by two tensors
     (one tensor assigned under two names) moves once, the second keeps its own tensor. Returns
-    False where nothing was moved (the caller then replaces the tensor object, as before)."""
+    False where nothing was moved (the caller then replaces the tensor object, as before).
+    torch 2.11 cannot swap storages (_torch_compat.STORAGE_SWAP): there the caller replaces the
+    tensor object, and t's old storage is released with an error message, so that a tensor
+    still over it (a state dict taken before the first forward) raises at its next use, naming
+    the cause, instead of silently keeping the values it had then."""
     s, v = t.untyped_storage(), src.untyped_storage()
     nbytes = t.numel() * t.element_size()
     if (t.device != src.device or t.dtype != src.dtype or t.shape != src.shape or nbytes == 0
@@ -77,6 +84,13 @@ def move_storage(t: torch.Tensor, src: torch.Tensor, moved: set) -> bool:
             or s.nbytes() != nbytes or v.nbytes() != nbytes or s._cdata in moved):
         return False
     moved.add(s._cdata)
+    if not STORAGE_SWAP:
+        torch._C._set_storage_data_ptr_access_error_msg(s._cdata, (
+            "this tensor is a stale alias of a parameter sharded by megatron_fsdp_c's per-module fully_shard "
+            f"(taken before the model's engine was built, or before a .to() rebuilt it): torch {torch.__version__} "
+            "cannot move its memory into the engine (torch 2.12+ can). Take the state dict (or the local tensor) "
+            "again after the first forward"))
+        return False
     s._swap_data_ptr_(v)
     return True
 

@@ -266,12 +266,21 @@ def _check_quant_policy(quant, policy: MixedPrecisionPolicy, hfsdp: bool) -> Non
                          "gradients are summed in main_grads_dtype)")
 
 
-def close(model: MegatronFSDP) -> None:
+def close(model) -> None:
     """Collective: every rank calls it at the same point, after its last step, to end the
     model's communication (the native NCCL transport's communicators). A model dropped
-    without close() aborts them instead, which never waits for a peer."""
-    for engine in model.engines():  # the experts' communicators too ([Note: expert data-parallel mesh])
-        engine.dist_ctx.close()
+    without close() aborts them instead, which never waits for a peer. `model`: a MegatronFSDP,
+    or the root module of the per-module API (before its first forward: nothing to end)."""
+    group = getattr(model, "_mfsdp_group", None)  # the per-module API's root ([Note: per-module groups])
+    if group is not None:
+        owners = group.state.siblings if group.state is not None else ()
+    elif hasattr(model, "engines"):
+        owners = model.engines()  # the experts' communicators too ([Note: expert data-parallel mesh])
+    else:
+        raise TypeError(f"close() takes a model sharded by megatron_fsdp_c (a MegatronFSDP, or a module sharded by "
+                        f"the per-module fully_shard), got {type(model).__name__}")
+    for owner in owners:
+        owner.dist_ctx.close()
 
 
 def fully_shard(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **kwargs):

@@ -101,6 +101,31 @@ class Checks:
                 self.close(f"{label}: {name}", p, refs[name], rtol, atol)
 
 
+# torch 2.12+ can move a storage's memory (UntypedStorage._swap_data_ptr_): [Note: local shards keep
+# their storage] in megatron_fsdp_c/_common.py; torch 2.11 cannot.
+TORCH_MOVES_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def cached_alias(ck: Checks, label: str, cached, param) -> None:
+    """A DTensor taken (in a state dict) before the per-module API's engine was built, checked
+    against the parameter now: on torch 2.12+ it aliases the parameter and holds its values; on
+    torch 2.11 its storage was released with a message, so using it raises, naming the cause
+    (local ops only there: ranks whose shard is empty have nothing to raise, and a collective
+    would pair some ranks' errors with others' calls)."""
+    local = cached.to_local()
+    if TORCH_MOVES_STORAGE:
+        ck.true(f"{label}: aliases the parameter", local.numel() == 0 or local.data_ptr() == param.to_local().data_ptr())
+        ck.equal(f"{label}: holds the parameter's values", cached, param)
+        return
+    try:
+        local.sum()
+        got = "no error"
+    except RuntimeError as e:
+        got = str(e)
+    ck.true(f"{label}: using it raises, naming the cause (torch {torch.__version__})",
+            local.numel() == 0 or ("stale alias" in got and "after the first forward" in got), got)
+
+
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {value.dtype} {value.flatten()[:6].tolist()}"

@@ -174,34 +174,47 @@ def reshard_default(rank, world):
 
 
 def dp_mesh_dims(rank, world, impl, dims):
-    """torch 2.13's dp_mesh_dims: a named SPMD mesh whose dims are all data-parallel, parameters
-    DTensors replicated over it (as torch requires); float64 against torch's FSDP2 on the same
-    script: both compute with DTensors on the SPMD mesh, the batch sharded over it ([Note: SPMD
-    compute parameters] in megatron_fsdp_c/experimental/_root.py). Two microbatches a step, the
-    first with gradient sync off (their DTensor gradients' local tensors are held, then summed)."""
+    """torch's dp_mesh_dims (2.12+; ours on every torch): a named SPMD mesh whose dims are all
+    data-parallel, parameters DTensors replicated over it (as torch requires); float64 against
+    torch's FSDP2 on the same script: both compute with DTensors on the SPMD mesh, the batch
+    sharded over it ([Note: SPMD compute parameters] in megatron_fsdp_c/experimental/_root.py).
+    Two microbatches a step, the first with gradient sync off (their DTensor gradients' local
+    tensors are held, then summed). On torch 2.11, whose fully_shard has no dp_mesh_dims, torch's
+    side is what the argument stands for: FSDP2 on the data-parallel mesh itself (the 1-D shard
+    dim, or the 2-D (replicate, shard) HSDP mesh), plain parameters and batches."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    if impl == "ours":
+        from megatron_fsdp_c.experimental import DataParallelMeshDims
+    else:
+        DataParallelMeshDims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
     if dims == "fsdp":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        spec = DataParallelMeshDims(shard="dp_shard")
+        spec = DataParallelMeshDims and DataParallelMeshDims(shard="dp_shard")
     else:  # hsdp: 1 x world
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_replicate", "dp_shard"))
-        spec = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+        spec = DataParallelMeshDims and DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
     model = mlp()
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            mod._parameters[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()] * mesh.ndim))
-    shard(model, impl, mesh=mesh, dp_mesh_dims=spec)
+    if spec is not None:
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                mod._parameters[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()] * mesh.ndim))
+        shard(model, impl, mesh=mesh, dp_mesh_dims=spec)
+    else:
+        shard(model, impl, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
         for micro in range(2):
             model.set_requires_gradient_sync(micro == 1)
-            x = DTensor.from_local(data(10 * step + micro, rank), mesh, [Shard(0)] * mesh.ndim)
+            x = data(10 * step + micro, rank)
+            if spec is not None:
+                x = DTensor.from_local(x, mesh, [Shard(0)] * mesh.ndim)
             out = model(x)
-            assert isinstance(out, DTensor) and all(isinstance(p, DTensor) for p in model.parameters())
-            loss = out.to_local().square().mean()
+            if spec is not None:
+                assert isinstance(out, DTensor) and all(isinstance(p, DTensor) for p in model.parameters())
+                out = out.to_local()
+            loss = out.square().mean()
             loss.backward()
             losses.append(loss.item())
         opt.step()
@@ -211,8 +224,7 @@ def dp_mesh_dims(rank, world, impl, dims):
 
 def dp_mesh_dims_errors(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import DataParallelMeshDims
-    from megatron_fsdp_c.experimental import fully_shard
+    from megatron_fsdp_c.experimental import DataParallelMeshDims, fully_shard
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
     return {label: outcome(fn) for label, fn in {
         "tensor parallel dim": lambda: fully_shard(mlp(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")),

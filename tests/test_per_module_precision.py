@@ -6,7 +6,8 @@ spawns (see [Note: one spawn per world size] in rank_grid.py).
 torch's MixedPrecisionPolicy semantics, as documented by FSDP2 (and our one difference):
 - param_dtype: the compute dtype; the sharded parameters, their gradients and the optimizer stay
   in the parameter's dtype. The reference here is an fp32 master model with a compute-dtype copy.
-- reduce_dtype (default: param_dtype): the dtype gradients travel in and are summed in (FSDP2's
+- reduce_dtype (default: param_dtype up to torch 2.14, the parameter's dtype from 2.15: each
+  torch's own rule, DEFAULT_WIRE): the dtype gradients travel in and are summed in (FSDP2's
   reduce-scatter; ours too under torch's policy: `sum_in_comm_dtype`, [Note: exchange reduction]
   in csrc/comm/reduce.c). The reference sums the pre-scaled shares in that dtype in rank order,
   which gloo's sums match bit for bit at world 2; at world 4 gloo sums in another order, so
@@ -24,6 +25,8 @@ Behaviours (cell names):
 - bf16 compute with fp32 or bf16 (default) reduction, fp32 compute with bf16 reduction, with
   reshard_after_forward True/False: mp_training
 - a narrow reduce_dtype gives FSDP2's numbers bit for bit (bf16, fp16): torch_policy_sums_like_fsdp2
+- torch 2.15's per-parameter policy (param_dtype_override_fn; grad_dtype=None), bit for bit with
+  FSDP2 (registered where torch has it): torch_policy_per_parameter
 - gradient accumulation with sync off under bf16 compute and fp32 reduction: mp_accumulation
 - dataclass / nested dataclass / namedtuple activations between groups under bf16: structured_io
 - cast_forward_inputs on every module of a list group: grouped_cast_forward_inputs
@@ -57,13 +60,18 @@ from torch.distributed.tensor import DTensor
 import rank_grid
 from megatron_fsdp_c.experimental import fully_shard
 from megatron_fsdp_c.testing import GPT, GPTConfig, batch
-from checks import full, recorder_cells, verify
+from checks import cached_alias, full, raised_by, recorder_cells, verify
 from data import local_batch
 from train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
 BF16, FP32 = torch.bfloat16, torch.float32
+# torch 2.15 changed MixedPrecisionPolicy(reduce_dtype=None): gradients reduce in the parameter's
+# (gradient) dtype, no longer in param_dtype (its docstring's "versionchanged:: 2.15").
+DEFAULT_WIRE = "param" if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 15) else "compute"
+# torch 2.15's MixedPrecisionPolicy(param_dtype_override_fn=...): a per-parameter param_dtype
+TORCH_PER_PARAMETER = "param_dtype_override_fn" in getattr(MP, "__dataclass_fields__", {})
 
 
 class MLP(nn.Module):
@@ -94,7 +102,10 @@ def mp_loop(ck, rank, world, model, mp, data, *, steps=4, accumulate=1, reshard=
     module docstring)."""
     master = master or next(model.parameters()).dtype
     compute = getattr(mp, "param_dtype", None) or next(model.parameters()).dtype
-    wire = wire or getattr(mp, "reduce_dtype", None) or compute
+    if wire is None and getattr(mp, "reduce_dtype", None) is None:
+        torch_policy = hasattr(mp, "param_dtype")
+        wire = next(model.parameters()).dtype if torch_policy and DEFAULT_WIRE == "param" else compute
+    wire = wire or mp.reduce_dtype
     ref = copy.deepcopy(model).to(master)
     ref_compute = copy.deepcopy(model).to(compute)
     if shard:
@@ -162,7 +173,7 @@ def _data(step, rank):
 @cell("mp_training[bf16-fp32_reduce-keep]", param_dtype=BF16, reduce_dtype=FP32, reshard=False)
 # bf16 sums of 4 ranks run in gloo's order, not the reference's: world 4 is checked against FSDP2
 # itself (torch_policy_sums_like_fsdp2[bf16])
-@cell("mp_training[bf16-bf16_reduce-reshard]", param_dtype=BF16, reduce_dtype=None, reshard=True)
+@cell("mp_training[bf16-default_reduce-reshard]", param_dtype=BF16, reduce_dtype=None, reshard=True)
 @cell("mp_training[fp32-bf16_reduce-reshard]", param_dtype=None, reduce_dtype=BF16, reshard=True)
 def mp_training(rank, world, ck, param_dtype, reduce_dtype, reshard, master=FP32):
     mp_loop(ck, rank, world, _stack(master), MP(param_dtype=param_dtype, reduce_dtype=reduce_dtype), _data,
@@ -198,6 +209,68 @@ def torch_policy_sums_like_fsdp2(rank, world, ck, param_dtype, reduce_dtype):
     ck.true("losses equal FSDP2's", theirs == ours, f"{theirs} vs {ours}")
     worst = max((a - b).abs().max().item() for a, b in zip(their_params, our_params))
     ck.true("parameters equal FSDP2's", worst == 0.0, f"max |diff| {worst:.3g}")
+
+
+class Gated(nn.Module):
+    """A linear layer and a gate vector applied in fp32 (a Mamba A_log or dt_bias: what
+    param_dtype_override_fn keeps in fp32 under a bf16 policy)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.up = nn.Linear(dim, dim)
+        self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, dim))
+
+    def forward(self, x):
+        h = torch.tanh(self.up(x))
+        return (h.float() * torch.sigmoid(self.gate.float())).to(h.dtype)
+
+
+if TORCH_PER_PARAMETER:
+    @cell("torch_policy_per_parameter[override]", worlds=(2, 4), variant="override")
+    @cell("torch_policy_per_parameter[grad_dtype_none]", variant="grad_dtype_none")
+    def torch_policy_per_parameter(rank, world, ck, variant):
+        """torch 2.15's per-parameter policy, against FSDP2 on the same script, bit for bit:
+        param_dtype_override_fn keeps the gates in fp32 under param_dtype=bf16 (reduce_dtype None:
+        the parameter's dtype, fp32, for all); grad_dtype=None set on the sharded parameters before
+        the first forward, with an fp32 reduce_dtype (FSDP2's sharded gradients stay fp32). Without
+        reduce_dtype, FSDP2 would leave bf16 gradients on fp32 parameters there: refused, naming the
+        setting ([Note: reduce dtype by torch version] in megatron_fsdp_c/experimental/_policy.py)."""
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        def build(shard, reduce):
+            torch.manual_seed(7)
+            model = nn.Sequential(Gated(), Gated(), Gated())
+            keep = {id(m.gate) for m in model}
+            mp = MP(param_dtype=BF16, reduce_dtype=reduce, param_dtype_override_fn=(
+                lambda p: FP32 if id(p) in keep else None) if variant == "override" else None)
+            for m in model:
+                shard(m, mp_policy=mp)
+            shard(model, mp_policy=mp)
+            if variant == "grad_dtype_none":
+                for p in model.parameters():
+                    p.grad_dtype = None
+            return model
+
+        runs = []
+        for shard in (torch_fully_shard, fully_shard):
+            model = build(shard, FP32 if variant == "grad_dtype_none" else None)
+            optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(3):
+                loss = model(_data(step, rank)).float().sum()
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                losses.append(loss.item())
+            runs.append((losses, [p.full_tensor() for p in model.parameters()]))
+        (theirs, their_params), (ours, our_params) = runs
+        ck.true("losses equal FSDP2's", theirs == ours, f"{theirs} vs {ours}")
+        worst = max((a - b).abs().max().item() for a, b in zip(their_params, our_params))
+        ck.true("parameters equal FSDP2's", worst == 0.0, f"max |diff| {worst:.3g}")
+        if variant == "grad_dtype_none":
+            refused = build(fully_shard, None)
+            ck.raised("grad_dtype=None without reduce_dtype", lambda: refused(_data(0, rank)))
+            # every rank raised in its lazy init, before any collective: the group is still usable
 
 
 @cell("mp_accumulation[reshard]", reshard=True)
@@ -548,10 +621,7 @@ def our_policy_main_weights(rank, world, ck):
         opt.zero_grad()
     params = dict(model.named_parameters())
     for k, v in sd.items():
-        local = v.to_local()
-        ck.true(f"{k}: the cached state dict aliases the parameter",
-                local.numel() == 0 or local.data_ptr() == params[k].to_local().data_ptr())
-        ck.equal(f"{k}: the cached state dict holds the trained weights", v, params[k])
+        cached_alias(ck, f"{k}: the cached state dict", v, params[k])
     try:
         model.bfloat16()
         err = "no error"
@@ -601,3 +671,7 @@ KNOWN_GAPS = {}  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict 
 @pytest.mark.parametrize("name,world", rank_grid.params(CELLS, CELLS.keys(), KNOWN_GAPS))
 def test_precision_behaviour(name, world):
     verify(CELLS, name, world)
+    if name == "torch_policy_per_parameter[grad_dtype_none]":
+        for kind, message in raised_by(CELLS.result(name, world), "grad_dtype=None without reduce_dtype"):
+            assert kind == "NotImplementedError" and "grad_dtype=None" in message and "reduce_dtype" in message, \
+                (kind, message)

@@ -37,7 +37,7 @@ import megatron_fsdp_c as mf
 import rank_grid
 from megatron_fsdp_c.experimental import fully_shard
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-from checks import full, raised_by, recorder_cells, reraise, verify
+from checks import cached_alias, full, raised_by, recorder_cells, reraise, verify
 from data import local_batch
 from train_both import average_grads
 
@@ -131,7 +131,8 @@ def state_dict_roundtrip(rank, world, ck, dim, reshard):
 def cached_state_dict(rank, world, ck, dim):
     """torch's test: call state_dict() once (to save CPU time) and keep using it while training; also
     across a .double() after the first forward, which hands the shards back and re-initialises the
-    engine ([Note: local shards keep their storage] in megatron_fsdp_c/_common.py)."""
+    engine ([Note: local shards keep their storage] in megatron_fsdp_c/_common.py; on torch 2.11,
+    which cannot move storages, using it raises instead, naming the cause: checks.cached_alias)."""
     torch.manual_seed(42)
     model = nn.Linear(dim, dim, bias=False).double()
     fully_shard(model)
@@ -143,10 +144,7 @@ def cached_state_dict(rank, world, ck, dim):
         opt.zero_grad()
         model(local_batch(step, rank, (dim, dim))).sum().backward()
         opt.step()
-        local = sd["weight"].to_local()
-        ck.true(f"step {step}: the cached state dict aliases the parameter",
-                local.numel() == 0 or local.data_ptr() == model.weight.to_local().data_ptr())
-        ck.close(f"step {step}: the cached state dict holds the current weights", sd["weight"], model.weight)
+        cached_alias(ck, f"step {step}: the cached state dict", sd["weight"], model.weight)
 
 
 def gpt(seed=0) -> GPT:

@@ -341,27 +341,31 @@ def spmd_compute_params(rank, world):
     """dp_mesh_dims, parameters DTensors replicated over the SPMD mesh (their compute parameters
     are DTensors too, [Note: SPMD compute parameters] in megatron_fsdp_c/experimental/_root.py):
     the first Linear frozen at sharding and unfrozen at step 2, when the second is frozen; ours
-    and torch's FSDP2 on the same script, float64 (losses and final parameters)."""
-    from torch.distributed.fsdp import DataParallelMeshDims
+    and torch's FSDP2 on the same script, float64 (losses and final parameters). torch 2.11's
+    fully_shard has no dp_mesh_dims: its side is then FSDP2 on that (1-D) mesh itself, plain."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from megatron_fsdp_c.experimental import DataParallelMeshDims
+    torch_dims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
     # A dim name no other cell uses: torch hands a DTensor made on a mesh equal (same ranks and
     # names) to one an earlier cell of the spawn made that earlier mesh object (its dispatch
     # caches compare meshes by value), and FSDP2's SPMD path then refuses the parameter.
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("rg_dp_shard",))
-    dims = DataParallelMeshDims(shard="rg_dp_shard")
     out = {}
     for impl, shard in (("ours", fully_shard_per_module), ("torch", torch_fully_shard)):
+        spmd = impl == "ours" or torch_dims is not None
+        dims = (DataParallelMeshDims if impl == "ours" else torch_dims)(shard="rg_dp_shard") if spmd else None
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
                                     torch.nn.Linear(8, 4)).double()
-        for mod in model.modules():
-            for name, p in list(mod._parameters.items()):
-                mod._parameters[name] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]))
+        if spmd:
+            for mod in model.modules():
+                for name, p in list(mod._parameters.items()):
+                    mod._parameters[name] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]))
         model[0].requires_grad_(False)
         for i in (0, 2, 4):
-            shard(model[i], mesh=mesh, dp_mesh_dims=dims)
-        shard(model, mesh=mesh, dp_mesh_dims=dims)
+            shard(model[i], mesh=mesh, **({"dp_mesh_dims": dims} if spmd else {}))
+        shard(model, mesh=mesh, **({"dp_mesh_dims": dims} if spmd else {}))
         opt = adamw(model.parameters())
         losses = []
         for step in range(STEPS):
@@ -369,8 +373,9 @@ def spmd_compute_params(rank, world):
                 model[0].requires_grad_(True)
                 model[2].requires_grad_(False)
             torch.manual_seed(100 * step + rank)
-            x = DTensor.from_local(torch.randn(4, 8, dtype=torch.float64), mesh, [Shard(0)])
-            loss = model(x).to_local().square().mean()
+            x = torch.randn(4, 8, dtype=torch.float64)
+            out_ = model(DTensor.from_local(x, mesh, [Shard(0)])).to_local() if spmd else model(x)
+            loss = out_.square().mean()
             loss.backward()
             losses.append(loss.item())
             opt.step()

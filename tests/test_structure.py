@@ -109,8 +109,10 @@ def test_the_checker_sees_circles():
 
 
 def test_leaves():
-    """_common.py is the leaf every module may use; hooks.py knows its owner only as HookOwner."""
-    assert GRAPH[f"{PACKAGE}._common"] == []
+    """_torch_compat.py is the floor (torch's versions: [Note: supported torch versions]) and
+    _common.py the leaf every module may use, on it; hooks.py knows its owner only as HookOwner."""
+    assert GRAPH[f"{PACKAGE}._torch_compat"] == []
+    assert GRAPH[f"{PACKAGE}._common"] == [f"{PACKAGE}._torch_compat"]
     for owner_module in ("megatron_fsdp", "_sharded", "experimental._root"):
         assert f"{PACKAGE}.{owner_module}" not in GRAPH[f"{PACKAGE}.hooks"]
 

@@ -228,6 +228,9 @@ mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t bucket, int32_t
 mfsdp_status mfsdp_pipeline_unshard(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
 mfsdp_status mfsdp_pipeline_wait_unshard(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
 mfsdp_status mfsdp_pipeline_reshard(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
+/* ZeRO-3 buckets whose full weights stay allocated when resharded ([Note: kept full weights] in
+ * weights.c; FSDP2's set_keep_unsharded_storage). Turning it off releases those now resharded. */
+mfsdp_status mfsdp_pipeline_set_keep_weights(mfsdp_pipeline* p, const int32_t* buckets, int32_t n, int keep);
 /* The optimizer (or a checkpoint load) changed the main weights: cast main -> compute shard and
  * mark full weights stale so the next unshard spreads the new values (HFSDP: after an
  * all-gather across the replicas, issued here and awaited by that unshard). Frozen buckets are

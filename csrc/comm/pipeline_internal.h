@@ -81,6 +81,7 @@ typedef struct bucket {
   int8_t temporary[MFSDP_BUF_COUNT];    /* owner whose storage is released between uses */
   int8_t materialized[MFSDP_BUF_COUNT];
   int32_t wstate;
+  int8_t keep_weights; /* ZeRO-3: reshard leaves WEIGHT allocated, stale ([Note: kept full weights] in weights.c) */
   mfsdp_work* gather_work;
   int32_t gstate;
   mfsdp_work* reduce_work;

@@ -262,15 +262,42 @@ static mfsdp_status abandon_gather(mfsdp_pipeline* p, bucket* bk) {
   return pl_release(p, bk, MFSDP_BUF_GATHER);
 }
 
+/* [Note: kept full weights]
+ * A ZeRO-3 bucket releases its full weights (WEIGHT) when resharded, and the next unshard
+ * allocates them again: the memory may come back at another address. A bucket set to keep them
+ * (mfsdp_pipeline_set_keep_weights; FSDP2's set_keep_unsharded_storage, for CUDA graph capture,
+ * which replays kernels on fixed addresses) leaves WEIGHT allocated and marks it STALE instead:
+ * its values no longer count (the main shard may change before the next gather), and the next
+ * unshard gathers into the same memory (pl_materialize keeps a present buffer), so every view of
+ * the compute parameters keeps its data pointer. Only WEIGHT is kept; the rank-major GATHER
+ * staging of a non-identity bucket stays temporary, as the parameters never view it. Turning
+ * the setting off releases the kept weights of the buckets that are resharded (STALE) at once. */
+static mfsdp_status reshard_bucket(mfsdp_pipeline* p, bucket* bk) {
+  if (!bk->spec.weights_sharded || bk->wstate == MFSDP_W_EMPTY) return MFSDP_OK;
+  if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(abandon_gather(p, bk));
+  if (bk->keep_weights) {
+    bk->wstate = MFSDP_W_STALE;
+    return MFSDP_OK;
+  }
+  MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_WEIGHT));
+  bk->wstate = MFSDP_W_EMPTY;
+  return MFSDP_OK;
+}
+
 mfsdp_status mfsdp_pipeline_reshard(mfsdp_pipeline* p, const int32_t* ids, int32_t n) {
   MFSDP_CHECK(pl_healthy(p));
+  for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(pl_check_bucket(p, ids[i]));
+  for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(reshard_bucket(p, &p->b[ids[i]]));
+  return MFSDP_OK;
+}
+
+mfsdp_status mfsdp_pipeline_set_keep_weights(mfsdp_pipeline* p, const int32_t* ids, int32_t n, int keep) {
+  MFSDP_CHECK(pl_healthy(p));
+  for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(pl_check_bucket(p, ids[i]));
   for (int32_t i = 0; i < n; ++i) {
-    MFSDP_CHECK(pl_check_bucket(p, ids[i]));
     bucket* bk = &p->b[ids[i]];
-    if (!bk->spec.weights_sharded || bk->wstate == MFSDP_W_EMPTY) continue;
-    if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(abandon_gather(p, bk));
-    MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_WEIGHT));
-    bk->wstate = MFSDP_W_EMPTY;
+    bk->keep_weights = (int8_t)!!keep;
+    if (!keep && bk->spec.weights_sharded && bk->wstate == MFSDP_W_STALE) MFSDP_CHECK(reshard_bucket(p, bk));
   }
   return MFSDP_OK;
 }
@@ -287,9 +314,12 @@ mfsdp_status mfsdp_pipeline_install_main_weights(mfsdp_pipeline* p, int include_
       continue;
     }
     if (bk->wstate == MFSDP_W_GATHERING) { /* carries the old values: drop it */
-      MFSDP_CHECK(abandon_gather(p, bk));
-      if (bk->spec.weights_sharded) MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_WEIGHT));
-      bk->wstate = bk->spec.weights_sharded ? MFSDP_W_EMPTY : MFSDP_W_STALE;
+      if (bk->spec.weights_sharded) {
+        MFSDP_CHECK(reshard_bucket(p, bk));
+      } else {
+        MFSDP_CHECK(abandon_gather(p, bk));
+        bk->wstate = MFSDP_W_STALE;
+      }
     }
     if (bk->wstate != MFSDP_W_EMPTY) bk->wstate = MFSDP_W_STALE; /* the next unshard spreads the new values */
     if (bk->subs > 1) /* the replicas' sub-shards first ([Note: optimizer sharded across replicas]) */

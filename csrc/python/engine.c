@@ -398,7 +398,7 @@ static PyObject* engine_zero_item_grads(PyObject* self, PyObject* args) {
   return none_or_fail(self, s);
 }
 
-/* set_hold and set_outer_hold: (buckets, hold). */
+/* set_hold, set_outer_hold and set_keep_weights: (buckets, flag). */
 static PyObject* hold_ids(PyObject* self, PyObject* args, const char* format,
                           mfsdp_status (*fn)(mfsdp_pipeline*, const int32_t*, int32_t, int)) {
   engine_object* e = (engine_object*)self;
@@ -417,6 +417,10 @@ static PyObject* engine_set_hold(PyObject* self, PyObject* args) {
 
 static PyObject* engine_set_outer_hold(PyObject* self, PyObject* args) {
   return hold_ids(self, args, "Op:set_outer_hold", mfsdp_pipeline_set_outer_hold);
+}
+
+static PyObject* engine_set_keep_weights(PyObject* self, PyObject* args) {
+  return hold_ids(self, args, "Op:set_keep_weights", mfsdp_pipeline_set_keep_weights);
 }
 
 static PyObject* engine_set_prescale(PyObject* self, PyObject* args) {
@@ -581,6 +585,8 @@ static PyMethodDef engine_methods[] = {
     {"unshard", engine_unshard, METH_O, "unshard(buckets): start all-gathers of the full weights."},
     {"wait_unshard", engine_wait_unshard, METH_O, "wait_unshard(buckets): full weights usable after this."},
     {"reshard", engine_reshard, METH_O, "reshard(buckets): release full weights (ZeRO-3 buckets)."},
+    {"set_keep_weights", engine_set_keep_weights, METH_VARARGS,
+     "set_keep_weights(buckets, keep): ZeRO-3 buckets keep their full weights' memory when resharded (stale)."},
     {"install_main_weights", engine_install_main_weights, METH_VARARGS,
      "install_main_weights(include_frozen=False): main -> compute weights; full weights become stale."},
     {"begin_backward", engine_begin_backward, METH_O, "begin_backward(sync): a backward pass starts."},

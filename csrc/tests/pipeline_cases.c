@@ -47,6 +47,7 @@ typedef struct pipe_case {
   int fail_after;    /* inject a collective failure; -1: none */
   int direct_init;   /* initialise shards directly (meta-device path) */
   int blocked;       /* items sharded on an inner dim: BLOCKED's outers ([Note: chunked layout]) */
+  int keep;          /* ZeRO-3 keeps its full weights' memory when resharded ([Note: kept full weights]) */
 } pipe_case;
 
 typedef struct pipe_thread {
@@ -151,7 +152,12 @@ static void* pipe_worker(void* arg) {
       item_sum += fabs(load_as_double(weight->data, pdt, L->param_offsets[i] + j));
   CHECK(wrong == 0, "%s rank %d: %d gathered weights wrong", c->name, r, wrong);
   CHECK(fabs(pad_sum - item_sum) < 1e-9, "%s rank %d: padding is not zero", c->name, r);
+  void* kept = weight->data;
+  if (c->keep) CHECK_OK(mfsdp_pipeline_set_keep_weights(p, ids, 1, 1));
   CHECK_OK(mfsdp_pipeline_reshard(p, ids, 1));
+  if (c->keep && spec.weights_sharded)
+    CHECK(weight->data == kept && mfsdp_pipeline_weight_state(p, 0) == MFSDP_W_STALE,
+          "%s rank %d: resharded weights kept in place, stale (state %d)", c->name, r, mfsdp_pipeline_weight_state(p, 0));
 
   if (c->fail_after >= 0) { /* the next collective fails on every rank: all refuse afterwards */
     t->rig->inject_failure(t->world, c->fail_after);
@@ -245,6 +251,14 @@ static void* pipe_worker(void* arg) {
       wrong += fabs(got - want) > tolerance(pdt) * 2 * (fabs(want) + 1e-3);
     }
   CHECK(wrong == 0, "%s rank %d: %d weights not updated after install + gather", c->name, r, wrong);
+  if (c->keep && spec.weights_sharded) { /* regathered into the same memory; turning keep off releases it */
+    CHECK(weight->data == kept, "%s rank %d: the kept weights moved (%p -> %p)", c->name, r, kept, weight->data);
+    CHECK_OK(mfsdp_pipeline_reshard(p, ids, 1));
+    CHECK(weight->data == kept, "%s rank %d: a second reshard released the kept weights", c->name, r);
+    CHECK_OK(mfsdp_pipeline_set_keep_weights(p, ids, 1, 0));
+    CHECK(weight->data == NULL && mfsdp_pipeline_weight_state(p, 0) == MFSDP_W_EMPTY,
+          "%s rank %d: keep off releases the resharded weights", c->name, r);
+  }
   CHECK_OK(mfsdp_pipeline_zero_grads(p));
   t->rig->rank_sync(dev);
   const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD);
@@ -313,6 +327,9 @@ void run_pipeline_cases(const pipe_rig* rig, int max_world, int force_comm) {
         {"zero2 blocked", world, RSA, 0, 1, 2, 0, F, F, F, F, SUM, 0, -1, 0, 1},
         {"zero1 blocked direct init", world, RSI, 0, 1, 3, 1, F, F, F, F, SUM, 0, -1, 1, 1},
         {"no_shard blocked", world, AR, 0, 0, 2, 1, F, F, F, F, SUM, 0, -1, 0, 1},
+        /* the full weights kept across reshards (gathered into the same memory), and a cast on gather */
+        {"zero3 keep weights", world, RSA, 1, 0, 2, 0, F, F, F, F, SUM, 0, -1, 0, 0, 1},
+        {"zero3 keep weights bf16 + fp32 main blocked", world, RSA, 1, 0, 1, 0, B, F, F, F, SUM, 0, -1, 0, 1, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) run_pipe_case(&cases[k], rig, force_comm);
   }

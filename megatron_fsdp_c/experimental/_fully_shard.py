@@ -32,13 +32,15 @@ from __future__ import annotations
 import functools
 from typing import Iterable, List, Optional, Union
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._common import parse_strategy
 from ..no_shard import mark_by_name
-from ._group import dp_mesh_of, form_group, post_forward_world
-from ._module import FSDPModule, fsdp_class
+from ._group import form_group
+from ._mesh import dp_mesh_of, post_forward_world
+from ._module import FSDPModule, fsdp_class, missing_overrides
 from ._policy import check_policies, check_quant_policy
 from ._root import post_forward, pre_forward, to_sharded_hook
 from ._torch_state import register_torch_state
@@ -59,7 +61,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     module whose forward runs first), False there; True/False set it. An int n (FSDP2: keep the
     weights sharded over groups of n ranks after forward, gather over them in backward) must
     divide the shard group's size, as in torch; 1 is False and the group's size is True, as in
-    torch, and any other n behaves as True (see [Note: reshard to a smaller world] in _group.py). dp_mesh_dims (torch's DataParallelMeshDims): `mesh` is a
+    torch, and any other n behaves as True (see [Note: reshard to a smaller world] in _mesh.py). dp_mesh_dims (torch's DataParallelMeshDims): `mesh` is a
     full SPMD mesh and these name its data-parallel dims (shard dims are flattened into one,
     replicate dims into another: HSDP with both, a replicated group with replicate dims only);
     parameters may be DTensors replicated over it. Other dims of size > 1 (tensor parallelism)
@@ -80,6 +82,12 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     quantized_comm_policy (a megatron_fsdp_c.QuantizedCommPolicy) gathers the group's weights and/or
     reduces its gradients as block-quantized pieces ([Note: quantized communication] in
     csrc/comm/wire.c)."""
+    unknown = missing_overrides()
+    if unknown:  # a torch past the supported range ([Note: supported torch versions] in ../_torch_compat.py)
+        raise NotImplementedError(
+            f"torch {torch.__version__}'s FSDPModule has methods megatron_fsdp_c's per-module API does not implement "
+            f"yet: {unknown}. Frameworks that call them would reach torch's FSDP internals, which our modules do not "
+            "have. Use a torch from 2.11 to 2.15")
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError("fully_shard expects an nn.Module or a non-empty list of nn.Modules")

@@ -1,41 +1,26 @@
 """A group of the per-module API: the parameters one fully_shard call takes over (see [Note:
-per-module groups] in _fully_shard.py), their conversion to DTensor parameters, the cache of
-mesh -> DistContext the groups share, and torch 2.13's dp_mesh_dims (a full SPMD mesh whose
-data-parallel dims are named)."""
+per-module groups] in _fully_shard.py) and their conversion to DTensor parameters, on the
+DistContext of their mesh (_mesh.py)."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import weakref
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._common import contiguous_stride
-from .._distributed import DistContext, make_dist_context
+from .._distributed import DistContext
 from ..param_buffer import local_shape
 from ..no_shard import is_no_shard
-from ._lazy_init import check_sub_mesh
-from ._policy import check_param_dtype, check_plain_tensor, sharded_dtype
+from ._mesh import mesh_and_context
+from ._policy import check_param_dtype, check_plain_tensor, param_policy, sharded_dtype
 from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
-__all__ = ["Origin", "ShardGroup", "check_origins", "dp_mesh_of", "form_group", "group_of", "post_forward_world",
-           "refresh_places"]
-
-# [Note: per-world caches]
-# Both caches are keyed by the caller's default process group as well: torch's threaded test group
-# (FSDPTestMultiThread) runs every rank as a thread of one process, each thread with its own
-# default group and group map, so a mesh or context made by one rank's thread is unusable on
-# another's; and a process that re-initialises torch.distributed gets new ones too. Each value
-# holds its default group, so the group's id in the key cannot be reused while it is cached.
-_CONTEXTS = {}      # (default group, mesh's ranks and names, device) -> DistContext: one communicator per mesh
-_DEFAULT_MESH = {}  # (default group, device type) -> (default group, the 1-D mesh over all ranks)
-_DP_MESHES = {}     # (SPMD mesh, shard dims, replicate dims) -> (data-parallel mesh, no_shard, SPMD mesh)
-
+__all__ = ["Origin", "ShardGroup", "check_origins", "form_group", "group_of", "refresh_places"]
 
 @dataclasses.dataclass(eq=False)
 class ShardGroup:
@@ -57,6 +42,9 @@ class ShardGroup:
     unit: Optional[object] = None          # its unit in the engine's hooks
     all_reduce_hook: Optional[object] = None  # set_all_reduce_hook's (hook, stream)
     post_optim_event: Optional[object] = None  # set_post_optim_event's, waited on at the next root pre-forward
+    keep_unsharded_storage: bool = False   # set_keep_unsharded_storage ([Note: kept full weights] in csrc/comm/weights.c)
+    manual_backward_finalization: bool = False  # set_manual_backward_finalization, on the root's group
+    pending_reduction: Optional[object] = None  # the root's finalize_backward(async_op=True) handle not waited on
     unshard_in_backward: bool = True       # accepted settings with no effect here ([Note: torch's FSDPModule])
     force_sum_reduction: bool = False
     torch_state: Optional[object] = None   # what torch's code finds under its state key (_torch_state.py)
@@ -69,6 +57,9 @@ class ShardGroup:
     # (id(module), attribute) -> the dtype a parameter computes in, where its sharded DTensor has
     # another (the main weights' under megatron_fsdp_c's policy, [Note: main-weight parameters] in _policy.py)
     compute_dtypes: dict = dataclasses.field(default_factory=dict)
+    # (id(module), attribute) -> the policy of a parameter where torch 2.15's param_dtype_override_fn
+    # resolved one of its own (_policy.param_policy); the others take mp_policy
+    param_policies: dict = dataclasses.field(default_factory=dict)
     parent: Optional["ShardGroup"] = None  # the group of the closest sharded module above (set by its fully_shard)
 
 
@@ -157,83 +148,6 @@ def _adopt(cur, old: nn.Parameter, g: ShardGroup, mod: nn.Module, attr: str, tp)
                        dtype=dtype)
 
 
-def _submesh(mesh: DeviceMesh, names: tuple) -> DeviceMesh:
-    """The dims `names` of `mesh` as one dim (flattened when several, as torch's fully_shard does)."""
-    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
-
-
-def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims) -> tuple:
-    """(the data-parallel mesh, whether it only replicates) of torch 2.13's `dp_mesh_dims` on a full
-    SPMD `mesh`: its shard dims flattened into one, its replicate dims into another; both make the
-    2-D (replicate, shard) HSDP mesh, replicate dims alone a replicated (no_shard) group, as in
-    torch. A dim of size > 1 that is neither is tensor (or expert, context) parallelism: not
-    supported by the per-module API yet. Made once per mesh and dims: every group of a model must
-    get the same mesh object (one engine per mesh, see [Note: per-module groups] in _fully_shard.py)."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"dp_mesh_dims needs mesh= the full SPMD DeviceMesh, got {type(mesh).__name__}")
-    names = mesh.mesh_dim_names
-    if names is None:
-        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
-    shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
-    if not shard and not replicate:
-        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
-    for name in shard + replicate:
-        if name not in names:
-            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
-    model_parallel = [n for n in names if n not in shard + replicate and mesh.size(names.index(n)) > 1]
-    if model_parallel:
-        # torch computes with DTensors on the whole SPMD mesh here (the batch a DTensor too); ours
-        # composes TP through the data-parallel sub-mesh instead ([Note: tensor parallelism])
-        raise NotImplementedError(
-            f"fully_shard(dp_mesh_dims=...) on a mesh with the model-parallel dims {model_parallel} (tensor, "
-            "context or expert parallelism) is not supported by megatron_fsdp_c's per-module API (a later issue "
-            "for tensor parallelism in this form). For tensor parallelism use torchtitan's recipe: "
-            "parallelize_module(model, mesh['tp'], plan), then fully_shard(module, mesh=mesh['dp'])")
-    key = (id(mesh), shard, replicate)
-    if key not in _DP_MESHES:
-        if shard and replicate:
-            dp = DeviceMesh._concatenate([_submesh(mesh, replicate), _submesh(mesh, shard)])
-        else:
-            dp = _submesh(mesh, shard or replicate)
-        _DP_MESHES[key] = (dp, not shard, mesh)  # the SPMD mesh kept alive with its key
-    dp, no_shard, _ = _DP_MESHES[key]
-    return dp, no_shard
-
-
-def post_forward_world(n: int, mesh: Optional[DeviceMesh]) -> bool:
-    """[Note: reshard to a smaller world]
-    FSDP2's reshard_after_forward=n (an int) keeps, after forward, the weights sharded over groups
-    of n ranks (e.g. a node) and gathers them over those groups in backward: less memory than
-    False, less traffic across nodes than True. It is checked as torch checks it (n must divide
-    the shard group's size); n == 1 is False and n == that size is True, as in torch. Any other n
-    behaves as True: the weights go back to 1/world after forward and backward gathers over the
-    whole shard group. The numbers are the same (a gather moves values, it does not change them),
-    the collectives are the same ones FSDP2 issues (one all-gather per group in backward; torch's
-    CommDebugMode counts the same), and the memory between forward and backward is never more than
-    FSDP2's (1/world of the weights instead of 1/n); what differs is that the backward gather spans
-    every rank of the shard group instead of n of them. Resharding to sub-groups needs a second
-    gather buffer and communicator per sub-group in the engine, which it does not have yet."""
-    if isinstance(mesh, DeviceMesh):
-        size = mesh.size(mesh.ndim - 1)
-    elif mesh is None and dist.is_available() and dist.is_initialized():
-        size = dist.get_world_size()
-    else:
-        return True  # form_group raises the mesh's (or torch.distributed's) error
-    if n < 1 or n > size or size % n != 0:
-        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {size}, but got {n}")
-    if n == 1:
-        warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
-                      "reshard_after_forward=True (bool)", stacklevel=3)
-        return False
-    if n < size:
-        warnings.warn(f"reshard_after_forward={n}: megatron_fsdp_c reshards to all {size} ranks of the shard group "
-                      f"after forward (as reshard_after_forward=True), not to groups of {n}: the same gradients and "
-                      f"collectives, 1/{size} of the weights held between forward and backward instead of 1/{n}, and "
-                      f"the backward's all-gather spans all {size} ranks ([Note: reshard to a smaller world] in "
-                      "megatron_fsdp_c/experimental/_group.py)", stacklevel=3)
-    return True
-
-
 def _plain(p: nn.Parameter, spmd_mesh: Optional[DeviceMesh]):
     """A DTensor parameter replicated over the SPMD mesh of dp_mesh_dims (all dims, or a size-1
     model-parallel one) as the plain tensor it holds, and its (mesh, placements) (its compute
@@ -246,47 +160,6 @@ def _plain(p: nn.Parameter, spmd_mesh: Optional[DeviceMesh]):
         raise ValueError(f"a DTensor parameter with placements {p.placements} on mesh {p.device_mesh.mesh_dim_names}: "
                          "with dp_mesh_dims, parameters must be Replicate() on every dim of size > 1")
     return nn.Parameter(p.to_local(), requires_grad=p.requires_grad), (p.device_mesh, tuple(p.placements))
-
-
-def _mesh_and_context(mesh, device_type: str) -> DistContext:
-    """The DistContext of `mesh` (None: every rank), made once per mesh and device."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
-                           "(launch with torchrun; backend 'gloo' on CPU, 'nccl' on GPU)")
-    world = dist.distributed_c10d._get_default_group()  # see [Note: per-world caches]
-    if mesh is None:
-        key = (id(world), device_type)
-        if key not in _DEFAULT_MESH:
-            _DEFAULT_MESH[key] = (world, init_device_mesh(device_type, (dist.get_world_size(),)))
-        mesh = _DEFAULT_MESH[key][1]
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: mesh has {mesh.ndim} dims "
-                         f"{mesh.mesh_dim_names}: the per-module fully_shard takes a 1-D "
-                         "mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), as torch's does; slice a larger mesh "
-                         "first, e.g. mesh['dp_outer', 'dp_shard']")
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # torch's check and words (an AssertionError there too)
-        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified: e.g. "
-                             "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('dp_replicate', "
-                             "'dp_shard'))")
-    if mesh.device_type != device_type:
-        raise ValueError(f"mesh is on '{mesh.device_type}' but the parameters are on '{device_type}': build the mesh "
-                         f"with init_device_mesh('{device_type}', ...) or move the module first")
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
-    # By the ranks and dim names, not the object: mesh["dp"] makes a new DeviceMesh each time, and
-    # the calls on one mesh must get one context (one engine per mesh, [Note: a mesh per group] in _root.py).
-    key = (id(world), tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, str(device))
-    ctx = _CONTEXTS.get(key)
-    if ctx is None:
-        ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
-        if len(ranks) < dist.get_world_size():
-            check_sub_mesh(ranks)
-        # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
-        ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
-            make_dist_context(mesh, 1, device, dp_outer_dim=0)
-        ctx.mesh_ref, ctx.world_ref = mesh, world  # keep the mesh and the default group (so the key) alive
-    return ctx
 
 
 def _group_params(modules, ignored, children: list) -> List[tuple]:
@@ -339,7 +212,10 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, dim: Optional[int], device: t
         mesh, placements = spmd_layout(tp, mesh, placements, what)
         shape = tp.shape
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
-    return nn.Parameter(dt, requires_grad=p.requires_grad)
+    out = nn.Parameter(dt, requires_grad=p.requires_grad)
+    if getattr(p, "_has_grad_dtype_override", False):  # torch 2.15: kept, as FSDP2 keeps it ([Note: reduce dtype by
+        out.grad_dtype = p.grad_dtype                   # torch version] in _policy.py)
+    return out
 
 
 def _shard_dim(p: nn.Parameter, placement, what: str, world: int, sharded: bool) -> int:
@@ -387,19 +263,22 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
         device_type = mesh.device_type  # a meta-device module: it will live where the mesh is
     else:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ctx = _mesh_and_context(mesh, device_type)
+    ctx = mesh_and_context(mesh, device_type)
 
     # Each DTensor made here carries the Origin of the parameter it came from: a parameter registered
     # in two groups (tied weights split across fully_shard calls) becomes two DTensors with one
     # Origin, refused at the lazy init as FSDP2 refuses it (check_origins).
     dims = {}   # id(original) -> its shard dim, None when replicated (a parameter tied within the group once)
+    policies = {}  # id(original) -> its policy (torch 2.15's param_dtype_override_fn, or mp_policy)
     tp_of = {}  # id(original) -> its TPSpec (a DTensor parameter from parallelize_module), or None
     for mod, attr, p in places:
         what = f"parameter '{attr}' of {type(mod).__name__}"
         if id(p) not in tp_of:
             tp_of[id(p)] = dtensor_tp_spec(p, what, ctx.mesh) if isinstance(p, DTensor) else None
         check_plain_tensor(p._local_tensor if tp_of[id(p)] is not None else p, what)
-        check_param_dtype(p, what, mp_policy)
+        if id(p) not in policies:
+            policies[id(p)] = param_policy(mp_policy, p)
+        check_param_dtype(p, what, policies[id(p)])
         if id(p) not in dims:
             replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
             placement = shard_placement_fn(p) if shard_placement_fn is not None else None
@@ -423,7 +302,9 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
                        mp_policy, reshard_after_forward, tp_specs=[tp_of[id(p)] for _, _, p in places],
-                       spmd_specs=spmd_specs, compute_dtypes=compute_dtypes)
+                       spmd_specs=spmd_specs, compute_dtypes=compute_dtypes,
+                       param_policies={(id(mod), attr): policies[id(p)] for mod, attr, p in places
+                                       if policies[id(p)] is not mp_policy})
     for m in modules:
         m._mfsdp_group = group
     for child in children:

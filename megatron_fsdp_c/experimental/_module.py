@@ -13,11 +13,13 @@ a container is indexed (nn.Sequential[1:]), finding it at _orig_cls_mro_index, w
 (torch's own classes have it at 2). Our classes are not entered in torch's cls_to_fsdp_cls map:
 Dynamo's package pickler reads the original class at __mro__[2] from that map.
 
-Per method, what torch's does on our engine:
+Per method, what torch's does on our engine (the methods of every torch from 2.11 to 2.15; a torch
+that lacks one, e.g. reset_iter_state before 2.13, still finds ours):
 - unshard/reshard, set_requires_gradient_sync/_all_reduce, set_reshard_after_forward/_backward,
   set_modules_to_forward/backward_prefetch, set_gradient_divide_factor (and its deprecated name
-  set_reduce_scatter_divide_factor), set_all_reduce_hook, reset_iter_state, set_post_optim_event:
-  done (differences in their docstrings).
+  set_reduce_scatter_divide_factor), set_all_reduce_hook, reset_iter_state, set_post_optim_event,
+  and torch 2.15's set_keep_unsharded_storage, set_manual_backward_finalization and
+  finalize_backward: done (differences in their docstrings).
 - set_is_last_backward, set_force_sum_reduction_for_comms, set_reduce_scatter_unused_params,
   set_reduce_scatter_max_input_buffers, set_separate_reduce_scatter_group,
   set_unshard_in_backward, _set_unshard_async_op: accepted, no effect (each docstring says why
@@ -33,14 +35,29 @@ import functools
 import warnings
 from typing import List, Optional
 
+import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
+
+from .._common import in_backward
 
 from ._group import ShardGroup, group_of
 from ._policy import compute_dtype
 from ._root import RootState, state_of
 
-__all__ = ["FSDPModule", "UnshardHandle", "fsdp_class"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle", "fsdp_class", "missing_overrides"]
+
+# torch 2.15's handle class of finalize_backward(async_op=True); a plain base before it
+_TorchReductionHandle = getattr(torch_fsdp, "GradientReductionHandle", object)
+
+
+def missing_overrides() -> List[str]:
+    """The public methods of the installed torch's FSDPModule that ours does not override: empty for
+    every torch in the supported range (tests/test_per_module_dropin.py); fully_shard refuses a
+    torch where it is not ([Note: supported torch versions] in ../_torch_compat.py)."""
+    names = {n for k in TorchFSDPModule.__mro__ if k is not object for n in vars(k)
+             if not n.startswith("__") and callable(getattr(TorchFSDPModule, n, None))}
+    return sorted(n for n in names if n not in vars(FSDPModule) and not n.startswith("_orig"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,6 +81,25 @@ class UnshardHandle(TorchUnshardHandle):
                 self._state.param_buffer.engine.wait_unshard(buckets)
             self._state.register(self._group.unit.index, True)
             self._group = None
+
+
+class GradientReductionHandle(_TorchReductionHandle):
+    """What finalize_backward(async_op=True) returns (a subclass of torch 2.15's
+    GradientReductionHandle where torch has one): wait() before using the gradients. The reduction
+    itself completes inside finalize_backward ([Note: manual backward finalization] in _step_end.py),
+    so wait() only ends the handle; after reset_iter_state it raises, as torch's does."""
+
+    def __init__(self, root_group):
+        self._group = root_group
+
+    def wait(self) -> None:
+        g, self._group = self._group, None
+        if g is None:
+            return
+        if g.pending_reduction is not self:
+            raise RuntimeError("this gradient reduction was invalidated by reset_iter_state(): its gradients were "
+                               "discarded")
+        g.pending_reduction = None
 
 
 class FSDPModule(TorchFSDPModule):
@@ -141,6 +177,7 @@ class FSDPModule(TorchFSDPModule):
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         for state in g.state.siblings:  # every engine of the model ([Note: a mesh per group] in _root.py)
             state.reset_iter_state()
+        g.pending_reduction = None  # an outstanding finalize_backward handle raises at wait()
 
     # -- gradient synchronisation ---------------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -160,6 +197,41 @@ class FSDPModule(TorchFSDPModule):
         for g in groups:
             g.requires_all_reduce = bool(requires_all_reduce)
         self._reconfigure(groups)
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """torch 2.15: on, the caller ends each logical backward with finalize_backward(). Ours
+        finishes each backward at its end anyway, and finalize_backward reduces what the backwards
+        held back and reshards ([Note: manual backward finalization] in _step_end.py). Checked as
+        torch checks it: the root only (once known), and no change during a backward."""
+        g = group_of(self)
+        if g.state is not None and g.state.root is not self:
+            raise RuntimeError(f"set_manual_backward_finalization must be called on the root FSDP module, not on "
+                               f"this {type(self).__name__}")
+        if bool(enabled) != g.manual_backward_finalization and in_backward():
+            raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+        g.manual_backward_finalization = bool(enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> Optional[GradientReductionHandle]:
+        """torch 2.15: after the backward passes of a step (gradient sync off during them, then on
+        again), reduces what they held back and reshards by the current settings, on every rank at
+        the same point. Before the first forward, nothing to do. With async_op, returns a
+        GradientReductionHandle to wait() on before using the gradients (the reduction is complete
+        already: [Note: manual backward finalization] in _step_end.py)."""
+        g = group_of(self)
+        if g.pending_reduction is not None:
+            raise RuntimeError("The previous gradient reduction must be waited on before finalizing backward again")
+        if g.state is not None:
+            if g.state.root is not self:
+                raise RuntimeError(f"finalize_backward must be called on the root FSDP module, not on this "
+                                   f"{type(self).__name__}")
+            for state in g.state.siblings:  # every engine of the model ([Note: a mesh per group] in _root.py)
+                state.finalize_backward()
+        if not async_op:
+            return None
+        if g.state is None:
+            return GradientReductionHandle(None)  # nothing was reduced: wait() returns at once
+        handle = g.pending_reduction = GradientReductionHandle(g)
+        return handle
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted, no effect: every backward here finishes its reductions (torch defers some
@@ -226,6 +298,16 @@ class FSDPModule(TorchFSDPModule):
         groups = self._groups(recurse)
         for g in groups:
             g.reshard_after_forward = reshard_after_forward
+        self._reconfigure(groups)
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """torch 2.15: resharding keeps the gathered weights' memory (marked stale, gathered again
+        into the same memory), so the compute parameters keep their data pointers across reshard
+        and unshard (CUDA graph capture), at the memory of the full weights ([Note: kept full
+        weights] in csrc/comm/weights.c). Off again, the kept memory of resharded groups is freed."""
+        groups = self._groups(recurse)
+        for g in groups:
+            g.keep_unsharded_storage = bool(keep)
         self._reconfigure(groups)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:

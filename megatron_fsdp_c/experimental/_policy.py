@@ -8,11 +8,12 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from .._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..mixed_precision import QuantizedCommPolicy
 
 __all__ = ["cast_floats", "check_param_dtype", "check_plain_tensor", "check_policies", "check_quant_policy",
-           "compute_dtype", "engine_policy", "is_torch_policy", "sharded_dtype"]
+           "compute_dtype", "engine_policy", "is_torch_policy", "param_policy", "sharded_dtype"]
 
 _ENGINE_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the engine casts and sums
 
@@ -22,8 +23,47 @@ def is_torch_policy(mp) -> bool:
     return all(hasattr(mp, f) for f in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"))
 
 
-def engine_policy(mp, param_dtype: torch.dtype):
-    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype`."""
+def param_policy(mp, p: nn.Parameter):
+    """The policy of one parameter: torch 2.15's MixedPrecisionPolicy(param_dtype_override_fn=...)
+    resolved for `p` (torch's own resolution and checks, once, at fully_shard as torch does), else
+    `mp` itself."""
+    if getattr(mp, "param_dtype_override_fn", None) is None:
+        return mp
+    return mp._resolve_for_param(p)
+
+
+def reduce_dtype(mp, param_dtype: torch.dtype, compute: torch.dtype, dp) -> torch.dtype:
+    """[Note: reduce dtype by torch version]
+    The dtype torch's MixedPrecisionPolicy reduces gradients in, as the installed torch's FSDP2
+    does: reduce_dtype when set. With reduce_dtype=None, up to torch 2.14 the compute dtype
+    (param_dtype, or the parameter's dtype); from 2.15 the parameter's gradient dtype instead,
+    whatever param_dtype is: the parameter's dtype, or the grad_dtype set on the sharded parameter
+    before the lazy init (None: the gradient's own dtype, the compute dtype); e.g. fp32 for fp32
+    parameters under param_dtype=bf16, where 2.13 reduced in bf16. Summed in that dtype by the
+    collective (sum_in_comm_dtype), as FSDP2's are. The sharded gradient keeps the parameter's
+    dtype here; torch 2.15 gives it the grad_dtype instead (the reduce dtype for grad_dtype=None):
+    where that differs from the parameter's, refused, naming the setting to change."""
+    override = getattr(dp, "_has_grad_dtype_override", False)  # torch 2.15's Tensor.grad_dtype set by the user
+    wanted = dp.grad_dtype if override else param_dtype
+    if mp.reduce_dtype is not None:
+        out = mp.reduce_dtype
+    elif not REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE or wanted is None:
+        out = compute
+    else:
+        out = wanted
+    sharded = out if wanted is None else wanted  # the dtype of FSDP2's sharded gradient
+    if sharded != param_dtype:
+        raise NotImplementedError(
+            f"a {param_dtype} parameter with grad_dtype={wanted}: torch's FSDP2 gives it {sharded} sharded "
+            f"gradients, but megatron_fsdp_c keeps a parameter's sharded gradient in the parameter's dtype. Leave "
+            "grad_dtype unset (or set it to the parameter's dtype) and choose the wire with "
+            "MixedPrecisionPolicy(reduce_dtype=...)")
+    return out
+
+
+def engine_policy(mp, param_dtype: torch.dtype, dp=None):
+    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype` (`dp`: the
+    sharded parameter, whose grad_dtype torch 2.15's policy may follow)."""
     if param_dtype not in _ENGINE_FLOATS:
         # Integer (and other non-castable) parameters are frozen and never cast, as FSDP2 keeps
         # non-floating parameters; the policy is never resolved for them (no gradients).
@@ -32,12 +72,12 @@ def engine_policy(mp, param_dtype: torch.dtype):
         return param_dtype, mp
     compute = mp.param_dtype or param_dtype
     # FSDP2: sharded parameters and gradients stay in the parameter's dtype; reduce in
-    # reduce_dtype (or the compute dtype), summed in it by the collective as FSDP2's
-    # reduce-scatter sums (sum_in_comm_dtype; megatron_fsdp_c's own policy sums wide by default,
-    # [Note: exchange reduction] in csrc/comm/reduce.c).
+    # reduce_dtype ([Note: reduce dtype by torch version]), summed in it by the collective as
+    # FSDP2's reduce-scatter sums (sum_in_comm_dtype; megatron_fsdp_c's own policy sums wide by
+    # default, [Note: exchange reduction] in csrc/comm/reduce.c).
     return compute, OurPolicy(main_params_dtype=param_dtype, main_grads_dtype=param_dtype,
-                              grad_comm_dtype=mp.reduce_dtype or compute, allow_lossy_accumulation=True,
-                              sum_in_comm_dtype=True)
+                              grad_comm_dtype=reduce_dtype(mp, param_dtype, compute, dp),
+                              allow_lossy_accumulation=True, sum_in_comm_dtype=True)
 
 
 def sharded_dtype(mp, dtype: torch.dtype) -> torch.dtype:

@@ -22,11 +22,12 @@ from ._group import ShardGroup, check_origins, group_of, refresh_places
 from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
 from ._policy import cast_floats, check_plain_tensor, compute_dtype, engine_policy, is_torch_policy
 from ._registration import Registration, to_sharded_hook
+from ._step_end import StepEnd
 
 __all__ = ["RootState", "build_states", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
 
 
-class RootState(Registration, EngineOwner):
+class RootState(Registration, StepEnd, EngineOwner):
     """The engine of one root's groups (see [Note: per-module groups] in _fully_shard.py); the
     HookOwner (hooks.py) of its HookManager."""
 
@@ -67,8 +68,9 @@ class RootState(Registration, EngineOwner):
                 if r is None:
                     # hooks set on the local shard after fully_shard (FSDP2 finds them there)
                     check_plain_tensor(dp._local_tensor, f"the local shard of parameter '{name}'")
-                    compute, policy = engine_policy(g.mp_policy, compute_dtype(
-                        g.mp_policy, g.compute_dtypes.get((id(mod), attr)), dp.dtype, f"parameter '{name}'"))
+                    mp = g.param_policies.get((id(mod), attr), g.mp_policy)  # torch 2.15: per parameter
+                    compute, policy = engine_policy(mp, compute_dtype(
+                        mp, g.compute_dtypes.get((id(mod), attr)), dp.dtype, f"parameter '{name}'"), dp)
                     # the compute parameter: pointed at the full weights by load_locals; a TP
                     # parameter's is a DTensor on the TP mesh over its gathered TP shard
                     empty = torch.empty(0, dtype=compute, device=ctx.device)
@@ -137,7 +139,7 @@ class RootState(Registration, EngineOwner):
         (Partial: this rank's contribution), and its local tensor goes to the engine through the
         hooks' gradient hook,
         as torch reduce-scatters the local tensor of the Partial gradient; the other dims have
-        size 1 (model-parallel dims > 1 are refused by _group.py's dp_mesh_of), so nothing needs
+        size 1 (model-parallel dims > 1 are refused by _mesh.py's dp_mesh_of), so nothing needs
         redistributing. Parameters that came plain (torchtitan's spmd_types backend, which torch
         2.13's FSDP2 refuses) compute plain."""
         sp = nn.Parameter(DTensor.from_local(r.param.detach(), mesh, placements, run_check=False),
@@ -163,6 +165,7 @@ class RootState(Registration, EngineOwner):
             group_of(m).unit.pos for m in g.forward_prefetch if group_of(m).unit.pos >= 0]
         unit.backward_prefetch = None if g.backward_prefetch is None else [
             group_of(m).unit.bpos for m in g.backward_prefetch if group_of(m).unit.bpos >= 0]
+        engine.set_keep_weights(self.buckets_of(g), g.keep_unsharded_storage)  # [Note: kept full weights]
         # every bucket that can train, also while frozen ([Note: changing requires_grad] in ../_trainable.py)
         grads = [b for b in self.buckets_of(g) if self.param_buffer.specs[b]["trainable_mode"] != _C.GRAD_NONE]
         if grads:
@@ -275,70 +278,6 @@ class RootState(Registration, EngineOwner):
             for t in shards:
                 hook(t)
         current.wait_stream(stream)
-
-    def reduce_held(self) -> None:
-        """[Note: reductions outside a backward]
-        torch.distributed.pipelining runs every microbatch's backward with gradient sync off, then
-        asks for the reduction itself, outside any backward (stage.perform_reduce_grad through
-        torch's state key, see _torch_state.py). The engine reduces in a backward only, so this runs
-        one without autograd: the buckets of the groups that held gradients back (and whose sync
-        is on again) are sealed, all others put on hold meanwhile so that they send nothing, and
-        end_backward reduces them in the shared order; then the releases and .grad follow as in
-        a backward's final callback. Every rank of the data-parallel group calls it at the same
-        point (pipelining does), so the collectives match."""
-        self.reduce_requested = False
-        held = [u for u in sorted(self.held) if self.groups[u].requires_gradient_sync]
-        if not held:
-            return
-        if self.hooks.in_backward:
-            raise RuntimeError("the reduction of held gradients was requested inside a backward pass")
-        engine = self.param_buffer.engine
-        sealed = [b for u in held for b in self.groups[u].unit.grad_buckets]
-        others = [b for b in self.param_buffer.grad_buckets() if b not in sealed]
-        if others:
-            engine.set_hold(others, True)
-        try:
-            engine.begin_backward(True)
-            engine.seal(sealed)
-            engine.end_backward()
-        finally:
-            for g in self.groups:  # each bucket's own hold back
-                self.configure(g)
-        release = [b for u in self.hooks.units if u.reshard_after_backward for b in u.releasable]
-        if release:
-            engine.reshard(release)
-        for u in self.hooks.units:
-            if u.reshard_after_backward:
-                self.register(u.index, False)
-        self._after_backward(True)
-
-    def reset_iter_state(self) -> None:
-        """FSDPModule.reset_iter_state on the root: a forward or backward raised part way. An
-        interrupted backward is ended (its collectives run: every rank calls this), the step's
-        gradients are discarded, every gathered bucket is released and the sharded parameters
-        are put back; the hooks' per-pass positions start again."""
-        engine, hooks = self.param_buffer.engine, self.hooks
-        if hooks.in_backward:
-            try:
-                engine.end_backward()
-            finally:
-                hooks.in_backward = False
-        engine.zero_grads()
-        for r in self.param_buffer.records:
-            r.dist_param.grad = None
-        self._used[:] = bytes(len(self._used))  # in place: the hooks hold this bytearray
-        self._has_grad[:] = bytes(len(self._has_grad))
-        self.held.clear()
-        if hooks.all_sharded:
-            engine.reshard(list(hooks.all_sharded))
-        hooks.fwd_next = hooks.fwd_done = 0
-        hooks.bwd_next = hooks.bwd_done = len(hooks.bwd_seq)
-        hooks.ran = set()
-        for u in hooks.units:
-            u.members_left = u.members
-        self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
-        for u in range(len(self.groups)):
-            self.register(u, False)
 
 
 def build_states(root: nn.Module) -> List[RootState]:

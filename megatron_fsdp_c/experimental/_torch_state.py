@@ -7,13 +7,15 @@ looks it up there. Code in torch that sees an FSDPModule reaches into that state
 - register_fsdp_forward_method: m._get_fsdp_state()._pre_forward(m, args, kwargs) before the
   method and ._post_forward(m, args, out) after it;
 - torch.distributed.pipelining (stage.perform_reduce_grad, after the microbatches' backwards ran
-  with set_requires_gradient_sync(False)): fully_shard.state(m)._state_ctx.all_states[*]
-  ._fsdp_param_groups[*].post_backward(), then ._root_post_backward_final_callback().
+  with set_requires_gradient_sync(False)), torch 2.11 to 2.14: fully_shard.state(m)._state_ctx
+  .all_states[*]._fsdp_param_groups[*].post_backward() (2.11: ._fsdp_param_group.post_backward()),
+  then ._root_post_backward_final_callback(); torch 2.15 calls FSDPModule.finalize_backward.
 fully_shard (_fully_shard.py) registers one TorchState per group under that key on each of the
 group's modules, and "fully_shard" in the composable registry, so torch's own fully_shard and
 replicate refuse such a module as already sharded. TorchState offers exactly those names, each
 calling ours: the forward hooks of _root.py, and RootState.reduce_held ([Note: reductions outside
-a backward] in _root.py) for the post-backward pair. Anything else torch's FSDPState has is
+a backward] in _step_end.py) for the post-backward pair (torch 2.15's pipelining calls
+FSDPModule.finalize_backward instead, ours too). Anything else torch's FSDPState has is
 absent, so a new use in torch fails with an AttributeError naming it instead of misbehaving.
 tests/test_per_module_dropin.py fails if torch's lookup stops finding it.
 """
@@ -96,6 +98,11 @@ class TorchState(_State):
     @property
     def _fsdp_param_groups(self) -> List[_ParamGroup]:
         return [_ParamGroup(self._group)]
+
+    @property
+    def _fsdp_param_group(self) -> _ParamGroup:
+        """torch 2.11's name (one param group per state; pipelining reads it)."""
+        return _ParamGroup(self._group)
 
     def _pre_forward(self, module: nn.Module, args, kwargs):
         """A registered forward method starts: as a forward pre-hook, and the module's own
