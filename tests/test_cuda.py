@@ -57,6 +57,35 @@ def test_cuda_accumulate_matches_cpu(dst, src, alpha):
     assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_cuda_scale_matches_cpu(dtype):
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(6)).to(dtype)
+    cpu = x.clone()
+    _C.scale_(cpu, 1 / 3)
+    gpu = x.cuda()
+    _C.cuda_scale_(gpu, 1 / 3)
+    assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_quantize_matches_cpu(mode, src):
+    """The wire's bytes and the values read back, bit for bit with the CPU kernels (the benchmark's
+    quantize and dequantize, benchmarks/kernels.py)."""
+    code, n, block = _C.QUANT_MODES[mode], 100_003, 128
+    x = _values(n, seed=9).clamp(-1e30, 1e30).nan_to_num(0.0).to(src)
+    wire = torch.zeros(_C.quant_wire_bytes(code, n, block), dtype=torch.uint8)
+    _C.quantize_(wire, x, code, block)
+    gwire = torch.zeros_like(wire, device="cuda")
+    _C.quantize_(gwire, x.cuda(), code, block)
+    assert torch.equal(gwire.cpu(), wire)
+    back = torch.empty(n, dtype=torch.float32)
+    _C.dequantize_(back, wire, code, block)
+    gback = torch.empty(n, dtype=torch.float32, device="cuda")
+    _C.dequantize_(gback, gwire, code, block)
+    assert torch.equal(gback.cpu().view(torch.uint8), back.view(torch.uint8))
+
+
 @pytest.mark.parametrize("accumulate", [False, True], ids=["copy", "accumulate"])
 @pytest.mark.parametrize("dst", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_cuda_pack_matches_cpu(dst, accumulate):

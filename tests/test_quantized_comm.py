@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
+from megatron_fsdp_c import _C
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 import rank_grid
 
@@ -407,3 +408,24 @@ def test_errors():
     assert out["not a policy"].startswith("TypeError: quantized_comm_policy must be"), out
     assert "per-module API does not have" in out["per-module outer"], out
     assert "cannot change to bfloat16" in out["comm dtype change"], out
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8_e4m3", "int4"])
+def test_kernels_on_tensors(mode):
+    """_C.quantize_ / dequantize_ (what benchmarks/kernels.py times on a GPU): one piece through the
+    wire and back within the format's bound, an accumulate adds alpha times the same values, and a
+    wire of the wrong size or dtype is refused."""
+    code, n, block = _C.QUANT_MODES[mode], 1000, 128
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 4
+    wire = torch.zeros(_C.quant_wire_bytes(code, n, block), dtype=torch.uint8)
+    _C.quantize_(wire, x.float(), code, block)
+    back = torch.empty(n, dtype=torch.float64)
+    _C.dequantize_(back, wire, code, block)
+    assert torch.all((back - x).abs() <= q_bound(x, mode, block))
+    acc = torch.ones(n, dtype=torch.float64)
+    _C.dequantize_(acc, wire, code, block, 0.5, True)
+    assert torch.equal(acc, 1 + 0.5 * back)
+    with pytest.raises(ValueError, match="uint8 tensor of at least"):
+        _C.quantize_(wire[:-1], x.float(), code, block)
+    with pytest.raises(ValueError, match="uint8 tensor of at least"):
+        _C.quantize_(wire.view(torch.float32) if wire.numel() % 4 == 0 else wire.float(), x.float(), code, block)

@@ -14,34 +14,40 @@ import torch.nn as nn
 from megatron_fsdp_c import _torch_compat
 
 
-def _import_with_torch_version(version: str) -> subprocess.CompletedProcess:
+def _imports_with_torch_versions(*versions: str) -> list:
+    """What `import megatron_fsdp_c` does under a torch reporting each version, in one fresh
+    interpreter (the package and its modules are dropped from sys.modules between the tries, so
+    each import runs its check again)."""
     code = textwrap.dedent(f"""
-        import warnings
+        import sys, warnings
         import torch
-        torch.__version__ = {version!r}
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            try:
-                import megatron_fsdp_c
-            except ImportError as e:
-                print("ImportError:", e)
-            else:
-                print("imported;", "; ".join(str(w.message) for w in seen if "megatron_fsdp_c" in str(w.message)))
+        for version in {list(versions)!r}:
+            torch.__version__ = version
+            for name in [m for m in sys.modules if m.split(".")[0] == "megatron_fsdp_c" and m != "megatron_fsdp_c._C"]:
+                del sys.modules[name]
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                try:
+                    import megatron_fsdp_c
+                except ImportError as e:
+                    print("ImportError:", e)
+                else:
+                    print("imported;", "; ".join(str(w.message) for w in seen if "megatron_fsdp_c" in str(w.message)))
         """)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(versions), out.stdout + out.stderr
+    return lines
 
 
-def test_a_torch_below_the_range_is_refused_at_import():
-    out = _import_with_torch_version("2.10.1+cu128").stdout
-    assert out.startswith("ImportError: megatron_fsdp_c supports torch 2.11 through 2.15, but this is torch "
-                          "2.10.1+cu128"), out
-    assert "pip install 'torch>=2.11,<2.16'" in out, out
-
-
-def test_a_torch_above_the_range_imports_with_a_warning():
-    out = _import_with_torch_version("2.16.0.dev20261120").stdout
-    assert out.startswith("imported;") and "tested with torch 2.11 through 2.15" in out \
-        and "2.16.0.dev20261120" in out, out
+def test_the_range_is_checked_at_import():
+    below, above, inside = _imports_with_torch_versions("2.10.1+cu128", "2.16.0.dev20261120", "2.11.0+cu130")
+    assert below.startswith("ImportError: megatron_fsdp_c supports torch 2.11 through 2.15, but this is torch "
+                            "2.10.1+cu128"), below
+    assert "pip install 'torch>=2.11,<2.16'" in below, below
+    assert above.startswith("imported;") and "tested with torch 2.11 through 2.15" in above \
+        and "2.16.0.dev20261120" in above, above
+    assert inside.strip() == "imported;", inside  # and no warning
 
 
 def test_the_range_is_pyprojects():

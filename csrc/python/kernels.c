@@ -1,9 +1,11 @@
 /* kernels.c: the engine's kernels as functions on tensors, for tests and benchmarks: the CPU
  * kernels (csrc/core/kernels_cpu.c) always, the CUDA kernels (csrc/cuda/kernels.cu) in CUDA
- * builds, on torch's current stream. The engine itself calls the kernel tables directly. */
+ * builds, on torch's current stream; the quantized wire's on either device. The engine itself
+ * calls the kernel tables directly. */
 #include "pieces.h"
 
 #include "../core/mfsdp_kernels.h"
+#include "../core/mfsdp_quant.h"
 
 #ifdef MFSDP_WITH_CUDA
 #include "../cuda/mfsdp_cuda.h"
@@ -188,19 +190,97 @@ static PyObject* py_cuda_accumulate(PyObject* module, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+static PyObject* py_cuda_scale(PyObject* module, PyObject* args) {
+  PyObject* x;
+  double alpha;
+  tensor_view v, unused;
+  void* ctx;
+  if (!PyArg_ParseTuple(args, "Od:cuda_scale_", &x, &alpha) || cuda_pair(module, x, x, &v, &unused, &ctx) < 0)
+    return NULL;
+  mfsdp_status stt = mfsdp_cuda_kernels->scale(ctx, v.data, v.dtype, v.numel, alpha);
+  if (stt != MFSDP_OK) return mfsdp_raise(mfsdp_module_state(module), stt);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef cuda_kernel_methods[] = {
     {"cuda_copy_", py_cuda_copy, METH_VARARGS, "cuda_copy_(dst, src, alpha=1.0): the CUDA cast-copy kernel."},
     {"cuda_accumulate_", py_cuda_accumulate, METH_VARARGS,
      "cuda_accumulate_(dst, src, alpha=1.0): the CUDA accumulate kernel."},
+    {"cuda_scale_", py_cuda_scale, METH_VARARGS, "cuda_scale_(x, alpha): x *= alpha, the CUDA scale kernel."},
     {"cuda_pack_", py_cuda_pack, METH_VARARGS,
      "cuda_pack_(dst, srcs, offsets, alpha=1.0, accumulate=False): the one-launch bucket pack."},
     {NULL, NULL, 0, NULL},
 };
 #endif
 
+/* ------------------------------------------------------------------------------------------ */
+/* Quantized wires ([Note: quantized wire format] in core/mfsdp_quant.h), on either device: the
+ * kernel table of the tensors' device (the CUDA one on torch's current stream, in CUDA builds). */
+
+static int wire_pair(module_state* st, PyObject* wire, PyObject* values, int mode, long long block, const char* what,
+                     tensor_view* w, tensor_view* v, const mfsdp_kernel_ops** ops, void** ctx) {
+  if (mfsdp_tensor_view(st, wire, what, w) < 0 || mfsdp_tensor_view(st, values, what, v) < 0) return -1;
+  int64_t bytes = mfsdp_quant_wire_bytes(mode, v->numel, block);
+  if (w->dtype != MFSDP_U8 || bytes < 0 || w->numel < bytes || w->device != v->device) {
+    PyErr_Format(PyExc_ValueError, "%s: the wire must be a uint8 tensor of at least quant_wire_bytes(mode, n, block) "
+                 "bytes on the values' device (mode %d, %lld values, block %lld: %lld bytes)", what, mode,
+                 (long long)v->numel, block, (long long)bytes);
+    return -1;
+  }
+  *ops = &mfsdp_cpu_kernels;
+  *ctx = NULL;
+  if (v->device < 0) return 0;
+#ifdef MFSDP_WITH_CUDA
+  *ops = mfsdp_cuda_kernels;
+  return current_stream_context(st, v->device, ctx);
+#else
+  PyErr_Format(PyExc_ValueError, "%s: CUDA tensors need a CUDA build of megatron_fsdp_c", what);
+  return -1;
+#endif
+}
+
+static PyObject* py_quantize(PyObject* module, PyObject* args) {
+  module_state* st = mfsdp_module_state(module);
+  PyObject *wire, *src;
+  int mode;
+  long long block;
+  tensor_view w, v;
+  const mfsdp_kernel_ops* ops;
+  void* ctx;
+  if (!PyArg_ParseTuple(args, "OOiL:quantize_", &wire, &src, &mode, &block) ||
+      wire_pair(st, wire, src, mode, block, "quantize_", &w, &v, &ops, &ctx) < 0)
+    return NULL;
+  return kernel_result(st, ops->quantize(ctx, w.data, mode, block, v.data, v.dtype, v.numel, 1));
+}
+
+static PyObject* py_dequantize(PyObject* module, PyObject* args) {
+  module_state* st = mfsdp_module_state(module);
+  PyObject *dst, *wire;
+  int mode, accumulate = 0;
+  long long block;
+  double alpha = 1.0;
+  tensor_view w, v;
+  const mfsdp_kernel_ops* ops;
+  void* ctx;
+  if (!PyArg_ParseTuple(args, "OOiL|dp:dequantize_", &dst, &wire, &mode, &block, &alpha, &accumulate) ||
+      wire_pair(st, wire, dst, mode, block, "dequantize_", &w, &v, &ops, &ctx) < 0)
+    return NULL;
+  return kernel_result(st, ops->dequantize(ctx, v.data, v.dtype, w.data, mode, block, v.numel, alpha, accumulate));
+}
+
+static PyMethodDef wire_kernel_methods[] = {
+    {"quantize_", py_quantize, METH_VARARGS,
+     "quantize_(wire, src, mode, block): src into one piece of the quantized wire format (uint8 wire; either "
+     "device)."},
+    {"dequantize_", py_dequantize, METH_VARARGS,
+     "dequantize_(dst, wire, mode, block, alpha=1.0, accumulate=False): one piece back into dst (either device)."},
+    {NULL, NULL, 0, NULL},
+};
+
 int mfsdp_register_kernels(PyObject* module, module_state* st) {
   (void)st;
-  if (PyModule_AddFunctions(module, cpu_kernel_methods) < 0) return -1;
+  if (PyModule_AddFunctions(module, cpu_kernel_methods) < 0 || PyModule_AddFunctions(module, wire_kernel_methods) < 0)
+    return -1;
 #ifdef MFSDP_WITH_CUDA
   if (PyModule_AddFunctions(module, cuda_kernel_methods) < 0) return -1;
 #endif
