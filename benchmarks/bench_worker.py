@@ -157,7 +157,7 @@ def theoretical_wire_bytes(model_obj, micro, specs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--framework", choices=["ddp", "fsdp2", "mfsdp", "mfsdp2"], required=True,
-                    help="mfsdp: fully_shard (Megatron-FSDP API); mfsdp2: experimental.fully_shard (per module)")
+                    help="mfsdp: fully_shard (Megatron-FSDP API); mfsdp2: per_module.fully_shard")
     ap.add_argument("--strategy", type=int, default=3)
     ap.add_argument("--model", choices=list(MODELS), default="gpt")
     ap.add_argument("--steps", type=int, default=20)
@@ -221,7 +221,7 @@ def main():
             from torch.distributed.fsdp import fully_shard as fsdp2
             extra = {}
         else:
-            from megatron_fsdp_c.experimental import fully_shard as fsdp2
+            from megatron_fsdp_c.per_module import fully_shard as fsdp2
             extra = dict(zero_dp_strategy=args.strategy)
 
         policy = Fsdp2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Fsdp2Policy()

@@ -58,7 +58,7 @@ def build(framework, spec, device):
         if framework == "fsdp2":
             from torch.distributed.fsdp import fully_shard
         else:
-            from megatron_fsdp_c.experimental import fully_shard
+            from megatron_fsdp_c.per_module import fully_shard
         policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
         for m in model.modules():
             if isinstance(m, Block):

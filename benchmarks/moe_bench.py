@@ -64,7 +64,7 @@ def run(impl_name, steps, world, rank):
         model, opt, engines = megatron_style(world)
         return measure(model, opt, engines, steps, rank)
     if impl_name == "ours":
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (world // EP, EP), mesh_dim_names=("dp_mod_ep", "ep"))

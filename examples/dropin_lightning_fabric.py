@@ -17,7 +17,7 @@ IMPL = sys.argv[1]
 if IMPL == "torch":
     from torch.distributed.fsdp import fully_shard
 else:
-    from megatron_fsdp_c.experimental import fully_shard
+    from megatron_fsdp_c.per_module import fully_shard
 
 def parallelize(model, mesh):
     dp = mesh["data_parallel"]

@@ -1,5 +1,5 @@
 """torchtitan 0.3.0's parallelize_llama (a tiny llama3: 2 layers, dim 32, vocab 64) with torch's
-fully_shard swapped for megatron_fsdp_c.experimental.fully_shard (torchtitan.distributed.fsdp's
+fully_shard swapped for megatron_fsdp_c.per_module.fully_shard (torchtitan.distributed.fsdp's
 name), trained 3 steps of 2 microbatches with torchtitan's summed loss over the global tokens
 (it calls set_gradient_divide_factor(1.0) on every FSDPModule) and its clip_grad_norm_. Not a test:
 torchtitan imports triton (a 285 MB wheel, ~1 GB installed, 46 s to install from PyPI) and costs
@@ -24,7 +24,7 @@ rank's summed microbatch losses, grad norms torchtitan's clip_grad_norm_ over th
                                         rank 1 losses [2.296660542488098, 2.2891849279403687, 2.29755437374115]
                                         grad norms    [0.5714467167854309, 0.5680993795394897, 0.5489861369132996]
     full_dtensor     torch, ours        the same (before the SPMD compute parameters of
-                                        megatron_fsdp_c/experimental/_root.py, ours raised "mixed torch.Tensor
+                                        megatron_fsdp_c/per_module/_root.py, ours raised "mixed torch.Tensor
                                         and DTensor" in the first RMSNorm)
     spmd_types       ours               the same; torch raises the ValueError above
 Each command took 25-27 s on an otherwise idle machine (2 ranks, both implementations, ~20 s of
@@ -59,7 +59,7 @@ def run(impl, backend, steps=3, micro=2, dim=32, vocab=64, seq=16, bs=2):
     import spmd_types as spmd
 
     if impl == "ours":
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
         titan_fsdp.fully_shard = fully_shard
     else:
         titan_fsdp.fully_shard = torch_fully_shard

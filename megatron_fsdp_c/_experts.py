@@ -28,9 +28,9 @@ param_and_grad_buffer.py):
   error naming the fix: Megatron-FSDP would silently shard unmarked experts over the dense ranks
   (wrong gradients, not an error) or fail on a missing group.
 - One engine per mesh, as the per-module API ([Note: a mesh per group] in
-  experimental/_root.py): the wrapper's own engine holds the dense parameters, an ExpertEngine
+  per_module/_root.py): the wrapper's own engine holds the dense parameters, an ExpertEngine
   the experts, each with its buckets, communicators, HookManager and collective orders ([Note:
-  gather order] in hooks.py, [Note: collective order] in csrc/comm/reduce.c) over the same
+  gather order] in _hooks.py, [Note: collective order] in csrc/comm/reduce.c) over the same
   fsdp_unit_modules: a unit gathers its dense buckets on the dense communicators and its experts
   on the expert ones. The experts' engine shares no communicator with the dense one, also where
   their rank sets coincide (Megatron-LM's HSDP layout: the experts' replicas {0,2} are the dense
@@ -54,9 +54,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._distributed import DistContext, check_rank_partition, check_same_model, make_dist_context
-from .hooks import HookManager
-from ._sharded import EngineOwner
-from .param_buffer import ParamBuffer, ParamRecord
+from ._hooks import HookManager
+from ._owner import EngineOwner
+from ._param_buffer import ParamBuffer, ParamRecord
 
 __all__ = ["ExpertEngine", "expert_context", "expert_scaling", "is_expert_param", "split_expert_records"]
 

@@ -7,12 +7,12 @@ CI tests both ends (.ci/run: make test on the pinned torch, then tests/compat/ru
 2.15). Below the range the package refuses to import, naming the range; above it, it warns once:
 a newer torch may add FSDPModule methods or change FSDP2 semantics the per-module drop-in has
 not learnt (fully_shard itself refuses a torch whose FSDPModule has public methods ours does not
-override, see [Note: torch's FSDPModule] in experimental/_module.py).
+override, see [Note: torch's FSDPModule] in per_module/_module.py).
 What differs inside the range is probed here once, by feature where torch has one to probe, by
 version where only the meaning changed, and each difference is used where its comment says:
 - UntypedStorage._swap_data_ptr_ (2.12+): [Note: local shards keep their storage] in _common.py.
 - MixedPrecisionPolicy(reduce_dtype=None) reduces in the parameter's gradient dtype from 2.15, in
-  param_dtype before: [Note: reduce dtype by torch version] in experimental/_policy.py.
+  param_dtype before: [Note: reduce dtype by torch version] in per_module/_policy.py.
 - FSDPModule's public methods, and the fully_shard arguments of each release (dp_mesh_dims from
   2.12, param_dtype_override_fn from 2.15): ours implement all of them on every release in the
   range, so a script written for 2.15 runs on 2.11 where our engine does the work itself.

@@ -11,12 +11,12 @@ trainable when DDP was built) and FSDP2:
   each record against the snapshot of what is applied (`owner._trainable`, a byte per record); a
   flag that moved wins (the distributed one if both moved) and both parameters get it (and the
   DTensor compute parameter of dp_mesh_dims, with its gradient hook: RootState._trainable_changed
-  in experimental/_root.py), so autograd computes exactly the trainable parameters' gradients. A
+  in per_module/_root.py), so autograd computes exactly the trainable parameters' gradients. A
   change made inside a forward counts from the next one.
 - Unfrozen: the engine expects its gradient from now on (a bucket created frozen gets its
   gradient buffers, and its records their `.grad` DTensor views, at its first trainable
   parameter); its gradient hook is registered then, once. It is reduced and attached like any
-  other ([Note: unused parameters] in _sharded.py) and stepped by the optimizers that hold it:
+  other ([Note: unused parameters] in _owner.py) and stepped by the optimizers that hold it:
   fully_shard remaps a frozen parameter of the optimizer like any other; one that no optimizer
   holds joins through optimizer.add_param_group({"params": [p]}).
 - Frozen: no further gradient; its `.grad` stays as it was (None after zero_grad(), else the last
@@ -30,14 +30,14 @@ trainable when DDP was built) and FSDP2:
   gradients 1-2 MiB against 11-22; step times equal within this shared machine's noise; the
   check at each forward costs 20-45 us.
 - ZeRO-3 units whose trainability changed join or leave the shared backward gather order
-  (HookManager.retrain, [Note: gather order] in hooks.py) before the forward begins.
+  (HookManager.retrain, [Note: gather order] in _hooks.py) before the forward begins.
 - Every rank must change the same parameters between the same two steps, as under DDP: whether a
   bucket reduces is part of the shared collective order ([Note: collective order] in
   csrc/comm/reduce.c). Each bucket's reduction carries, per item, a "trains" and a "frozen" flag
   of every rank ([Note: used-flag tail] in csrc/comm/reduce.c): both set in the reduced sums means
   the ranks disagreed, and the next sync raises a RuntimeError naming the parameters
   (`disagreement`; with replicas, at a sync whose reduction crossed them). Where a bucket carries
-  no flags (see [Note: unused parameters] in _sharded.py), a hash of the snapshot rides in the
+  no flags (see [Note: unused parameters] in _owner.py), a hash of the snapshot rides in the
   used-flag all-reduce instead (8 bytes and their complements under MAX: a
   byte agrees on every rank iff the two maxima sum to 255). When a disagreement changed the
   collectives themselves (a bucket reduced on some ranks only), the backward before that sync
@@ -47,7 +47,7 @@ trainable when DDP was built) and FSDP2:
   error naming the fix) unless they were trainable when sharded or the optimizer given to
   fully_shard holds them (their main weights are then planned wide). In the per-module API every
   floating parameter's main weights are planned in its own dtype, frozen or not, as FSDP2 keeps
-  its sharded parameters (ParamRecord.trains_later, experimental/_root.py), so any can start
+  its sharded parameters (ParamRecord.trains_later, per_module/_root.py), so any can start
   training.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ import torch.distributed as dist
 from . import _C
 
 if TYPE_CHECKING:
-    from .param_buffer import ParamRecord
+    from ._param_buffer import ParamRecord
 
 __all__ = ["RequiresGradTracker"]
 
@@ -75,7 +75,7 @@ class RequiresGradTracker:
     read them too."""
 
     def __init__(self, owner):
-        """`owner`: the EngineOwner (_sharded.py), with its param_buffer, hooks and byte arrays."""
+        """`owner`: the EngineOwner (_owner.py), with its param_buffer, hooks and byte arrays."""
         self.owner = owner
         self.buf = owner.param_buffer
         self.state = owner._trainable

@@ -13,7 +13,7 @@ Microbatch semantics (documented differences from Megatron-FSDP are marked *):
 - Gradients appear on the distributed parameters (`.grad` DTensors) after a syncing backward or
   `finish_grad_sync()`. A parameter that no rank used since its gradient was last set to None
   keeps `.grad is None`, as under DDP, so optimizers skip it (no weight decay): see
-  [Note: unused parameters] in _sharded.py.
+  [Note: unused parameters] in _owner.py.
 - With expt_device_mesh, the expert parameters live in a second engine over the expert
   data-parallel mesh (`self.expert_engine`, an ExpertEngine); every method below acts on both
   ([Note: expert data-parallel mesh] in _experts.py).
@@ -33,11 +33,11 @@ from ._common import STRATEGY_NAMES, logger
 from .checkpoint import register_model_hooks
 from ._distributed import DistContext, check_same_model
 from ._experts import ExpertEngine, expert_scaling, split_expert_records
-from .hooks import HookManager
+from ._hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
-from ._sharded import EngineOwner, clip_grad_norm
-from .param_buffer import ParamBuffer, collect_params
+from ._owner import EngineOwner, clip_grad_norm
+from ._param_buffer import ParamBuffer, collect_params
 from ._tensor_parallel import assign_tp
 
 __all__ = ["MegatronFSDP"]
@@ -162,7 +162,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
         return self.module(*args, **kwargs)
 
     # The root's work runs in this wrapper's own forward hooks, which Dynamo does not trace (see
-    # [Note: compile] in hooks.py).
+    # [Note: compile] in _hooks.py).
     def _root_pre_forward(self, module, args):
         engines = self.engines()
         for e in engines:
@@ -205,7 +205,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Finishes every gradient reduction (reducing no_shard/ZeRO-1 gradients exactly once)
         and attaches the `.grad` DTensors to the distributed parameters that have a gradient
-        (see [Note: unused parameters] in _sharded.py)."""
+        (see [Note: unused parameters] in _owner.py)."""
         if self._in_backward():
             raise RuntimeError("finish_grad_sync() called inside a backward pass; call it after backward()")
         for e in self.engines():

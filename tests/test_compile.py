@@ -1,5 +1,5 @@
 """torch.compile of a sharded model: it trains like DDP, and Dynamo breaks its graph at most once
-per step (the unit hooks, which run eagerly as FSDP2's do; see [Note: compile] in hooks.py).
+per step (the unit hooks, which run eagerly as FSDP2's do; see [Note: compile] in _hooks.py).
 
 The Dynamo "eager" backend traces exactly as inductor would (graph breaks are Dynamo's) without
 generating code, which keeps this test fast.
@@ -78,7 +78,7 @@ def inductor_both_apis(rank, world, api):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block])
     else:
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)

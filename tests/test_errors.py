@@ -136,7 +136,7 @@ def test_policy_validation():
 
 @pytest.mark.parametrize("value", ["lots", "-1"])
 def test_bad_heap_trim_setting_names_the_variable(monkeypatch, value):
-    from megatron_fsdp_c._sharded import host_trim_bytes as _host_trim_bytes
+    from megatron_fsdp_c._owner import host_trim_bytes as _host_trim_bytes
 
     monkeypatch.setenv("MFSDP_HOST_TRIM_BYTES", value)
     with pytest.raises(ValueError, match="MFSDP_HOST_TRIM_BYTES=.*byte count.*or 0"):

@@ -1,4 +1,4 @@
-"""Frameworks' FSDP2 paths with torch's fully_shard swapped for megatron_fsdp_c.experimental.fully_shard
+"""Frameworks' FSDP2 paths with torch's fully_shard swapped for megatron_fsdp_c.per_module.fully_shard
 give torch's numbers on the same script (issue 24): accelerate 1.15.0 (FullyShardedDataParallelPlugin
 (fsdp_version=2), gradient accumulation through its no_sync), Lightning 2.6.6 (Fabric's
 no_backward_sync, the Trainer's accumulate_grad_batches). Each cell trains the same tiny model with
@@ -56,7 +56,7 @@ def torchs_fully_shard_is(impl):
     import torch.distributed.fsdp as tfsdp
     orig = tfsdp.fully_shard
     if impl == "ours":
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
         tfsdp.fully_shard = fully_shard
     try:
         yield
@@ -68,7 +68,7 @@ def fully_shard_of(impl):
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
     return fully_shard
 
 

@@ -371,11 +371,11 @@ def test_hybrid_bad_input(case, match):
 # -- the per-module API: a 2-D mesh is HSDP, as in torch -------------------------------------------
 
 def per_module_vs_ddp(rank, world, mesh_shape, strategy, micro, skip):
-    """experimental.fully_shard on a (replicate, shard) mesh against DDP and torch's own FSDP2 HSDP,
+    """per_module.fully_shard on a (replicate, shard) mesh against DDP and torch's own FSDP2 HSDP,
     float64. The quiet microbatches turn off `skip`: set_requires_all_reduce (reduce within the
     shard dim, no all-reduce across replicas) or set_requires_gradient_sync (no reduction)."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    from megatron_fsdp_c.experimental import fully_shard
+    from megatron_fsdp_c.per_module import fully_shard
     torch.manual_seed(0)
     model = GPT(CFG).double()
     ref, peer = copy.deepcopy(model), copy.deepcopy(model)

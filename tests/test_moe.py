@@ -1,5 +1,5 @@
 """Mixture-of-experts with expert parallelism: a mesh per group ([Note: a mesh per group] in
-megatron_fsdp_c/experimental/_root.py) on the MoE of tests/moe_model.py (top-2 router, all-to-all
+megatron_fsdp_c/per_module/_root.py) on the MoE of tests/moe_model.py (top-2 router, all-to-all
 dispatch over the ep group, local experts). The cells run in the shared spawns ([Note: one spawn
 per world size] in rank_grid.py).
 
@@ -54,7 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import megatron_fsdp_c as mfsdp
 import rank_grid
 from checks import raised_by, recorder_cells, reraise, strip, verify
-from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.per_module import fully_shard
 from moe_model import MoEBlock, global_batch, moe_batch, moe_model
 
 CELLS = rank_grid.Cells(__name__)

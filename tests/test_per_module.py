@@ -1,4 +1,4 @@
-"""The per-module fully_shard (megatron_fsdp_c.experimental) is a drop-in for torch's FSDP2: the same
+"""The per-module fully_shard (megatron_fsdp_c.per_module) is a drop-in for torch's FSDP2: the same
 training script, changing only the import, gives the same losses and parameters.
 
 One script (`train`), run with torch.distributed.fsdp.fully_shard and with ours, at world sizes 1, 2
@@ -70,7 +70,7 @@ def train(rank, world, impl, kind, case, dtype=torch.float32):
         from torch.distributed.fsdp import fully_shard
         extra = {}
     else:
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
         extra = {"zero_dp_strategy": {"optim_grads": 2, "optim": 1, "no_shard": 0}.get(case, 3)}
     meta = case == "meta_init"
     model, block_cls, path = build(kind, meta=meta)

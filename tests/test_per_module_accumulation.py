@@ -1,4 +1,4 @@
-"""Gradient accumulation and microbatching with megatron_fsdp_c.experimental.fully_shard, tested
+"""Gradient accumulation and microbatching with megatron_fsdp_c.per_module.fully_shard, tested
 after torch's own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_training.py)
 through public APIs only, against a plain replica whose gradients are averaged over the ranks,
 float64 to rtol 1e-9 at world 2 (and 4). The cells run in the shared spawns (see [Note: one spawn
@@ -19,7 +19,7 @@ import torch.nn as nn
 import rank_grid
 from checks import recorder_cells, verify
 from data import local_batch
-from megatron_fsdp_c.experimental import FSDPModule, fully_shard
+from megatron_fsdp_c.per_module import FSDPModule, fully_shard
 from tiny_models import MLP, gpt, gpt_data, gpt_loss, shard_blocks
 from train_both import TrainBoth
 

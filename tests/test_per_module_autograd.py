@@ -1,4 +1,4 @@
-"""Autograd corner cases with megatron_fsdp_c.experimental.fully_shard, tested after torch's own
+"""Autograd corner cases with megatron_fsdp_c.per_module.fully_shard, tested after torch's own
 FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_autograd.py) through public APIs
 only, against a single-process reference on the global batch, float64 to rtol 1e-9 at world 2.
 The cells run in the shared spawns (see [Note: one spawn per world size] in rank_grid.py).
@@ -18,7 +18,7 @@ import torch.nn as nn
 import rank_grid
 from checks import recorder_cells, verify
 from data import global_batch, local_batch
-from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.per_module import fully_shard
 from train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)

@@ -1,5 +1,5 @@
 """Chunked losses through a module of a list group, and training on after an exception, with
-megatron_fsdp_c.experimental.fully_shard, tested after torch's own FSDP2 suite
+megatron_fsdp_c.per_module.fully_shard, tested after torch's own FSDP2 suite
 (test/distributed/_composable/fsdp/test_fully_shard_training.py) through public APIs only,
 against a plain replica whose gradients are averaged over the ranks, float64 to rtol 1e-9 at
 world 2. The cells run in the shared spawns (see [Note: one spawn per world size] in
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import rank_grid
 from checks import full, recorder_cells, verify
 from data import local_batch, tokens
-from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.per_module import fully_shard
 from train_both import TrainBoth, average_grads
 
 CELLS = rank_grid.Cells(__name__)

@@ -1,4 +1,4 @@
-"""How megatron_fsdp_c.experimental.fully_shard communicates under gradient accumulation, tested
+"""How megatron_fsdp_c.per_module.fully_shard communicates under gradient accumulation, tested
 after torch's test_fully_shard_training.py::TestFullyShardGradientAccumulation through public
 APIs only (torch's CommDebugMode, the engine's comm_stats). The cells run in the shared spawns
 (see [Note: one spawn per world size] in rank_grid.py).
@@ -6,7 +6,7 @@ APIs only (torch's CommDebugMode, the engine's comm_stats). The cells run in the
 Behaviours (cell names):
 - a backward with gradient sync off issues no collective after its gathers: no reduce-scatter,
   and no all-reduce of the used-parameter flags ([Note: unused parameters] in
-  megatron_fsdp_c/_sharded.py), as FSDP2 on a 1-D mesh: no_sync_backward
+  megatron_fsdp_c/_owner.py), as FSDP2 on a 1-D mesh: no_sync_backward
 - the first forward and backward (the lazy init's included) issue the all-gathers FSDP2 issues
   (the lazy init gathers nothing: the compute parameters are pointed at the released full-weight
   buffers), for reshard_after_forward True, False and the default, also when the root's output is
@@ -30,7 +30,7 @@ import torch.nn as nn
 import rank_grid
 from checks import recorder_cells, verify
 from data import local_batch
-from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.per_module import fully_shard
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from megatron_fsdp_c.experimental import FSDPModule, UnshardHandle
+from megatron_fsdp_c.per_module import FSDPModule, UnshardHandle
 from checks import outcome
 import rank_grid
 
@@ -50,7 +50,7 @@ def shard(model, impl, **kw):
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
     for block in model[:-1]:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
@@ -135,13 +135,13 @@ def forward_method(rank, world, impl, register):
     """register_fsdp_forward_method (torch's, or ours) on a generate-like method, with grad and
     under no_grad; the same numbers as torch's FSDP2 running the same script."""
     from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
-    from megatron_fsdp_c.experimental import register_fsdp_forward_method as our_register
+    from megatron_fsdp_c.per_module import register_fsdp_forward_method as our_register
     torch.manual_seed(0)
     model = Generator()
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
     for block in model.body[:-1]:
         fully_shard(block)
     fully_shard(model)
@@ -177,7 +177,7 @@ def dp_mesh_dims(rank, world, impl, dims):
     """torch's dp_mesh_dims (2.12+; ours on every torch): a named SPMD mesh whose dims are all
     data-parallel, parameters DTensors replicated over it (as torch requires); float64 against
     torch's FSDP2 on the same script: both compute with DTensors on the SPMD mesh, the batch
-    sharded over it ([Note: SPMD compute parameters] in megatron_fsdp_c/experimental/_root.py).
+    sharded over it ([Note: SPMD compute parameters] in megatron_fsdp_c/per_module/_root.py).
     Two microbatches a step, the first with gradient sync off (their DTensor gradients' local
     tensors are held, then summed). On torch 2.11, whose fully_shard has no dp_mesh_dims, torch's
     side is what the argument stands for: FSDP2 on the data-parallel mesh itself (the 1-D shard
@@ -185,7 +185,7 @@ def dp_mesh_dims(rank, world, impl, dims):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     if impl == "ours":
-        from megatron_fsdp_c.experimental import DataParallelMeshDims
+        from megatron_fsdp_c.per_module import DataParallelMeshDims
     else:
         DataParallelMeshDims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
     if dims == "fsdp":
@@ -224,7 +224,7 @@ def dp_mesh_dims(rank, world, impl, dims):
 
 def dp_mesh_dims_errors(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from megatron_fsdp_c.experimental import DataParallelMeshDims, fully_shard
+    from megatron_fsdp_c.per_module import DataParallelMeshDims, fully_shard
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
     return {label: outcome(fn) for label, fn in {
         "tensor parallel dim": lambda: fully_shard(mlp(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")),
@@ -307,7 +307,7 @@ class _FailBackward(torch.autograd.Function):
 def reset_iter_state(rank, world):
     """After a forward or a backward raised on every rank, reset_iter_state on the root and the
     next step's gradients are a clean step's (against a model that never failed)."""
-    from megatron_fsdp_c.experimental import fully_shard
+    from megatron_fsdp_c.per_module import fully_shard
 
     def build():
         torch.manual_seed(0)

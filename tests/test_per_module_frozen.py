@@ -1,4 +1,4 @@
-"""Frozen parameters with megatron_fsdp_c.experimental.fully_shard, tested after torch's own FSDP2
+"""Frozen parameters with megatron_fsdp_c.per_module.fully_shard, tested after torch's own FSDP2
 suite (test/distributed/_composable/fsdp/test_fully_shard_frozen.py) through public APIs only,
 against DDP or a plain replica whose gradients are averaged over the ranks, float64 to rtol 1e-9
 at world 2. The cells run in the shared spawns (see [Note: one spawn per world size] in
@@ -20,7 +20,7 @@ import torch.nn as nn
 import rank_grid
 from checks import full, recorder_cells, verify
 from data import local_batch
-from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.per_module import fully_shard
 from tiny_models import mlp_stack
 from train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
 

@@ -1,4 +1,4 @@
-"""Parameter registration and the life cycle of megatron_fsdp_c.experimental.fully_shard, as FSDP2
+"""Parameter registration and the life cycle of megatron_fsdp_c.per_module.fully_shard, as FSDP2
 does them (torch's test_fully_shard_training.py TestFullyShardRegisteredParams,
 test_fully_shard_autograd.py's post-accumulate-grad hook tests, test_fully_shard_init.py's lazy
 init tests), through public APIs only, against a plain replica on the same data, float64 to rtol
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import rank_grid
 from checks import full, outcome, recorder_cells, verify
 from data import local_batch
-from megatron_fsdp_c.experimental import FSDPModule, fully_shard
+from megatron_fsdp_c.per_module import FSDPModule, fully_shard
 from tiny_models import MLP, MLPStack, mlp_stack
 from train_both import against_ddp, average_grads
 
@@ -374,7 +374,7 @@ def no_warmup_jvp(rank, world, ck, reshard):
 def compiled(rank, world, ck, reshard):
     """torch.compile of the model (the eager backend traces as inductor would): the hooks that
     register each group's parameters run eagerly between its graphs ([Note: compile] in
-    hooks.py), and it trains as the reference."""
+    _hooks.py), and it trains as the reference."""
     import torch._dynamo as dynamo
     model = mlp_stack()
     ref = copy.deepcopy(model)

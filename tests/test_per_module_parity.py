@@ -1,4 +1,4 @@
-"""DDP parity and module structure of megatron_fsdp_c.experimental.fully_shard, tested after torch's
+"""DDP parity and module structure of megatron_fsdp_c.per_module.fully_shard, tested after torch's
 own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_training.py) through public
 APIs only, against DDP or a single-process reference on the same data, float64 to rtol 1e-9, at
 world 2 (and 4 where uneven or empty shards add coverage). The cells run in the shared spawns
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 import rank_grid
 from checks import full, recorder_cells, verify
 from data import local_batch, tokens
-from megatron_fsdp_c.experimental import FSDPModule, fully_shard
+from megatron_fsdp_c.per_module import FSDPModule, fully_shard
 from tiny_models import MLP, gpt, gpt_data, gpt_loss, mlp_stack, shard_blocks
 from train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
 

@@ -1,4 +1,4 @@
-"""Mixed precision and gradient clipping of megatron_fsdp_c.experimental.fully_shard, tested after
+"""Mixed precision and gradient clipping of megatron_fsdp_c.per_module.fully_shard, tested after
 torch's own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py,
 test_fully_shard_clip_grad_norm_.py) through public APIs only. The cells run in the shared
 spawns (see [Note: one spawn per world size] in rank_grid.py).
@@ -58,7 +58,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as MP
 from torch.distributed.tensor import DTensor
 
 import rank_grid
-from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.per_module import fully_shard
 from megatron_fsdp_c.testing import GPT, GPTConfig, batch
 from checks import cached_alias, full, raised_by, recorder_cells, verify
 from data import local_batch
@@ -234,7 +234,7 @@ if TORCH_PER_PARAMETER:
         the parameter's dtype, fp32, for all); grad_dtype=None set on the sharded parameters before
         the first forward, with an fp32 reduce_dtype (FSDP2's sharded gradients stay fp32). Without
         reduce_dtype, FSDP2 would leave bf16 gradients on fp32 parameters there: refused, naming the
-        setting ([Note: reduce dtype by torch version] in megatron_fsdp_c/experimental/_policy.py)."""
+        setting ([Note: reduce dtype by torch version] in megatron_fsdp_c/per_module/_policy.py)."""
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         def build(shard, reduce):
@@ -598,7 +598,7 @@ def our_policy(rank, world, ck):
 @cell("our_policy_main_weights")
 def our_policy_main_weights(rank, world, ck):
     """Under megatron_fsdp_c's policy the sharded parameters are the float32 main weights from
-    fully_shard on ([Note: main-weight parameters] in megatron_fsdp_c/experimental/_policy.py): a
+    fully_shard on ([Note: main-weight parameters] in megatron_fsdp_c/per_module/_policy.py): a
     state dict taken before the first forward and an optimizer built then hold them, and the
     state dict keeps aliasing them through training; the module computes in bf16; converting it
     to another dtype after fully_shard is refused at the call, naming the fix."""

@@ -1,4 +1,4 @@
-"""What megatron_fsdp_c.experimental.fully_shard shards: shard_placement_fn returning Shard(dim) for
+"""What megatron_fsdp_c.per_module.fully_shard shards: shard_placement_fn returning Shard(dim) for
 any dim, as torch's FSDP2 allows (Muon/Dion-style optimizers shard along a chosen dim), tested
 after torch's own suite (test_fully_shard_init.py's TestFullyShardShardPlacementFn,
 test_fully_shard_training.py's shard_largest_dim tests) through public APIs only. The cells run
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import rank_grid
 from checks import full, raised_by, recorder_cells, reraise, verify
-from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.per_module import fully_shard
 from tiny_models import gpt, gpt_data, gpt_loss, shard_blocks
 from train_both import shard_against_ddp
 

@@ -1,5 +1,5 @@
 """State dicts, checkpoints, ignored parameters and bad input of
-megatron_fsdp_c.experimental.fully_shard, tested after torch's own FSDP2 suite
+megatron_fsdp_c.per_module.fully_shard, tested after torch's own FSDP2 suite
 (test/distributed/_composable/fsdp/test_fully_shard_state_dict.py, _ignore_params.py) and issue
 15's list of bad input, through public APIs only. The cells run in the shared spawns
 (see [Note: one spawn per world size] in rank_grid.py).
@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 import rank_grid
-from megatron_fsdp_c.experimental import fully_shard
+from megatron_fsdp_c.per_module import fully_shard
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 from checks import cached_alias, full, raised_by, recorder_cells, reraise, verify
 from data import local_batch

@@ -1,7 +1,7 @@
 """torch 2.15's FSDPModule surface on the per-module API, on every torch of the range (ours implements
 it where torch's does not have it yet): manual backward finalization (set_manual_backward_finalization,
 finalize_backward and its GradientReductionHandle; [Note: manual backward finalization] in
-megatron_fsdp_c/experimental/_step_end.py) and set_keep_unsharded_storage ([Note: kept full weights]
+megatron_fsdp_c/per_module/_step_end.py) and set_keep_unsharded_storage ([Note: kept full weights]
 in csrc/comm/weights.c).
 
 Cells at worlds 2 and 4, float64: against DDP on the same per-rank data (rtol 1e-9), and where the
@@ -37,7 +37,7 @@ def shard(model, impl):
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
     for block in model[:-1]:
         fully_shard(block)
     fully_shard(model)
@@ -92,7 +92,7 @@ def manual_finalization(rank, world, impl, async_op):
     model.set_manual_backward_finalization(False)
     out = dict(grads=grads, params=full_state(model))
     if impl == "ours":
-        from megatron_fsdp_c.experimental import GradientReductionHandle
+        from megatron_fsdp_c.per_module import GradientReductionHandle
         state = model._mfsdp_group.state
         out["handle_is_torchs"] = not async_op or not TORCH_HAS_FINALIZE or isinstance(
             handle, torch.distributed.fsdp.GradientReductionHandle)

@@ -2,7 +2,7 @@
 Schedule1F1B at world 4 (pp 2 x dp 2), each stage a model sharded over its dp ranks. The stage
 recognises our modules as FSDPModule, runs the microbatches' backwards with gradient sync off and
 asks for the reduction through torch's state key ([Note: torch's state key] in
-experimental/_torch_state.py, [Note: reductions outside a backward] in experimental/_step_end.py).
+per_module/_torch_state.py, [Note: reductions outside a backward] in per_module/_step_end.py).
 The same script with torch's FSDP2: float64 losses and parameters to rtol 1e-9."""
 import pytest
 import torch
@@ -24,7 +24,7 @@ def train(rank, world, impl, schedule):
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
     mesh = rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     model = stage_model(pp)

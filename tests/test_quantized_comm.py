@@ -169,7 +169,7 @@ def run_config(rank, world, cfg_row):
     ddp = DDP(ddp_model)
     ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2, weight_decay=0.1)
     if per_module:
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
         for block_mod in model.blocks:
             fully_shard(block_mod, quantized_comm_policy=quant, zero_dp_strategy=strategy)
         fsdp = fully_shard(model, quantized_comm_policy=quant, zero_dp_strategy=strategy)
@@ -371,7 +371,7 @@ def test_policy_refusals():
 
 @CELLS.cell("errors", worlds=(2,), tests=["test_errors"])
 def errors_on_ranks(rank, world):
-    from megatron_fsdp_c.experimental import fully_shard
+    from megatron_fsdp_c.per_module import fully_shard
     out = {}
 
     def attempt(key, fn):

@@ -123,8 +123,8 @@ def freed_worker(rank, world):
     with the number of models built ([Note: hooks hold their owner weakly] in
     megatron_fsdp_c/_common.py). Returns per API the records alive (beyond those before) after one
     model and after three."""
-    from megatron_fsdp_c.experimental import fully_shard
-    from megatron_fsdp_c.param_record import ParamRecord
+    from megatron_fsdp_c.per_module import fully_shard
+    from megatron_fsdp_c._param_record import ParamRecord
 
     def records():
         gc.collect()
@@ -213,7 +213,7 @@ def groups_per_model(rank, world):
     """Process groups (each an idle gloo loop waking every 10 ms) after each of four models on
     both APIs, trained a step and dropped ([Note: the engine's own groups])."""
     import torch.distributed as dist
-    from megatron_fsdp_c.experimental import fully_shard
+    from megatron_fsdp_c.per_module import fully_shard
     counts = []
     for i in range(4):
         torch.manual_seed(i)

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
-from megatron_fsdp_c.experimental import fully_shard as fully_shard_per_module
+from megatron_fsdp_c.per_module import fully_shard as fully_shard_per_module
 from megatron_fsdp_c.testing import GPT, TPGPT, Block, GPTConfig, batch, parallelize_tp
 import rank_grid
 
@@ -148,7 +148,7 @@ def _gradient_sync(model, quiet):
 
 
 def per_module_api(rank, world, strategy, mesh=None):
-    """megatron_fsdp_c.experimental.fully_shard per block and at the root; the optimizer made after."""
+    """megatron_fsdp_c.per_module.fully_shard per block and at the root; the optimizer made after."""
     model = gpt()
     device_mesh = None if mesh is None else rank_grid.device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
@@ -339,13 +339,13 @@ def quantized(rank, world):
 
 def spmd_compute_params(rank, world):
     """dp_mesh_dims, parameters DTensors replicated over the SPMD mesh (their compute parameters
-    are DTensors too, [Note: SPMD compute parameters] in megatron_fsdp_c/experimental/_root.py):
+    are DTensors too, [Note: SPMD compute parameters] in megatron_fsdp_c/per_module/_root.py):
     the first Linear frozen at sharding and unfrozen at step 2, when the second is frozen; ours
     and torch's FSDP2 on the same script, float64 (losses and final parameters). torch 2.11's
     fully_shard has no dp_mesh_dims: its side is then FSDP2 on that (1-D) mesh itself, plain."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from megatron_fsdp_c.experimental import DataParallelMeshDims
+    from megatron_fsdp_c.per_module import DataParallelMeshDims
     torch_dims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
     # A dim name no other cell uses: torch hands a DTensor made on a mesh equal (same ranks and
     # names) to one an earlier cell of the spawn made that earlier mesh object (its dispatch

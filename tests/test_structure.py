@@ -2,7 +2,7 @@
 imports only modules below it (the intra-package import graph, counting imports inside functions
 and under TYPE_CHECKING, has no circle), private names cross modules only from the leaf
 _common.py, no file grows past MAX_LINES, and both hook owners provide what HookManager uses
-(hooks.HookOwner). Named test_structure, not test_layout: "layout" is the buckets' layout here."""
+(_hooks.HookOwner). Named test_structure, not test_layout: "layout" is the buckets' layout here."""
 import ast
 import pathlib
 
@@ -88,7 +88,7 @@ def _cycle(graph):
 
 
 def test_every_module_parses_and_the_engine_is_known():
-    assert f"{PACKAGE}._common" in MODULES and f"{PACKAGE}.hooks" in MODULES
+    assert f"{PACKAGE}._common" in MODULES and f"{PACKAGE}._hooks" in MODULES
     for m, imports in IMPORTS.items():
         for target, _, line in imports:
             assert _is_module(target), f"{MODULES[m]}:{line} imports {target}, which is no module of the package"
@@ -101,20 +101,20 @@ def test_no_import_circle():
 
 def test_the_checker_sees_circles():
     """The graph walk finds a circle through a function-level import (so a pass means something)."""
-    tree = ast.parse("def f():\n    from .hooks import HookManager\n")
+    tree = ast.parse("def f():\n    from ._hooks import HookManager\n")
     graph = dict(GRAPH)
     graph[f"{PACKAGE}._common"] = sorted({t for t, _, _ in _imports(f"{PACKAGE}._common", tree)})
-    graph[f"{PACKAGE}.hooks"] = sorted(set(GRAPH[f"{PACKAGE}.hooks"]) | {f"{PACKAGE}._common"})
+    graph[f"{PACKAGE}._hooks"] = sorted(set(GRAPH[f"{PACKAGE}._hooks"]) | {f"{PACKAGE}._common"})
     assert _cycle(graph) is not None
 
 
 def test_leaves():
     """_torch_compat.py is the floor (torch's versions: [Note: supported torch versions]) and
-    _common.py the leaf every module may use, on it; hooks.py knows its owner only as HookOwner."""
+    _common.py the leaf every module may use, on it; _hooks.py knows its owner only as HookOwner."""
     assert GRAPH[f"{PACKAGE}._torch_compat"] == []
     assert GRAPH[f"{PACKAGE}._common"] == [f"{PACKAGE}._torch_compat"]
-    for owner_module in ("megatron_fsdp", "_sharded", "experimental._root"):
-        assert f"{PACKAGE}.{owner_module}" not in GRAPH[f"{PACKAGE}.hooks"]
+    for owner_module in ("megatron_fsdp", "_owner", "per_module._root"):
+        assert f"{PACKAGE}.{owner_module}" not in GRAPH[f"{PACKAGE}._hooks"]
 
 
 def test_private_names_cross_modules_only_from_common():
@@ -166,16 +166,26 @@ def _provided(module: str, name: str) -> set:
     return out
 
 
-@pytest.mark.parametrize("module,owner", [("megatron_fsdp", "MegatronFSDP"), ("experimental._root", "RootState")])
+@pytest.mark.parametrize("module,owner", [("megatron_fsdp", "MegatronFSDP"), ("per_module._root", "RootState")])
 def test_hook_owners_provide_what_hooks_use(module, owner):
-    protocol = _class(f"{PACKAGE}.hooks", "HookOwner")
+    protocol = _class(f"{PACKAGE}._hooks", "HookOwner")
     needed = {s.target.id for s in protocol.body if isinstance(s, ast.AnnAssign)}
     needed |= {s.name for s in protocol.body if isinstance(s, ast.FunctionDef)}
     assert {"param_buffer", "_used", "_after_backward"} <= needed
-    uses = {n.attr for n in ast.walk(TREES[f"{PACKAGE}.hooks"]) if isinstance(n, ast.Attribute)
+    uses = {n.attr for n in ast.walk(TREES[f"{PACKAGE}._hooks"]) if isinstance(n, ast.Attribute)
             and isinstance(n.value, ast.Attribute) and n.value.attr == "owner"}
-    uses |= {n.attr for n in ast.walk(TREES[f"{PACKAGE}.hooks"]) if isinstance(n, ast.Attribute)
+    uses |= {n.attr for n in ast.walk(TREES[f"{PACKAGE}._hooks"]) if isinstance(n, ast.Attribute)
              and isinstance(n.value, ast.Name) and n.value.id == "owner"}
-    assert uses <= needed, f"hooks.py uses {sorted(uses - needed)} of its owner beyond HookOwner: add them there"
+    assert uses <= needed, f"_hooks.py uses {sorted(uses - needed)} of its owner beyond HookOwner: add them there"
     missing = needed - _provided(f"{PACKAGE}.{module}", owner)
     assert not missing, f"{owner} does not provide {sorted(missing)} of hooks.HookOwner"
+
+
+def test_experimental_is_the_per_module_api():
+    """megatron_fsdp_c.experimental (Megatron-FSDP's import path) re-exports per_module, nothing else."""
+    import megatron_fsdp_c.experimental as experimental
+    import megatron_fsdp_c.per_module as per_module
+    assert experimental.__all__ == per_module.__all__
+    for name in per_module.__all__:
+        assert getattr(experimental, name) is getattr(per_module, name), name
+    assert [m for m in MODULES if m.startswith(f"{PACKAGE}.experimental")] == [f"{PACKAGE}.experimental"]

@@ -289,7 +289,7 @@ def per_module(kind, impl, dtype, shape=(2, 2), meta=False, placement_fn=None):
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
-        from megatron_fsdp_c.experimental import fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
     mesh = mesh_of(shape)
     model = build(kind, dtype, meta)
     if kind == "gpt":
@@ -410,7 +410,7 @@ def errors_cell(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
     from torch.distributed.tensor.placement_types import _StridedShard
-    from megatron_fsdp_c.experimental import fully_shard
+    from megatron_fsdp_c.per_module import fully_shard
     mesh = mesh_of((2, 2))
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
 

@@ -66,8 +66,8 @@ def test_versions_parse(version, parsed):
 def test_fully_shard_refuses_a_torch_with_fsdpmodule_methods_ours_lack(monkeypatch):
     """A newer torch that adds a public FSDPModule method: the per-module fully_shard stops with the
     names, before touching the module (frameworks would call the method and reach torch's internals)."""
-    from megatron_fsdp_c.experimental import fully_shard
-    from megatron_fsdp_c.experimental._module import missing_overrides
+    from megatron_fsdp_c.per_module import fully_shard
+    from megatron_fsdp_c.per_module._module import missing_overrides
     assert missing_overrides() == [], "every public method of this torch's FSDPModule is ours"
     monkeypatch.setattr(torch.distributed.fsdp.FSDPModule, "set_something_new", lambda self: None, raising=False)
     model = nn.Linear(2, 2)

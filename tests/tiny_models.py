@@ -112,7 +112,7 @@ def gpt_loss(m, xy):
 
 def shard_blocks(model, **kw):
     """The per-module API's usual grouping: every block, then the root."""
-    from megatron_fsdp_c.experimental import fully_shard
+    from megatron_fsdp_c.per_module import fully_shard
     for b in model.blocks:
         fully_shard(b, **kw)
     fully_shard(model, **kw)

@@ -164,7 +164,7 @@ class TrainBoth:
 
 
 # ------------------------------------------------------------------------------------------
-# the per-module API (megatron_fsdp_c.experimental.fully_shard) against DDP
+# the per-module API (megatron_fsdp_c.per_module.fully_shard) against DDP
 
 
 def against_ddp(ck, rank, world, model, ref, data, *, steps=3, loss=sum_loss, optimizer=adam, grads=True,

@@ -6,7 +6,7 @@
  * Every rank must issue the same collectives in the same order, whatever order its gradients
  * arrive in: a graph may differ across ranks (LayerDrop, a data-dependent branch, an MoE expert
  * that got no tokens here), and so may autograd's order. Gathers run in the order the caller
- * lists them (the hooks keep one shared unit order, see [Note: gather order] in hooks.py).
+ * lists them (the hooks keep one shared unit order, see [Note: gather order] in _hooks.py).
  * Reductions follow one launch order shared by every rank (`order`: by default later units
  * first, the order backward normally completes them, then buckets outside every unit): a
  * complete bucket waits until every bucket before it in that order has been launched, and in
@@ -35,7 +35,7 @@
  *
  * [Note: used-flag tail]
  * Which parameters some rank used (so that `.grad` stays None where none did, [Note: unused
- * parameters] in megatron_fsdp_c/_sharded.py) rides in the gradient reductions themselves: no
+ * parameters] in megatron_fsdp_c/_owner.py) rides in the gradient reductions themselves: no
  * collective of its own. A bucket planned with a tail of 3 per item ([Note: flag tail] in
  * core/mfsdp_layout.h) carries, in the tail of every sub-shard, for each item i: [i] used, [n + i]
  * trains, [2n + i] frozen. At each launch (write_flags, after the zeros of unready items and the

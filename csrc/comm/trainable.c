@@ -19,7 +19,7 @@
  * - Whether a bucket reduces is part of the collective order: every rank must set the same
  *   flags between the same two backwards (as DDP needs the same parameters on every rank). The
  *   Python side applies requires_grad once per forward at the root, and checks agreement in the
- *   used-flag reduction it already makes ([Note: unused parameters] in megatron_fsdp_c/_sharded.py).
+ *   used-flag reduction it already makes ([Note: unused parameters] in megatron_fsdp_c/_owner.py).
  * - Changes are refused inside a backward; between the microbatches of one step they are
  *   allowed, but a bucket frozen in the middle of accumulation reduces no more: what it holds
  *   stays local (as under DDP, where such a `.grad` keeps its local sum). */

@@ -1,11 +1,8 @@
-"""megatron_fsdp_c.experimental: Megatron-FSDP v2's per-module `fully_shard`, a drop-in for torch's
-FSDP2 `torch.distributed.fsdp.fully_shard` on megatron_fsdp_c's C engine (see _fully_shard.py).
-Its FSDPModule and UnshardHandle subclass torch's (see _module.py); DataParallelMeshDims is torch's
-where torch has it (2.12+), else the same class of ours (_torch_compat.py)."""
-from .._torch_compat import DataParallelMeshDims
-from ._fully_shard import fully_shard
-from ._module import FSDPModule, GradientReductionHandle, UnshardHandle
-from ._torch_state import register_fsdp_forward_method
+"""megatron_fsdp_c.experimental: the per-module API under Megatron-FSDP's import path
+(`megatron_fsdp.experimental.fully_shard`), so code written for it finds ours by swapping the
+package name. The API itself is megatron_fsdp_c.per_module: this module only re-exports it."""
+from ..per_module import (DataParallelMeshDims, FSDPModule, GradientReductionHandle, UnshardHandle, fully_shard,
+                          register_fsdp_forward_method)
 
 __all__ = ["fully_shard", "DataParallelMeshDims", "FSDPModule", "GradientReductionHandle", "UnshardHandle",
            "register_fsdp_forward_method"]

@@ -8,7 +8,7 @@ The test files (test/distributed/_composable/fsdp/test_fully_shard_*.py of the p
 repository, matching the installed torch) are not part of this repository: point --tests-dir at
 a copy. The harness never edits them. Every Python process of a run starts with
 tests/torch_suite/_site/sitecustomize.py, which emulates an N-device machine on the CPU and, for
---impl ours, swaps megatron_fsdp_c.experimental's fully_shard, FSDPModule and UnshardHandle in for
+--impl ours, swaps megatron_fsdp_c.per_module's fully_shard, FSDPModule and UnshardHandle in for
 torch's ([Note: torch-suite set-up] there says exactly what is patched).
 
 Per file, the harness lists the test ids (unittest's loader, after the file's own parametrisation)

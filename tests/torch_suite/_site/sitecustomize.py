@@ -15,7 +15,7 @@ Identical for --impl torch and --impl ours (so a difference between the two colu
 - FSDPTest._run is FSDPTestMixin._run (the same body with the CPU guard), and
   FSDPTestContinuous._init_pg drops its device-count check: both exit with "skip" whenever
   torch.accelerator.device_count() (0 on CPU) < world size.
-Only for --impl ours, megatron_fsdp_c.experimental's fully_shard, FSDPModule and UnshardHandle
+Only for --impl ours, megatron_fsdp_c.per_module's fully_shard, FSDPModule and UnshardHandle
 replace torch's in every module the test files import them from (SWAP_SITES), before any test
 module is imported: what a user switching an FSDP2 script by its imports gets. Nothing else of
 torch is swapped (register_fsdp_forward_method, fully_shard.state, the FSDPParamGroup internals
@@ -78,7 +78,7 @@ def _emulate_devices(count: int) -> None:
 def _swap_in_ours() -> None:
     import importlib
 
-    import megatron_fsdp_c.experimental as ours
+    import megatron_fsdp_c.per_module as ours
 
     for site in SWAP_SITES:
         module = importlib.import_module(site)

@@ -35,7 +35,7 @@ every rank runs the same graph, at the cost of an extra gather (logged once). No
 wholly frozen ZeRO-3 unit whose inputs require grad and that runs on some ranks only (its
 backward gathers are issued on demand). A model sharded over several meshes (expert
 parallelism) has one engine, so one such order, per mesh ([Note: a mesh per group] in
-experimental/_root.py, [Note: expert data-parallel mesh] in _experts.py).
+per_module/_root.py, [Note: expert data-parallel mesh] in _experts.py).
 
 [Note: compile]
 The hooks talk to the C engine and keep Python state, neither of which Dynamo can trace; they
@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ._common import grad_tensors, in_backward, logger, weak_call
 
 if TYPE_CHECKING:
-    from .param_buffer import ParamBuffer
+    from ._param_buffer import ParamBuffer
 
 __all__ = ["HookManager", "HookOwner"]
 
@@ -64,7 +64,7 @@ __all__ = ["HookManager", "HookOwner"]
 class HookOwner(Protocol):
     """What HookManager needs from the object that owns the engine: MegatronFSDP (the Megatron-FSDP
     API), the engine of its experts (_experts.py's ExpertEngine, which passes the backward's
-    calls on to the wrapper) and the per-module API's root state (experimental/_root.py) are the
+    calls on to the wrapper) and the per-module API's root state (per_module/_root.py) are the
     owners. The manager never calls anything else on it.
 
     `param_buffer`           the model's buckets: read once, when the manager is built (the engine,
@@ -75,7 +75,7 @@ class HookOwner(Protocol):
     `_used`                  a byte per record (by ParamRecord.index), taken once when the manager
                              is built: the gradient hook sets a record's byte to 1 when its gradient
                              arrives; the owner clears bytes in place and never replaces the
-                             bytearray ([Note: unused parameters] in _sharded.py).
+                             bytearray ([Note: unused parameters] in _owner.py).
     `_trainable`             a byte per record, taken once: 1 while the record trains (the owner
                              changes it in place, then calls hook_grads and retrain, [Note:
                              changing requires_grad] in _trainable.py); read by the gradient hook.
@@ -91,7 +91,7 @@ class HookOwner(Protocol):
                              flags, whether or not its buckets are released: a unit whose weights
                              persist is resharded too). The per-module API registers the compute or
                              the sharded parameters there ([Note: per-group registration] in
-                             experimental/_registration.py); MegatronFSDP swaps every parameter per pass.
+                             per_module/_registration.py); MegatronFSDP swaps every parameter per pass.
     """
 
     param_buffer: "ParamBuffer"
@@ -176,7 +176,7 @@ class HookManager:
         self.warned_order = False
         self.in_backward = False
         self.sync_this_backward = False
-        self.used = owner._used  # see [Note: unused parameters] in _sharded.py
+        self.used = owner._used  # see [Note: unused parameters] in _owner.py
         self.trainable = owner._trainable
         self.handles = []
         self.hooked = set()  # records with a gradient hook
@@ -246,7 +246,7 @@ class HookManager:
             self.warned_order = True
             logger.warning("megatron_fsdp_c: FSDP unit #%d (%s) ran out of the units' registration order; it is "
                            "gathered again where it runs (an extra all-gather). Register units in the order they "
-                           "execute, or see [Note: gather order] in megatron_fsdp_c/hooks.py",
+                           "execute, or see [Note: gather order] in megatron_fsdp_c/_hooks.py",
                            unit.index, type(unit.module).__name__)
         self.engine.unshard(unit.buckets)
 

@@ -16,7 +16,7 @@ _root.py). The groups become the engine's units, in module order, each with its 
 their identity and their local tensors are re-pointed at the engine's buffers (FSDP2 re-points
 its own after lazy init), so an optimizer made before the first forward keeps working. From then
 on a step runs exactly as under fully_shard_model: the same hooks and shared collective orders
-(see [Note: gather order] in ../hooks.py), buckets, kernels and transports.
+(see [Note: gather order] in ../_hooks.py), buckets, kernels and transports.
 
 The user's optimizer steps the DTensor parameters directly, so the engine notices the update
 through the parameters' version counters at the next forward and refreshes what it keeps

@@ -84,7 +84,7 @@ def check_meshes(root: nn.Module, parts: List[list]) -> None:
             + ". Slice every mesh from one DeviceMesh over the root mesh's ranks (e.g. init_device_mesh(device, "
             "(dp // ep, ep), mesh_dim_names=('dp_mod_ep', 'ep')) and pass mesh['dp_mod_ep'] to the experts' "
             "fully_shard), so that each mesh's rank sets partition the ranks with a size dividing their number "
-            "([Note: a mesh per group] in megatron_fsdp_c/experimental/_root.py)")
+            "([Note: a mesh per group] in megatron_fsdp_c/per_module/_root.py)")
 
 
 def check_materialised(groups: list, fqn) -> None:
@@ -126,4 +126,4 @@ def check_sub_mesh(ranks: tuple) -> None:
         "Slice every mesh from one DeviceMesh over all ranks (e.g. init_device_mesh(device, (dp // ep, ep), "
         "mesh_dim_names=('dp_mod_ep', 'ep')) and pass mesh['dp_mod_ep'] to the experts' fully_shard), so that the "
         "ranks of each mesh agree on it and its size divides the world ([Note: a mesh per group] in "
-        "megatron_fsdp_c/experimental/_root.py)")
+        "megatron_fsdp_c/per_module/_root.py)")

@@ -1,9 +1,9 @@
 """EngineOwner: what a sharded model's state does with the engine it owns, shared by the
 Megatron-FSDP style wrapper (megatron_fsdp.py), the engine of its expert parameters
 (_experts.py's ExpertEngine, with expt_device_mesh) and the per-module API's root state
-(experimental/_root.py): the CPU heap, swapping compute and distributed parameters, the
+(per_module/_root.py): the CPU heap, swapping compute and distributed parameters, the
 unused-parameter flags, attaching gradients, introspection. Each is also the HookOwner
-(hooks.py) of its HookManager.
+(_hooks.py) of its HookManager.
 
 [Note: unused parameters]
 At each sync every rank learns which parameters some rank used since their gradients were last
@@ -34,8 +34,8 @@ from ._trainable import RequiresGradTracker
 
 if TYPE_CHECKING:
     from ._distributed import DistContext
-    from .hooks import HookManager
-    from .param_buffer import ParamBuffer
+    from ._hooks import HookManager
+    from ._param_buffer import ParamBuffer
 
 __all__ = ["EngineOwner", "clip_grad_norm", "host_trim_bytes"]
 

@@ -103,7 +103,7 @@ class GradientReductionHandle(_TorchReductionHandle):
 
 
 class FSDPModule(TorchFSDPModule):
-    """The methods a module gains from megatron_fsdp_c.experimental.fully_shard: torch FSDP2's,
+    """The methods a module gains from megatron_fsdp_c.per_module.fully_shard: torch FSDP2's,
     on the C engine (see [Note: torch's FSDPModule] for what each does here). Settings with
     `recurse` apply to every sharded module under this one."""
 
@@ -318,7 +318,7 @@ class FSDPModule(TorchFSDPModule):
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Gather these modules' parameters when this one runs its forward (every group between
-        them in the shared order is gathered too, see [Note: gather order] in hooks.py)."""
+        them in the shared order is gathered too, see [Note: gather order] in _hooks.py)."""
         for m in modules:
             group_of(m)
         g = group_of(self)

@@ -30,15 +30,15 @@ from . import _C
 from ._common import contiguous_stride, move_storage
 from ._distributed import DistContext, check_quant_transport
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy, bucket_dtypes
-from .param_record import ParamRecord, as_dtype, into_engine, rows_of, collect_params, engine_dtype, local_shape
+from ._param_record import ParamRecord, as_dtype, into_engine, rows_of, collect_params, engine_dtype, local_shape
 from ._tensor_parallel import spmd_layout
 
-__all__ = ["ParamRecord", "ParamBuffer", "collect_params"]  # the records re-exported from param_record.py
+__all__ = ["ParamRecord", "ParamBuffer", "collect_params"]  # the records re-exported from _param_record.py
 
 ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
 # Elements per item reserved at the end of every shard for the used-parameter flags and the
 # trainable check ([Note: flag tail] in csrc/core/mfsdp_layout.h, [Note: used-flag tail] in
-# csrc/comm/reduce.c, [Note: unused parameters] in _sharded.py).
+# csrc/comm/reduce.c, [Note: unused parameters] in _owner.py).
 FLAG_TAIL = 3
 
 class StorageTally:

@@ -50,10 +50,10 @@ class Registration:
             for mod, attr in r.places:
                 mod._parameters[attr] = p
 
-    def _unit_unsharded(self, unit) -> None:  # HookOwner (hooks.py)
+    def _unit_unsharded(self, unit) -> None:  # HookOwner (_hooks.py)
         self.register(unit.index, True)
 
-    def _unit_resharded(self, unit) -> None:  # HookOwner (hooks.py)
+    def _unit_resharded(self, unit) -> None:  # HookOwner (_hooks.py)
         self.register(unit.index, False)
 
     def reshard_group(self, g: ShardGroup) -> None:

@@ -14,10 +14,10 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C
 from .._common import in_backward, weak_call
-from .._sharded import EngineOwner
-from ..hooks import HookManager
+from .._owner import EngineOwner
+from .._hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
-from ..param_buffer import ParamBuffer, ParamRecord
+from .._param_buffer import ParamBuffer, ParamRecord
 from ._group import ShardGroup, check_origins, group_of, refresh_places
 from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
 from ._policy import cast_floats, check_plain_tensor, compute_dtype, engine_policy, is_torch_policy
@@ -29,7 +29,7 @@ __all__ = ["RootState", "build_states", "post_forward", "pre_forward", "state_of
 
 class RootState(Registration, StepEnd, EngineOwner):
     """The engine of one root's groups (see [Note: per-module groups] in _fully_shard.py); the
-    HookOwner (hooks.py) of its HookManager."""
+    HookOwner (_hooks.py) of its HookManager."""
 
     overlap_param_gather = True
 
@@ -290,7 +290,7 @@ def build_states(root: nn.Module) -> List[RootState]:
     _group.py's _mesh_and_context), each over the groups on that mesh; the first engine is the
     root group's. Each group gathers and reduces on its own mesh's communicators.
     Why rank-divergent graphs still cannot deadlock: each engine keeps the invariants of one
-    ([Note: gather order] in ../hooks.py, [Note: collective order] in csrc/comm/reduce.c) over
+    ([Note: gather order] in ../_hooks.py, [Note: collective order] in csrc/comm/reduce.c) over
     its own communicators, so every rank of a communicator issues that engine's collectives in
     one order; each engine gathers on a communicator of its own (made per mesh), and reduces on
     its mesh's process group. A pass starts and ends on every engine at once (the root's pre-
@@ -354,7 +354,7 @@ def state_of(module) -> RootState:
 @torch.compiler.disable(recursive=True)
 def pre_forward(module, args, kwargs):
     """fully_shard's forward pre-hook on each module of a group: the root's pre-forward when a pass
-    starts here ([Note: pass lifecycle] in ../hooks.py), the input cast, the unit's pre-forward."""
+    starts here ([Note: pass lifecycle] in ../_hooks.py), the input cast, the unit's pre-forward."""
     g = module._mfsdp_group
     state = state_of(module)
     if state.pass_root is None and not in_backward():

@@ -99,7 +99,7 @@ def post_forward_world(n: int, mesh: Optional[DeviceMesh]) -> bool:
                       f"after forward (as reshard_after_forward=True), not to groups of {n}: the same gradients and "
                       f"collectives, 1/{size} of the weights held between forward and backward instead of 1/{n}, and "
                       f"the backward's all-gather spans all {size} ranks ([Note: reshard to a smaller world] in "
-                      "megatron_fsdp_c/experimental/_mesh.py)", stacklevel=3)
+                      "megatron_fsdp_c/per_module/_mesh.py)", stacklevel=3)
     return True
 
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._common import contiguous_stride
 from .._distributed import DistContext
-from ..param_buffer import local_shape
+from .._param_buffer import local_shape
 from ..no_shard import is_no_shard
 from ._mesh import mesh_and_context
 from ._policy import check_param_dtype, check_plain_tensor, param_policy, sharded_dtype
@@ -317,6 +317,6 @@ def group_of(module) -> ShardGroup:
     """The group `module` was sharded into (a clear error when it was not)."""
     g = getattr(module, "_mfsdp_group", None)
     if g is None:
-        raise ValueError(f"{type(module).__name__} is not sharded by megatron_fsdp_c.experimental.fully_shard")
+        raise ValueError(f"{type(module).__name__} is not sharded by megatron_fsdp_c.per_module.fully_shard")
     return g
 
