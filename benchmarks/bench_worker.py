@@ -280,7 +280,7 @@ def main():
     reset_peak_rss()
     rss_at_start = current_rss_bytes() if not cuda else 0
     if args.framework == "mfsdp2":
-        sharded = runner._mfsdp_group.state  # the engine of the root, built at the first forward
+        sharded = runner._mfsdp_group.owner  # the engine of the root, built at the first forward
     before = sharded.comm_stats() if sharded is not None else None
     times = []
     for i in range(args.steps):
@@ -335,7 +335,7 @@ def main():
         if train and args.framework == "mfsdp" and args.strategy == 3 and not args.mesh:
             result["wire_theory"] = theoretical_wire_bytes(sharded, 1, sharded.param_buffer.specs)
         if train and quant is None and args.grad_comm == "fp32":
-            once = (runner._mfsdp_group.unit.index,) if args.framework == "mfsdp2" else ()
+            once = (runner._mfsdp_group.unit_state.index,) if args.framework == "mfsdp2" else ()
             result["comm_theory"] = theoretical_bytes(sharded, args.strategy, 1, grad_elem=4,  # fp32 reductions
                                                       gathered_once=once)
     if rank == 0:

@@ -56,13 +56,13 @@ def megatron_style(world):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     model, opt = mfsdp.fully_shard(model, opt, device_mesh=dense, dp_shard_dim="dp_shard", expt_device_mesh=expt,
                                    fsdp_unit_modules=[MoEBlock], zero_dp_strategy="optim_grads_params")
-    return model, opt, model.engines
+    return model, opt, model.owners
 
 
 def run(impl_name, steps, world, rank):
     if impl_name == "megatron":
-        model, opt, engines = megatron_style(world)
-        return measure(model, opt, engines, steps, rank)
+        model, opt, owners = megatron_style(world)
+        return measure(model, opt, owners, steps, rank)
     if impl_name == "ours":
         from megatron_fsdp_c.per_module import fully_shard
     else:
@@ -81,17 +81,17 @@ def run(impl_name, steps, world, rank):
             if hasattr(m, "set_force_sum_reduction_for_comms"):
                 m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    siblings = (lambda: model._mfsdp_group.state.siblings) if impl_name == "ours" else None  # made at the 1st forward
-    return measure(model, opt, siblings, steps, rank)
+    owners = (lambda: model._mfsdp_group.owner.owners()) if impl_name == "ours" else None  # made at the 1st forward
+    return measure(model, opt, owners, steps, rank)
 
 
-def measure(model, opt, engines, steps, rank):
+def measure(model, opt, owners, steps, rank):
     """Median step time, the bytes held after backward, bytes per step on each engine's communicators
-    (`engines`: None, or what returns the engines' owners)."""
+    (`owners`: None, or what returns the engines' owners)."""
     times, before = [], None
     for step in range(steps + 2):
-        if step == 2 and engines:
-            before = [s.comm_stats() for s in engines()]
+        if step == 2 and owners:
+            before = [s.comm_stats() for s in owners()]
         dist.barrier()
         start = time.perf_counter()
         loss = model(*moe_batch(step, rank, rows=ROWS, seq=SEQ, vocab=CONFIG["vocab"]))
@@ -103,8 +103,8 @@ def measure(model, opt, engines, steps, rank):
         if step >= 2:  # two warm-up steps
             times.append(time.perf_counter() - start)
     per_comm = None
-    if engines:
-        after = [s.comm_stats() for s in engines()]
+    if owners:
+        after = [s.comm_stats() for s in owners()]
         per_comm = [{k: (a[k] - b[k]) / steps for k in a if k.endswith("_bytes")} for a, b in zip(after, before)]
     params = sum(p.numel() for p in model.parameters())
     return dict(step_ms=1000 * statistics.median(times), held=held, per_comm=per_comm, params=params)

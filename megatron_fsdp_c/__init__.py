@@ -10,7 +10,8 @@ import torch  # noqa: F401
 from . import _torch_compat  # noqa: F401 - first: an unsupported torch stops the import here, naming the range
 from . import _C  # noqa: F401 - the engine, importable as megatron_fsdp_c._C
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
-from .fully_shard import ShardingStrategy, close, fully_shard, fully_shard_model, fully_shard_optimizer
+from ._common import ShardingStrategy
+from .fully_shard import close, fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 from .no_shard import fsdp_no_shard

@@ -4,6 +4,7 @@ from megatron_fsdp_c, so every module may import it without forming an import ci
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import weakref
 from typing import List
@@ -13,21 +14,34 @@ from torch.utils._pytree import tree_flatten
 
 from ._torch_compat import STORAGE_SWAP
 
-__all__ = ["STRATEGY_NAMES", "contiguous_stride", "grad_tensors", "in_backward", "logger", "move_storage",
+__all__ = ["ShardingStrategy", "contiguous_stride", "grad_tensors", "in_backward", "logger", "move_storage",
            "parse_strategy", "weak_call"]
 
 logger = logging.getLogger("megatron_fsdp_c")
 
-# Megatron-FSDP's zero_dp_strategy names, by number.
-STRATEGY_NAMES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+class ShardingStrategy(enum.IntEnum):
+    """Megatron-FSDP's zero_dp_strategy: what is sharded (the member's name, lower-cased, is the
+    string form either API takes). The one place the numbers 0..3 mean something."""
+    NO_SHARD = 0
+    OPTIM = 1
+    OPTIM_GRADS = 2
+    OPTIM_GRADS_PARAMS = 3
+
+    @property
+    def label(self) -> str:
+        """The string form: 'no_shard', 'optim', 'optim_grads', 'optim_grads_params'."""
+        return self.name.lower()
 
 
-def parse_strategy(value) -> int:
-    """zero_dp_strategy as 0..3, from a number or one of STRATEGY_NAMES (either API)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= int(value) <= 3:
-        return int(value)  # (True/False are ints in Python; never a strategy)
-    if isinstance(value, str) and value.lower() in STRATEGY_NAMES:
-        return STRATEGY_NAMES.index(value.lower())
+def parse_strategy(value, allowed=tuple(ShardingStrategy), what: str = "zero_dp_strategy") -> ShardingStrategy:
+    """A ShardingStrategy from a member, a number or its label (either API); `allowed` limits it
+    (outer_dp_sharding_strategy takes NO_SHARD and OPTIM only)."""
+    for s in allowed:  # (True/False are ints in Python; never a strategy)
+        if (isinstance(value, int) and not isinstance(value, bool) and value == s) or \
+                (isinstance(value, str) and value.lower() == s.label):
+            return s
+    if what != "zero_dp_strategy":
+        raise ValueError(f"unknown {what} {value!r}: use " + " or ".join(f"{s.label!r}" for s in allowed))
     raise ValueError(
         f"unknown zero_dp_strategy {value!r}: use 0/'no_shard', 1/'optim', 2/'optim_grads' or "
         "3/'optim_grads_params'"

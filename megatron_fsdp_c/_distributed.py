@@ -217,10 +217,14 @@ def _reduces_in_place_wrongly(group) -> bool:
 
 def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport: str = "auto",
                       collective_timeout: Optional[float] = None, *, dp_outer_dim=None,
-                      hybrid_fsdp_group=None, outer_sharded: bool = False, private: str = "") -> DistContext:
-    """The groups and transports of one sharded model. With dp_outer_dim, hybrid sharding: the
-    shards span dp_shard_dim, their replicas dp_outer_dim ([Note: hybrid sharding] in
-    csrc/comm/replicas.c); outer_sharded (HFSDP) splits sharded parameters over the replicas too.
+                      hybrid_fsdp_group=None, outer_sharded: bool = False, with_tp: bool = False,
+                      private: str = "") -> DistContext:
+    """The groups and transports of one sharded model, complete. With dp_outer_dim, hybrid
+    sharding: the shards span dp_shard_dim, their replicas dp_outer_dim ([Note: hybrid sharding]
+    in csrc/comm/replicas.c); outer_sharded (HFSDP) splits sharded parameters over the replicas
+    too. `with_tp`: device_mesh has a tensor-parallel dim, so HFSDP's flattened DTensor mesh is
+    sliced from device_mesh (not made from the group) to compose with it ([Note: tensor
+    parallelism] in _tensor_parallel.py).
     `private`: a name for an engine that must share no communicator with another engine of the
     same model, also over the same ranks: its reductions get an own group too, and its own groups
     are keyed by that name (the experts' engine, [Note: expert data-parallel mesh] in _experts.py)."""
@@ -261,25 +265,27 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
     else:
         t = _C.TorchTransport(gather_group, reduce_group, device_index, timeout,
                               alias_safe_reduce=_reduces_in_place_wrongly(reduce_group))
-    ctx = DistContext(group, gather_group, mesh, rank, world, device, t)
-    if hybrid:
-        outer_world = dist.get_world_size(outer_group)
-        if outer_world > 1 and use_nccl:
-            # native: two communicators of its own across the replicas (gathers, reductions), next
-            # to the two inside the replica: outer traffic never queues behind inner traffic
-            from ._nccl import make_nccl_transport
-            ctx.outer_transport = make_nccl_transport(outer_group, dist.get_rank(outer_group), outer_world, device,
-                                                      timeout or group_timeout(outer_group, device))
-        elif outer_world > 1:
-            # its own communicator: reductions across replicas never queue behind the shards' ones
-            ranks = dist.get_process_group_ranks(outer_group)
-            own = own_group(private + "outer", ranks, dist.get_backend(outer_group), cuda_timeout)
-            ctx.outer_transport = _C.TorchTransport(own, own, device_index, timeout,
-                                                    alias_safe_reduce=_reduces_in_place_wrongly(own))
-        ctx.outer_group, ctx.outer_world, ctx.dp_group = outer_group, outer_world, dp_group
-        if outer_sharded and outer_world > 1:
-            ctx.outer_sharded, ctx.mesh = True, _flat_mesh(mesh, dp_group)
-    return ctx
+    if not hybrid:
+        return DistContext(group, gather_group, mesh, rank, world, device, t)
+    outer_world, outer_transport = dist.get_world_size(outer_group), None
+    if outer_world > 1 and use_nccl:
+        # native: two communicators of its own across the replicas (gathers, reductions), next
+        # to the two inside the replica: outer traffic never queues behind inner traffic
+        from ._nccl import make_nccl_transport
+        outer_transport = make_nccl_transport(outer_group, dist.get_rank(outer_group), outer_world, device,
+                                              timeout or group_timeout(outer_group, device))
+    elif outer_world > 1:
+        # its own communicator: reductions across replicas never queue behind the shards' ones
+        ranks = dist.get_process_group_ranks(outer_group)
+        own = own_group(private + "outer", ranks, dist.get_backend(outer_group), cuda_timeout)
+        outer_transport = _C.TorchTransport(own, own, device_index, timeout,
+                                            alias_safe_reduce=_reduces_in_place_wrongly(own))
+    outer_sharded = outer_sharded and outer_world > 1
+    if outer_sharded:  # HFSDP's DTensor mesh: (dp_outer, dp_shard) flattened outer-major
+        mesh = device_mesh[(dp_outer_dim, dp_shard_dim)]._flatten() if with_tp else _flat_mesh(mesh, dp_group)
+    return DistContext(group, gather_group, mesh, rank, world, device, t, outer_group=outer_group,
+                       outer_world=outer_world, outer_transport=outer_transport, dp_group=dp_group,
+                       outer_sharded=outer_sharded)
 
 
 def check_rank_partition(ranks: tuple, what: str, fix: str) -> None:

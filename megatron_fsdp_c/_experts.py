@@ -1,6 +1,6 @@
 """Megatron-FSDP's expert data-parallel mesh on the Megatron-style API: which parameters are
 experts, the expert mesh's process groups and checks, their gradient scaling, and the engine
-that shards them (ExpertEngine, owned by the MegatronFSDP wrapper next to its own).
+that shards them (ExpertOwner, owned by the MegatronFSDP wrapper next to its own).
 
 [Note: expert data-parallel mesh]
 `fully_shard(..., expt_device_mesh=mesh, hybrid_fsdp_expt_group=group)` means what it means in
@@ -28,7 +28,7 @@ param_and_grad_buffer.py):
   error naming the fix: Megatron-FSDP would silently shard unmarked experts over the dense ranks
   (wrong gradients, not an error) or fail on a missing group.
 - One engine per mesh, as the per-module API ([Note: a mesh per group] in
-  per_module/_root.py): the wrapper's own engine holds the dense parameters, an ExpertEngine
+  per_module/_root.py): the wrapper's own engine holds the dense parameters, an ExpertOwner
   the experts, each with its buckets, communicators, HookManager and collective orders ([Note:
   gather order] in _hooks.py, [Note: collective order] in csrc/comm/reduce.c) over the same
   fsdp_unit_modules: a unit gathers its dense buckets on the dense communicators and its experts
@@ -58,7 +58,7 @@ from ._hooks import HookManager
 from ._owner import EngineOwner
 from ._param_buffer import ParamBuffer, ParamRecord
 
-__all__ = ["ExpertEngine", "expert_context", "expert_scaling", "is_expert_param", "split_expert_records"]
+__all__ = ["ExpertOwner", "expert_context", "expert_scaling", "is_expert_param", "split_expert_records"]
 
 
 def is_expert_param(p: nn.Parameter) -> bool:
@@ -159,7 +159,7 @@ def expert_scaling(dense_ctx: DistContext, expert_ctx: DistContext, *, average_i
     return 1.0 / dense_ctx.dp_world, "sum"
 
 
-class ExpertEngine(EngineOwner):
+class ExpertOwner(EngineOwner):
     """The engine of the expert parameters over the expert data-parallel mesh: its buckets,
     distributed parameters and HookManager over the wrapper's units. The HookOwner whose backward
     bookkeeping is the wrapper's ([Note: expert data-parallel mesh])."""

@@ -63,7 +63,7 @@ __all__ = ["HookManager", "HookOwner"]
 
 class HookOwner(Protocol):
     """What HookManager needs from the object that owns the engine: MegatronFSDP (the Megatron-FSDP
-    API), the engine of its experts (_experts.py's ExpertEngine, which passes the backward's
+    API), the engine of its experts (_experts.py's ExpertOwner, which passes the backward's
     calls on to the wrapper) and the per-module API's root state (per_module/_root.py) are the
     owners. The manager never calls anything else on it.
 
@@ -120,7 +120,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
-class _Unit:
+class UnitState:
     __slots__ = ("index", "module", "buckets", "releasable", "grad_buckets", "pos", "bpos", "members",
                  "members_left", "reshard_after_forward", "reshard_after_backward", "forward_prefetch",
                  "backward_prefetch")
@@ -154,10 +154,10 @@ class HookManager:
         buf = owner.param_buffer
         sharded = set(buf.weight_sharded_buckets())
         gatherable = set(buf.gatherable_buckets())
-        self.units: List[_Unit] = []
+        self.unit_states: List[UnitState] = []
         for u, module in enumerate(unit_modules):
             ids = buf.buckets_of_unit(u)
-            self.units.append(_Unit(u, module, tuple(b for b in ids if b in gatherable),
+            self.unit_states.append(UnitState(u, module, tuple(b for b in ids if b in gatherable),
                                     tuple(b for b in ids if b in sharded), ()))
         root_ids = buf.buckets_of_unit(-1)
         self.root_buckets = tuple(b for b in root_ids if b in gatherable)
@@ -166,8 +166,8 @@ class HookManager:
         # [Note: gather order]: the forward order over gathered units, the backward order over
         # trainable ZeRO-3 units; positions before *_done are settled (ran or released), gathers
         # are issued up to *_next.
-        self.fwd_seq = [u for u in self.units if u.buckets]
-        self.ends = {u: k for k, u in enumerate(post_order if post_order is not None else range(len(self.units)))}
+        self.fwd_seq = [u for u in self.unit_states if u.buckets]
+        self.ends = {u: k for k, u in enumerate(post_order if post_order is not None else range(len(self.unit_states)))}
         for pos, unit in enumerate(self.fwd_seq):
             unit.pos = pos
         self.retrain()
@@ -182,7 +182,7 @@ class HookManager:
         self.hooked = set()  # records with a gradient hook
         self.on_unsharded = getattr(owner, "_unit_unsharded", None)
         self.on_resharded = getattr(owner, "_unit_resharded", None)
-        self.grouped: List[_Unit] = []  # units of several modules (members > 1): completed at the root post-forward
+        self.grouped: List[UnitState] = []  # units of several modules (members > 1): completed at the root post-forward
         self._set_reduce_order(buf, self.ends)
         self.register_module_hooks = register_module_hooks
         self._register()
@@ -192,7 +192,7 @@ class HookManager:
         units, from the buckets that train now ([Note: changing requires_grad] in _trainable.py).
         Called outside passes only."""
         trainable = set(self.owner.param_buffer.grad_buckets())
-        for unit in self.units:
+        for unit in self.unit_states:
             unit.grad_buckets = tuple(b for b in self.owner.param_buffer.buckets_of_unit(unit.index) if b in trainable)
             unit.bpos = -1
         self.bwd_seq = sorted((u for u in self.fwd_seq if u.releasable and u.grad_buckets),
@@ -239,7 +239,7 @@ class HookManager:
         self.hooked.clear()
 
     # -- the shared gather order ------------------------------------------------------------
-    def _out_of_order(self, unit: _Unit, behind: bool) -> None:
+    def _out_of_order(self, unit: UnitState, behind: bool) -> None:
         """`unit` is used again after the shared order passed it; `behind`: not right after its
         previous use (so it is not simply a unit run twice in a row)."""
         if behind and not self.warned_order:
@@ -261,14 +261,14 @@ class HookManager:
             if skipped.reshard_after_forward if forward else skipped.reshard_after_backward:
                 self._reshard(skipped)
 
-    def _reshard(self, unit: _Unit) -> None:
+    def _reshard(self, unit: UnitState) -> None:
         """Releases a unit (its ZeRO-3 buckets) and tells the owner."""
         if unit.releasable:
             self.engine.reshard(unit.releasable)
         if self.on_resharded is not None:
             self.on_resharded(unit)
 
-    def _forward_reach(self, unit: _Unit) -> None:
+    def _forward_reach(self, unit: UnitState) -> None:
         """Gathers for `unit` in the shared forward order (see [Note: gather order])."""
         pos = unit.pos
         if pos < self.fwd_done:
@@ -280,7 +280,7 @@ class HookManager:
             self.fwd_next = pos + 1
         self.fwd_done = pos + 1
 
-    def _backward_reach(self, unit: _Unit) -> None:
+    def _backward_reach(self, unit: UnitState) -> None:
         """Gathers for a trainable ZeRO-3 `unit` in the shared backward order."""
         pos = unit.bpos
         if pos >= self.bwd_done:
@@ -316,7 +316,7 @@ class HookManager:
                 register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
         return output
 
-    def pre_forward(self, unit: _Unit, module, args, kwargs):
+    def pre_forward(self, unit: UnitState, module, args, kwargs):
         if not in_backward():
             if unit.index not in self.ran:
                 self.ran.add(unit.index)
@@ -346,7 +346,7 @@ class HookManager:
                 args, kwargs = tree_unflatten(flat, spec)
         return args, kwargs
 
-    def _prefetch_forward(self, unit: _Unit) -> None:
+    def _prefetch_forward(self, unit: UnitState) -> None:
         """Gathers ahead in the shared order: through the next unit, or through the furthest of
         the units named by set_modules_to_forward_prefetch (every unit between in order too)."""
         through = unit.pos + 1 if unit.forward_prefetch is None else max(unit.forward_prefetch, default=-1)
@@ -354,7 +354,7 @@ class HookManager:
             self.engine.unshard(self.fwd_seq[self.fwd_next].buckets)
             self.fwd_next += 1
 
-    def post_forward(self, unit: _Unit, module, args, output):
+    def post_forward(self, unit: UnitState, module, args, output):
         if not in_backward() and unit.reshard_after_forward:
             unit.members_left -= 1
             if unit.members_left <= 0:  # the last of the unit's modules to run in this forward
@@ -385,7 +385,7 @@ class HookManager:
     def _root_pre_backward(self, grads):
         self.start_backward()
 
-    def _pre_backward(self, unit: _Unit, grads):
+    def _pre_backward(self, unit: UnitState, grads):
         self.start_backward()
         if unit.bpos >= 0:
             self._backward_reach(unit)
@@ -397,7 +397,7 @@ class HookManager:
         if self.on_unsharded is not None:
             self.on_unsharded(unit)
 
-    def _prefetch_backward(self, unit: _Unit) -> None:
+    def _prefetch_backward(self, unit: UnitState) -> None:
         """Gathers ahead in the shared backward order: the unit before, or down through the
         furthest of the units named by set_modules_to_backward_prefetch."""
         through = unit.bpos - 1 if unit.backward_prefetch is None else min(unit.backward_prefetch, default=unit.bpos)
@@ -406,7 +406,7 @@ class HookManager:
             self.bwd_next -= 1
             self.engine.unshard(self.bwd_seq[self.bwd_next].buckets)
 
-    def post_backward(self, unit: _Unit) -> None:
+    def post_backward(self, unit: UnitState) -> None:
         if unit.reshard_after_backward:
             self._reshard(unit)
 
@@ -432,12 +432,12 @@ class HookManager:
             self._settle(self.bwd_seq, range(self.bwd_done - 1, -1, -1), lambda q: q < self.bwd_next, False)
             self.bwd_next = self.bwd_done = 0
             self.engine.end_backward()
-            release = [b for u in self.units if u.reshard_after_backward for b in u.releasable]
+            release = [b for u in self.unit_states if u.reshard_after_backward for b in u.releasable]
             release += [b for b in self.all_sharded if self.bucket_unit[b] < 0]
             if release:
                 self.engine.reshard(release)
             if self.on_resharded is not None:
-                for u in self.units:
+                for u in self.unit_states:
                     if u.reshard_after_backward:
                         self.on_resharded(u)
         finally:

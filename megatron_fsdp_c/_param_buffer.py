@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
-from ._common import contiguous_stride, move_storage
+from ._common import ShardingStrategy, contiguous_stride, move_storage
 from ._distributed import DistContext, check_quant_transport
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy, bucket_dtypes
 from ._param_record import ParamRecord, as_dtype, into_engine, rows_of, collect_params, engine_dtype, local_shape
@@ -62,7 +62,7 @@ class StorageTally:
 class ParamBuffer:
     """Builds the plan and the engine for one model and keeps the parameter records."""
 
-    def __init__(self, records: List[ParamRecord], strategy: int, policy: MixedPrecisionPolicy, ctx: DistContext,
+    def __init__(self, records: List[ParamRecord], strategy: ShardingStrategy, policy: MixedPrecisionPolicy, ctx: DistContext,
                  *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str,
                  single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None):
         self.single_rank_collectives = single_rank_collectives
@@ -70,15 +70,12 @@ class ParamBuffer:
         self.strategy = strategy
         self.ctx = ctx
         codes = _C.DTYPE_CODES
-        trains_later = {id(r.origin) for r in records if getattr(r.origin, "_mfsdp_trains_later", False)}
-        for r in records:
-            r.trains_later = r.trains_later or id(r.origin) in trains_later
         plan_input = []
         for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
             row, outer = rows_of(r)
             plan_input.append((math.prod(r.shape), row, codes[engine_dtype(r.param.dtype)], r.unit,
                                int(r.param.requires_grad), int(r.replicated), outer))
-        shard_world = 1 if strategy == 0 else ctx.pieces
+        shard_world = 1 if strategy == ShardingStrategy.NO_SHARD else ctx.pieces
         # quantized gradients: the flag tail on their blocks' boundaries ([Note: used-flag tail])
         blocks = {q.block for q in (r.quant or quant_policy for r in records) if q is not None and q.grads}
         self.plan = _C.plan(plan_input, shard_world, ctx.piece_rank if shard_world > 1 else 0, bucket_cap,
@@ -115,10 +112,10 @@ class ParamBuffer:
                                 outer_sharded=ctx.outer_sharded)
         self.bucket_units = [bp["unit"] for bp in self.plan]
 
-    def strategy_of(self, record: Optional[ParamRecord]) -> int:
+    def strategy_of(self, record: Optional[ParamRecord]) -> ShardingStrategy:
         return self.strategy if record is None or record.strategy is None else record.strategy
 
-    def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: int, policy: MixedPrecisionPolicy,
+    def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
                      quant: Optional[QuantizedCommPolicy], name: str, trains_later: bool) -> dict:
         """The engine's spec of bucket `b`: every floating bucket gets the gradient mode it trains
         with, a frozen one marked `frozen` (no gradient memory until a parameter of it starts
@@ -132,9 +129,9 @@ class ParamBuffer:
         sharded = bp["shards"] > 1
         if not can_train:
             grad_mode = _C.GRAD_NONE
-        elif bp["replicated"] or strategy == 0:
+        elif bp["replicated"] or strategy == ShardingStrategy.NO_SHARD:
             grad_mode = _C.GRAD_ALL_REDUCE
-        elif strategy == 1:
+        elif strategy == ShardingStrategy.OPTIM:
             grad_mode = _C.GRAD_SCATTER_IN_PLACE
         else:
             grad_mode = _C.GRAD_SCATTER_ACCUMULATE
@@ -145,7 +142,7 @@ class ParamBuffer:
             tail_offset=bp["tail_offset"], tail=bp["tail"],
             param_dtype=codes[dtype], main_dtype=codes[main], grad_dtype=codes[grad], comm_dtype=codes[comm],
             weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
-                                and strategy == 3),
+                                and strategy == ShardingStrategy.OPTIM_GRADS_PARAMS),
             weights_regather=int(sharded and strategy in (1, 2)),
             trainable_mode=grad_mode, frozen=int(not bp["requires_grad"]),
             sum_in_comm_dtype=int(policy.sum_in_comm_dtype),

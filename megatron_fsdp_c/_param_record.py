@@ -77,14 +77,16 @@ class ParamRecord:
         return self.param.requires_grad
 
 
-def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]:
-    """Every distinct parameter of `root` in registration order, with its unit.
+def collect_params(root: nn.Module, units: List[nn.Module], trains_later=()) -> List[ParamRecord]:
+    """Every distinct parameter of `root` in registration order, with its unit; those in
+    `trains_later` (frozen parameters expected to train) marked so.
 
     A parameter registered under modules of two different units (or of a unit and the rest of
     the model), e.g. tied embeddings, belongs to no unit: it stays gathered for the whole pass.
     A parameter is replicated if fsdp_no_shard marked any place it is registered, or if it is
     0-d (a scalar has no rows to shard).
     """
+    later = {id(p) for p in trains_later}
     unit_of_module: Dict[int, int] = {}
     for u, unit in enumerate(units):
         for sub in unit.modules():
@@ -102,6 +104,7 @@ def collect_params(root: nn.Module, units: List[nn.Module]) -> List[ParamRecord]
             if rec is None:
                 name = f"{mod_name}.{attr}" if mod_name else attr
                 rec = records[id(p)] = ParamRecord(len(records), name, p, p.shape, unit, [(mod, attr)])
+                rec.trains_later = id(p) in later
             else:
                 rec.places.append((mod, attr))
                 if rec.unit != unit:

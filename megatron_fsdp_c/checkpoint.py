@@ -23,7 +23,7 @@ def register_model_hooks(model) -> None:
     model.module.state_dict() alike)."""
     # every engine's records (the experts' too: [Note: expert data-parallel mesh] in _experts.py), each
     # with the data-parallel placement that shards it (a TP one may follow) on its engine's mesh
-    records = [(r, e.dist_ctx.mesh.ndim - 1) for e in model.engines() for r in e.param_buffer.records]
+    records = [(r, o.dist_ctx.mesh.ndim - 1) for o in model.owners() for r in o.param_buffer.records]
 
     def before_load(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         # A full (unsharded) tensor, e.g. from a plain model's checkpoint: keep this rank's rows
@@ -47,8 +47,8 @@ def register_model_hooks(model) -> None:
                                                      run_check=False, shape=r.shape, stride=r.dist_param.stride())
 
     def after_load(module, incompatible_keys):
-        for e in model.engines():
-            e.param_buffer.engine.install_main_weights(True)  # compute weights follow at once
+        for o in model.owners():
+            o.param_buffer.engine.install_main_weights(True)  # compute weights follow at once
 
     model.module._register_load_state_dict_pre_hook(before_load, with_module=True)
     model.module.register_load_state_dict_post_hook(after_load)
@@ -74,7 +74,7 @@ def _named_optimizer_state(model) -> bool:
     expert groups, and DCP would merge their states under one key ([Note: expert data-parallel
     mesh] in _experts.py). The param groups' hyperparameters are saved as they are; their
     parameter lists differ across ranks, so a load keeps the live optimizer's."""
-    return getattr(model, "expert_engine", None) is not None
+    return getattr(model, "expert_owner", None) is not None
 
 
 def _index_names(model, optimizer) -> list:

@@ -8,14 +8,13 @@ Differences from Megatron-FSDP, on purpose:
 """
 from __future__ import annotations
 
-import enum
 import importlib
 from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-from ._common import parse_strategy
+from ._common import ShardingStrategy, parse_strategy
 from ._distributed import make_dist_context, resolve_device
 from ._experts import expert_context
 from .optimizer import fully_shard_optimizer, remap_optimizer
@@ -23,29 +22,17 @@ from .megatron_fsdp import MegatronFSDP
 from ._tensor_parallel import other_dims, tp_mesh_of
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 
-__all__ = ["ShardingStrategy", "close", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
+__all__ = ["close", "fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
 
-class ShardingStrategy(enum.IntEnum):
-    NO_SHARD = 0
-    OPTIM = 1
-    OPTIM_GRADS = 2
-    OPTIM_GRADS_PARAMS = 3
-
-
-def _parse_outer_strategy(value, strategy: int, dp_outer_dim, hybrid_fsdp_group) -> int:
+def _parse_outer_strategy(value, strategy: ShardingStrategy, dp_outer_dim, hybrid_fsdp_group) -> ShardingStrategy:
     """Megatron-FSDP's checks on the hybrid sharding arguments."""
     if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
         raise ValueError("hybrid_fsdp_group (a ProcessGroup over every data-parallel rank) is required exactly when "
                          "dp_outer_dim is given: pass both for hybrid sharding, or neither")
-    names = {"no_shard": 0, "optim": 1}
-    if isinstance(value, str) and value.lower() in names:
-        outer = names[value.lower()]
-    elif isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
-        outer = int(value)
-    else:
-        raise ValueError(f"unknown outer_dp_sharding_strategy {value!r}: use 'no_shard' (HSDP) or 'optim' (HFSDP)")
-    if outer == 1 and strategy != 3:
+    outer = parse_strategy(value, (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM),
+                           "outer_dp_sharding_strategy")
+    if outer == ShardingStrategy.OPTIM and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError("outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy='optim_grads_params' "
                          "(3) inside the replica")
     return outer
@@ -156,6 +143,7 @@ def fully_shard_model(
     quantized_comm_policy: Optional[QuantizedCommPolicy] = None,
     expt_device_mesh=None,
     hybrid_fsdp_expt_group=None,
+    trains_later: Iterable[nn.Parameter] = (),
     **unsupported,
 ) -> MegatronFSDP:
     """Wraps `module` in a MegatronFSDP that shards it over the data-parallel ranks.
@@ -193,6 +181,9 @@ def fully_shard_model(
     tokens), expert_dp/dp with average_in_collective, 1 with calculate_per_token_loss. An expert
     mesh without marked parameters, or marked parameters without one, is an error; see [Note:
     expert data-parallel mesh] in _experts.py.
+    trains_later: frozen parameters (requires_grad=False) that will train later, e.g. those an
+    optimizer holds: their main weights are planned in the policy's dtype ([Note: changing
+    requires_grad] in _trainable.py). fully_shard passes its optimizer's frozen parameters.
     """
     if unsupported:
         raise TypeError(f"fully_shard got unsupported arguments: {', '.join(sorted(unsupported))}")
@@ -210,9 +201,9 @@ def fully_shard_model(
         raise TypeError(
             f"mixed_precision_policy must be a megatron_fsdp_c.MixedPrecisionPolicy, got {type(policy).__name__}"
         )
-    _check_quant_policy(quantized_comm_policy, policy, outer == 1)
+    _check_quant_policy(quantized_comm_policy, policy, outer == ShardingStrategy.OPTIM)
     classes = [_resolve_class(c) for c in (fsdp_unit_modules or [])]
-    if strategy == 3 and not classes:
+    if strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and not classes:
         raise ValueError(
             "zero_dp_strategy='optim_grads_params' (3) needs fsdp_unit_modules: the classes gathered and released "
             "together, e.g. fsdp_unit_modules=[TransformerBlock]. Without units use zero_dp_strategy 'optim_grads' (2)"
@@ -230,15 +221,11 @@ def fully_shard_model(
     tp_mesh = tp_mesh_of(device_mesh, tp_dim, dp_dims)
     ctx = make_dist_context(device_mesh, dp_shard_dim, param_device, transport, collective_timeout,
                             dp_outer_dim=dp_outer_dim, hybrid_fsdp_group=hybrid_fsdp_group,
-                            outer_sharded=outer == 1)
+                            outer_sharded=outer == ShardingStrategy.OPTIM, with_tp=tp_mesh is not None)
     expert_ctx = expert_context(expt_device_mesh, hybrid_fsdp_expt_group, dp_shard_dim=dp_shard_dim,
                                 dp_outer_dim=dp_outer_dim, tp_dim=tp_dim, device=param_device, transport=transport,
-                                collective_timeout=collective_timeout, outer_sharded=outer == 1,
+                                collective_timeout=collective_timeout, outer_sharded=outer == ShardingStrategy.OPTIM,
                                 meta_init=init_model_with_meta_device)
-    if tp_mesh is not None and ctx.outer_sharded:
-        # HFSDP's DTensor mesh flattens (dp_outer, dp_shard) outer-major; sliced from device_mesh
-        # (not made from the group) so that it composes with the tp dim ([Note: tensor parallelism])
-        ctx.mesh = device_mesh[(dp_outer_dim, dp_shard_dim)]._flatten()
     return MegatronFSDP(
         module, dist_ctx=ctx, zero_dp_strategy=strategy, fsdp_unit_modules=units, mixed_precision_policy=policy,
         sync_model_each_microbatch=sync_model_each_microbatch, overlap_grad_reduce=overlap_grad_reduce,
@@ -247,7 +234,7 @@ def fully_shard_model(
         bucket_size=bucket_size, reduce_queue_bytes=reduce_queue_bytes,
         init_model_with_meta_device=init_model_with_meta_device, single_rank_collectives=single_rank_collectives,
         tp_mesh=tp_mesh, unnamed_dims=other_dims(device_mesh, dp_dims),
-        quantized_comm_policy=quantized_comm_policy, expert_ctx=expert_ctx,
+        quantized_comm_policy=quantized_comm_policy, expert_ctx=expert_ctx, trains_later=trains_later,
     )
 
 
@@ -273,9 +260,9 @@ def close(model) -> None:
     or the root module of the per-module API (before its first forward: nothing to end)."""
     group = getattr(model, "_mfsdp_group", None)  # the per-module API's root ([Note: per-module groups])
     if group is not None:
-        owners = group.state.siblings if group.state is not None else ()
-    elif hasattr(model, "engines"):
-        owners = model.engines()  # the experts' communicators too ([Note: expert data-parallel mesh])
+        owners = group.owner.owners() if group.owner is not None else ()
+    elif hasattr(model, "owners"):
+        owners = model.owners()  # the experts' communicators too ([Note: expert data-parallel mesh])
     else:
         raise TypeError(f"close() takes a model sharded by megatron_fsdp_c (a MegatronFSDP, or a module sharded by "
                         f"the per-module fully_shard), got {type(model).__name__}")
@@ -287,17 +274,10 @@ def fully_shard(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     """Shards `module` (fully_shard_model) and, if given, remaps and patches `optimizer`
     (fully_shard_optimizer). Returns (model, optimizer)."""
     preproc = kwargs.pop("preproc_state_dict_for_dcp_ckpt", True)
-    # Frozen parameters the optimizer holds are expected to train later: their main weights are
-    # planned in the policy's dtype ([Note: changing requires_grad] in _trainable.py).
+    # Frozen parameters the optimizer holds are expected to train later.
     later = [p for g in (optimizer.param_groups if optimizer is not None else ()) for p in g["params"]
              if isinstance(p, nn.Parameter) and not p.requires_grad]
-    for p in later:
-        p._mfsdp_trains_later = True
-    try:
-        model = fully_shard_model(module, **kwargs)
-    finally:
-        for p in later:
-            del p._mfsdp_trains_later
+    model = fully_shard_model(module, trains_later=later, **kwargs)
     if optimizer is not None:
         remap_optimizer(model, optimizer)
         fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=preproc)

@@ -15,7 +15,7 @@ Microbatch semantics (documented differences from Megatron-FSDP are marked *):
   keeps `.grad is None`, as under DDP, so optimizers skip it (no weight decay): see
   [Note: unused parameters] in _owner.py.
 - With expt_device_mesh, the expert parameters live in a second engine over the expert
-  data-parallel mesh (`self.expert_engine`, an ExpertEngine); every method below acts on both
+  data-parallel mesh (`self.expert_owner`, an ExpertOwner); every method below acts on both
   ([Note: expert data-parallel mesh] in _experts.py).
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ._common import STRATEGY_NAMES, logger
+from ._common import ShardingStrategy, logger
 from .checkpoint import register_model_hooks
 from ._distributed import DistContext, check_same_model
-from ._experts import ExpertEngine, expert_scaling, split_expert_records
+from ._experts import ExpertOwner, expert_scaling, split_expert_records
 from ._hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
@@ -44,22 +44,23 @@ __all__ = ["MegatronFSDP"]
 
 
 class MegatronFSDP(EngineOwner, nn.Module):
-    def __init__(self, module: nn.Module, *, dist_ctx: DistContext, zero_dp_strategy: int,
+    def __init__(self, module: nn.Module, *, dist_ctx: DistContext, zero_dp_strategy: ShardingStrategy,
                  fsdp_unit_modules: List[nn.Module], mixed_precision_policy: MixedPrecisionPolicy,
                  sync_model_each_microbatch: bool = False, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, average_in_collective: bool = False,
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
                  bucket_size: Optional[int] = None, reduce_queue_bytes: Optional[int] = None,
                  init_model_with_meta_device: bool = False, single_rank_collectives: bool = False,
-                 tp_mesh=None, unnamed_dims=(), quantized_comm_policy=None, expert_ctx: Optional[DistContext] = None):
+                 tp_mesh=None, unnamed_dims=(), quantized_comm_policy=None, expert_ctx: Optional[DistContext] = None,
+                 trains_later=()):
         super().__init__()
         self.module = module
         self.dist_ctx = dist_ctx
         self.zero_dp_strategy = zero_dp_strategy
         self.mp_policy = mixed_precision_policy
         # Megatron-FSDP forces overlap on for ZeRO-2/3; here overlap is how the engine always works.
-        self.overlap_grad_reduce = True if zero_dp_strategy >= 2 else overlap_grad_reduce
-        self.overlap_param_gather = True if zero_dp_strategy == 3 else overlap_param_gather
+        self.overlap_grad_reduce = True if zero_dp_strategy >= ShardingStrategy.OPTIM_GRADS else overlap_grad_reduce
+        self.overlap_param_gather = True if zero_dp_strategy == ShardingStrategy.OPTIM_GRADS_PARAMS else overlap_param_gather
         self.report_nan_in_param_grad = report_nan_in_param_grad
         self.model_auto_sync = sync_model_each_microbatch
         self.is_last_microbatch = False
@@ -68,11 +69,12 @@ class MegatronFSDP(EngineOwner, nn.Module):
         self._grads_pending = False
         self._holds_dist_params = False
         self._record_of = {}  # id(distributed parameter) -> (its engine's owner, its record)
-        self.expert_engine: Optional[ExpertEngine] = None  # the expert parameters' engine (expt_device_mesh)
+        self.expert_owner: Optional[ExpertOwner] = None  # the expert parameters' engine (expt_device_mesh)
         self._setup_host_heap(dist_ctx.device)
 
         mark_by_name(module)
-        records, expert_records = split_expert_records(collect_params(module, fsdp_unit_modules), expert_ctx)
+        records, expert_records = split_expert_records(collect_params(module, fsdp_unit_modules, trains_later),
+                                                       expert_ctx)
         assign_tp(records, tp_mesh, dist_ctx.mesh, unnamed_dims)  # [Note: tensor parallelism]
         if init_model_with_meta_device and any(r.tp is not None and r.tp.dtensor_compute for r in records):
             raise NotImplementedError("init_model_with_meta_device with torch tensor-parallel (DTensor) parameters is "
@@ -109,33 +111,33 @@ class MegatronFSDP(EngineOwner, nn.Module):
         if expert_records:  # [Note: expert data-parallel mesh] in _experts.py
             scale, expert_op = expert_scaling(dist_ctx, expert_ctx, average_in_collective=average_in_collective,
                                               calculate_per_token_loss=calculate_per_token_loss)
-            self.expert_engine = ExpertEngine(
+            self.expert_owner = ExpertOwner(
                 self, expert_records, expert_ctx, fsdp_unit_modules, strategy=zero_dp_strategy,
                 policy=mixed_precision_policy, bucket_cap=cap, reduce_queue_bytes=reduce_queue_bytes,
                 grad_prescale=scale, reduce_op=expert_op, single_rank_collectives=single_rank_collectives,
                 quant_policy=quantized_comm_policy)
-        self._record_of = {id(r.dist_param): (e, r) for e in self.engines() for r in e.param_buffer.records}
+        self._record_of = {id(r.dist_param): (o, r) for o in self.owners() for r in o.param_buffer.records}
         register_model_hooks(self)
         self.register_forward_pre_hook(torch.compiler.disable(self._root_pre_forward, recursive=True), prepend=True)
         self.register_forward_hook(torch.compiler.disable(self._root_post_forward, recursive=True), prepend=True)
-        for e in self.engines():
-            e._swap_params(dist=True)
+        for o in self.owners():
+            o._swap_params(dist=True)
         module._megatron_fsdp_wrapper = weakref.ref(self)
         if logger.isEnabledFor(logging.INFO) and dist_ctx.rank == 0:
             self._log_summary(fsdp_unit_modules)
 
-    # -- engines ----------------------------------------------------------------------------
-    def engines(self) -> tuple:
+    # -- engine owners --------------------------------------------------------------------
+    def owners(self) -> tuple:
         """The owners of this model's engines, in the one order every rank drives them: this
         wrapper (the dense parameters), then the experts' ([Note: expert data-parallel mesh])."""
-        return (self,) if self.expert_engine is None else (self, self.expert_engine)
+        return (self,) if self.expert_owner is None else (self, self.expert_owner)
 
     def all_records(self) -> list:
         """Every parameter record, the dense engine's first."""
-        return [r for e in self.engines() for r in e.param_buffer.records]
+        return [r for o in self.owners() for r in o.param_buffer.records]
 
     def _in_backward(self) -> bool:
-        return any(e.hooks.in_backward for e in self.engines())
+        return any(o.hooks.in_backward for o in self.owners())
 
     # -- parameters -----------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -164,17 +166,17 @@ class MegatronFSDP(EngineOwner, nn.Module):
     # The root's work runs in this wrapper's own forward hooks, which Dynamo does not trace (see
     # [Note: compile] in _hooks.py).
     def _root_pre_forward(self, module, args):
-        engines = self.engines()
-        for e in engines:
-            e._sync_requires_grad()
-        for e in engines:
-            e._swap_params(dist=False)
-        for e in engines:
-            e.hooks.root_pre_forward()
+        owners = self.owners()
+        for o in owners:
+            o._sync_requires_grad()
+        for o in owners:
+            o._swap_params(dist=False)
+        for o in owners:
+            o.hooks.root_pre_forward()
 
     def _root_post_forward(self, module, args, output):
-        for e in self.engines():  # the backward's final callbacks queued in this order too
-            output = e._finish_root_forward(output)
+        for o in self.owners():  # the backward's final callbacks queued in this order too
+            output = o._finish_root_forward(output)
         return output
 
     # -- gradient sync --------------------------------------------------------------------
@@ -196,8 +198,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
             return
         self.microbatch_count += 1
         self._grads_pending = True
-        for e in self.engines():
-            e._swap_params(dist=True)
+        for o in self.owners():
+            o._swap_params(dist=True)
         if synced:
             self.finish_grad_sync()
         self._trim_host_heap()
@@ -208,9 +210,9 @@ class MegatronFSDP(EngineOwner, nn.Module):
         (see [Note: unused parameters] in _owner.py)."""
         if self._in_backward():
             raise RuntimeError("finish_grad_sync() called inside a backward pass; call it after backward()")
-        for e in self.engines():
-            e.param_buffer.engine.sync_grads()
-            e._attach_grads(e.param_buffer.records)
+        for o in self.owners():
+            o.param_buffer.engine.sync_grads()
+            o._attach_grads(o.param_buffer.records)
         if self.report_nan_in_param_grad:
             self._check_nonfinite_grads()
         self.microbatch_count = 0
@@ -222,8 +224,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
             self.finish_grad_sync()
 
     def _check_nonfinite_grads(self) -> None:
-        bad = [r.name for e in self.engines() for r in e.param_buffer.records
-               if r.grad_dtensor is not None and e.param_buffer.engine.count_nonfinite_grad(r.bucket, r.item)]
+        bad = [r.name for o in self.owners() for r in o.param_buffer.records
+               if r.grad_dtensor is not None and o.param_buffer.engine.count_nonfinite_grad(r.bucket, r.item)]
         flag = torch.tensor([len(bad)], dtype=torch.int64, device=self.dist_ctx.device)
         torch.distributed.all_reduce(flag, group=self.dist_ctx.all_dp_group)
         if flag.item():
@@ -242,12 +244,12 @@ class MegatronFSDP(EngineOwner, nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zeroes the main gradient buffers and detaches `.grad` from the distributed parameters."""
-        for e in self.engines():
-            e.param_buffer.engine.zero_grads()
-            for r in e.param_buffer.records:
+        for o in self.owners():
+            o.param_buffer.engine.zero_grads()
+            for r in o.param_buffer.records:
                 r.dist_param.grad = None
-            e._used[:] = bytes(len(e._used))
-            e._has_grad[:] = bytes(len(e._has_grad))
+            o._used[:] = bytes(len(o._used))
+            o._has_grad[:] = bytes(len(o._has_grad))
         self._grads_pending = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -258,12 +260,12 @@ class MegatronFSDP(EngineOwner, nn.Module):
         found = [x for x in (self._record_of.get(id(p)) for p in params)
                  if x is not None and x[1].grad_dtensor is not None]
         whole = 0
-        for e in self.engines():
-            mine = [r for owner, r in found if owner is e]
+        for o in self.owners():
+            mine = [r for owner, r in found if owner is o]
             if not mine:
                 continue
-            engine = e.param_buffer.engine
-            if len(mine) == sum(r.grad_dtensor is not None for r in e.param_buffer.records):
+            engine = o.param_buffer.engine
+            if len(mine) == sum(r.grad_dtensor is not None for r in o.param_buffer.records):
                 engine.zero_grads()
                 whole += 1
             else:
@@ -273,36 +275,36 @@ class MegatronFSDP(EngineOwner, nn.Module):
                 for b, items in by_bucket.items():
                     engine.zero_item_grads(b, items)
             for r in mine:
-                e._used[r.index] = 0
+                o._used[r.index] = 0
                 if set_to_none:
-                    e._has_grad[r.index] = 0
+                    o._has_grad[r.index] = 0
                     r.dist_param.grad = None
-        if whole == len(self.engines()):
+        if whole == len(self.owners()):
             self._grads_pending = False
 
     def install_optimized_model_weights(self) -> None:
         """Main weights -> compute weights after an optimizer step; the next forward's
         all-gathers spread them."""
-        for e in self.engines():
-            e.param_buffer.engine.install_main_weights(False)
+        for o in self.owners():
+            o.param_buffer.engine.install_main_weights(False)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """Starts gathering every stale persistent bucket now (ZeRO-1/2) instead of at first use."""
-        for e in self.engines():
-            engine = e.param_buffer.engine
-            stale = [b for b in e.param_buffer.gatherable_buckets() if engine.weight_state(b) == "stale"]
+        for o in self.owners():
+            engine = o.param_buffer.engine
+            stale = [b for b in o.param_buffer.gatherable_buckets() if engine.weight_state(b) == "stale"]
             if stale:
                 engine.unshard(stale)
                 if force_sync or not self.overlap_param_gather:
                     engine.wait_unshard(stale)
 
     def synchronize_param_gather(self) -> None:
-        for e in self.engines():
-            e.param_buffer.engine.drain()
+        for o in self.owners():
+            o.param_buffer.engine.drain()
 
     def synchronize_gradient_reduce(self) -> None:
-        for e in self.engines():
-            e.param_buffer.engine.drain()
+        for o in self.owners():
+            o.param_buffer.engine.drain()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -344,8 +346,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
             effective.resolve(dtype)  # raises when the new comm dtype would lose bits on accumulation
         if self._in_backward():
             raise RuntimeError("the mixed precision policy cannot change inside a backward pass")
-        for e in self.engines():
-            e.param_buffer.engine.set_comm_dtype(policy.grad_comm_dtype)
+        for o in self.owners():
+            o.param_buffer.engine.set_comm_dtype(policy.grad_comm_dtype)
         self.mp_policy = effective
 
     @contextlib.contextmanager
@@ -363,36 +365,36 @@ class MegatronFSDP(EngineOwner, nn.Module):
         for b, (bp, spec) in enumerate(zip(buf.plan, buf.specs)):
             label = "outside units" if bp["unit"] < 0 else type(units[bp["unit"]]).__name__ + f"#{bp['unit']}"
             logger.info("bucket %d (%s): %d params, %d elements x %d shards, %s%s", b, label, bp["n_items"],
-                        bp["shard_size"], bp["shards"], STRATEGY_NAMES[self.zero_dp_strategy],
+                        bp["shard_size"], bp["shards"], ShardingStrategy(self.zero_dp_strategy).label,
                         ", replicated" if bp["replicated"] else "")
 
     def extra_repr(self) -> str:
         hybrid = f" x {self.dist_ctx.outer_world} replicas" if self.dist_ctx.outer_world > 1 else ""
-        ex = self.expert_engine
+        ex = self.expert_owner
         experts = "" if ex is None else \
             f", experts over {ex.dist_ctx.dp_world} ranks in {len(ex.param_buffer.plan)} buckets"
-        return (f"strategy={STRATEGY_NAMES[self.zero_dp_strategy]}, world={self.dist_ctx.world}{hybrid}, "
+        return (f"strategy={ShardingStrategy(self.zero_dp_strategy).label}, world={self.dist_ctx.world}{hybrid}, "
                 f"buckets={len(self.param_buffer.plan)}{experts}")
 
     # -- introspection over both engines -------------------------------------------------------
     def full_parameters(self) -> dict:
         out = {}
-        for e in self.engines():
-            out.update(EngineOwner.full_parameters(e))
+        for o in self.owners():
+            out.update(EngineOwner.full_parameters(o))
         return out
 
     def full_grads(self) -> dict:
         out = {}
-        for e in self.engines():
-            out.update(EngineOwner.full_grads(e))
+        for o in self.owners():
+            out.update(EngineOwner.full_grads(o))
         return out
 
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
         """Bytes this rank holds now (both engines' buffers with expt_device_mesh; the optimizer's
         states counted once)."""
         report = self.param_buffer.memory_report(optimizer)
-        if self.expert_engine is not None:
-            extra = self.expert_engine.param_buffer.memory_report(None)
+        if self.expert_owner is not None:
+            extra = self.expert_owner.param_buffer.memory_report(None)
             for k in ("param_bytes", "grad_bytes", "temporary_bytes", "total_bytes"):
                 report[k] += extra[k]
         return report

@@ -36,7 +36,7 @@ def separate_calls(rank, world):
     full = fsdp.full_parameters()
     worst = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
     groups = [(g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups]
-    return dict(worst=worst, groups=groups, units=len(fsdp.hooks.units))
+    return dict(worst=worst, groups=groups, units=len(fsdp.hooks.unit_states))
 
 
 @CELLS.cell("between_passes", tests=["test_modules_hold_dtensor_shards_between_passes"])

@@ -409,7 +409,7 @@ def per_module_vs_ddp(rank, world, mesh_shape, strategy, micro, skip):
                 peer={n: p.full_tensor() for n, p in peer.named_parameters()}, outer_counts=outer_counts,
                 placements={str(p.placements) for p in model.parameters()},
                 grad_buckets=sum(s["grad_mode"] != mf._C.GRAD_NONE
-                                 for s in model._mfsdp_group.state.param_buffer.specs))
+                                 for s in model._mfsdp_group.owner.param_buffer.specs))
 
 
 PM_CASES = [((2, 2), s, 1, "set_requires_all_reduce") for s in (0, 1, 2, 3)] + \

@@ -133,7 +133,7 @@ def plain(rank, world, ck):
     model, ref = sharded_moe(world), moe_model()
     train_both(ck, rank, world, model, ref)
     check_against_reference(ck, "after training", model, ref)
-    ck.true("two engines", len(model._mfsdp_group.state.siblings) == 2)
+    ck.true("two engines", len(model._mfsdp_group.owner.owners()) == 2)
 
 
 @cell("hsdp", worlds=(4,))
@@ -279,7 +279,7 @@ def _megatron_cell(hsdp: bool, strategy: str, expert_outer: int = 1, options=Non
         model, opt = megatron_moe(world, strategy, hsdp=hsdp, expert_outer=expert_outer, options=options, skew=True,
                                   dead_expert=dead)
         ref = moe_model(skew=True, dead_expert=dead)
-        ck.true("two engines", model.expert_engine is not None and model.expert_engine.dist_ctx.dp_world == 2)
+        ck.true("two engines", model.expert_owner is not None and model.expert_owner.dist_ctx.dp_world == 2)
         holds_dead = bool(_expert_params(model, dead))
         train_both(ck, rank, world, model, ref, dead=dead if holds_dead else None, opt=opt)
         check_against_reference(ck, "after training", model, ref)

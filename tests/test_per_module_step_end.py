@@ -93,7 +93,7 @@ def manual_finalization(rank, world, impl, async_op):
     out = dict(grads=grads, params=full_state(model))
     if impl == "ours":
         from megatron_fsdp_c.per_module import GradientReductionHandle
-        state = model._mfsdp_group.state
+        state = model._mfsdp_group.owner
         out["handle_is_torchs"] = not async_op or not TORCH_HAS_FINALIZE or isinstance(
             handle, torch.distributed.fsdp.GradientReductionHandle)
         out["ours_handle"] = not async_op or isinstance(handle, GradientReductionHandle)
@@ -156,7 +156,7 @@ def keep_storage(rank, world, impl):
     out = dict(grads=grads, params=full_state(model), pointers_kept=all(len(set(p)) == 1 for p in per_block),
                forwards=len(seen))
     if impl == "ours":
-        buf = model._mfsdp_group.state.param_buffer
+        buf = model._mfsdp_group.owner.param_buffer
         sharded = buf.weight_sharded_buckets()
         out["kept_states"] = sorted({buf.engine.weight_state(b) for b in sharded})
         model.set_keep_unsharded_storage(False)

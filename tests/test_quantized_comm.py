@@ -175,7 +175,7 @@ def run_config(rank, world, cfg_row):
         fsdp = fully_shard(model, quantized_comm_policy=quant, zero_dp_strategy=strategy)
         opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2, weight_decay=0.1)
         root = fsdp
-        owner = lambda: fsdp._mfsdp_group.state  # noqa: E731 - built by the first forward
+        owner = lambda: fsdp._mfsdp_group.owner  # noqa: E731 - built by the first forward
         full_params = lambda: {n: p.full_tensor() for n, p in fsdp.named_parameters()}  # noqa: E731
         reduced_grads = lambda: {n: p.grad.full_tensor() for n, p in fsdp.named_parameters()}  # noqa: E731
         no_sync = lambda quiet: torch.enable_grad()  # noqa: E731 - one microbatch

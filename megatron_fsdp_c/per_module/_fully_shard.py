@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._common import parse_strategy
+from .._common import ShardingStrategy, parse_strategy
 from ..no_shard import mark_by_name
 from ._group import form_group
 from ._mesh import dp_mesh_of, post_forward_world
@@ -112,7 +112,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
         spmd_mesh = mesh
         mesh, replicate_only = dp_mesh_of(mesh, dp_mesh_dims)
         if replicate_only:
-            strategy = 0  # replicate dims alone: torch's DDP-like group
+            strategy = ShardingStrategy.NO_SHARD  # replicate dims alone: torch's DDP-like group
     ignored = set(ignored_params or ())
     for m in modules:
         mark_by_name(m)

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .._common import contiguous_stride
+from .._common import ShardingStrategy, contiguous_stride
 from .._distributed import DistContext
 from .._param_buffer import local_shape
 from ..no_shard import is_no_shard
@@ -28,18 +28,18 @@ class ShardGroup:
     modules: List[nn.Module]
     places: List[tuple]            # (module, attribute, original parameter) of the group's parameters
     ctx: DistContext
-    strategy: int
+    strategy: ShardingStrategy
     mp_policy: object              # torch's MixedPrecisionPolicy or ours
     reshard_after_forward: Optional[bool]  # None: FSDP2's default, set at the lazy init (False for the root)
     reshard_after_backward: bool = True
-    requires_gradient_sync: bool = True
-    requires_all_reduce: bool = True   # HSDP: the all-reduce across replicas
+    hold: bool = False             # gradients held, not reduced: set_requires_gradient_sync(False)
+    hold_outer: bool = False       # HSDP: no all-reduce across replicas: set_requires_all_reduce(False)
     forward_prefetch: Optional[List[nn.Module]] = None
     backward_prefetch: Optional[List[nn.Module]] = None
     divide_factor: Optional[float] = None
     is_last_backward: bool = True
-    state: Optional[object] = None  # its RootState (_root.py, which imports this module), from the lazy init on
-    unit: Optional[object] = None          # its unit in the engine's hooks
+    owner: Optional[object] = None  # its RootState (_root.py, which imports this module), from the lazy init on
+    unit_state: Optional[object] = None    # its UnitState in the engine's hooks (_hooks.py)
     all_reduce_hook: Optional[object] = None  # set_all_reduce_hook's (hook, stream)
     post_optim_event: Optional[object] = None  # set_post_optim_event's, waited on at the next root pre-forward
     keep_unsharded_storage: bool = False   # set_keep_unsharded_storage ([Note: kept full weights] in csrc/comm/weights.c)
@@ -65,38 +65,38 @@ class ShardGroup:
 
 class Origin:
     """The plain parameter a group's DTensor parameter was made from, shared by every DTensor made
-    of it; `state` is a weak reference to the root state whose engine holds it."""
-    __slots__ = ("state",)
+    of it; `owner` is a weak reference to the root state whose engine holds it."""
+    __slots__ = ("owner",)
 
     def __init__(self):
-        self.state = None
+        self.owner = None
 
     def __reduce__(self):
         # a copy (deepcopy, pickle) of a parameter is a parameter of its own: a fresh Origin
         return (Origin, ())
 
 
-def check_origins(named: list, state) -> None:
+def check_origins(named: list, owner) -> None:
     """[(name, DTensor parameter)] of one root's groups at its lazy init: a parameter tied across
     two groups (two DTensors of one Origin, or one already held by another root's engine) is
     refused with FSDP2's error, which it raises at the same point; then claims the rest for
-    `state`."""
+    `owner`."""
     seen = {}
     for name, dp in named:
         origin = getattr(dp, "_mfsdp_origin", None)
         if origin is None:
             continue
         first = seen.setdefault(origin, dp)
-        other = origin.state() if origin.state is not None else None
-        if first is not dp or (other is not None and other is not state):
+        other = origin.owner() if origin.owner is not None else None
+        if first is not dp or (other is not None and other is not owner):
             raise ValueError(
                 f"Parameter '{name}' is shared with a parameter already managed by another FSDP group. For "
                 "shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the same FSDP group "
                 "(or shard a module containing every place it is registered, their common parent, and not the "
                 "places themselves), or untie them")
-    ref = weakref.ref(state)
+    ref = weakref.ref(owner)
     for origin in seen:
-        origin.state = ref
+        origin.owner = ref
 
 
 def refresh_places(g: ShardGroup) -> None:
@@ -239,7 +239,7 @@ def _shard_dim(p: nn.Parameter, placement, what: str, world: int, sharded: bool)
     return dim
 
 
-def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: int, mp_policy,
+def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: ShardingStrategy, mp_policy,
                reshard_after_forward: Optional[bool], ignored: set, shard_placement_fn,
                spmd_mesh: Optional[DeviceMesh] = None) -> ShardGroup:
     """One fully_shard call's group: its parameters become DTensor Parameters on the modules, and
@@ -280,7 +280,7 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: i
             policies[id(p)] = param_policy(mp_policy, p)
         check_param_dtype(p, what, policies[id(p)])
         if id(p) not in dims:
-            replicated = strategy == 0 or p.dim() == 0 or is_no_shard(mod, attr)
+            replicated = strategy == ShardingStrategy.NO_SHARD or p.dim() == 0 or is_no_shard(mod, attr)
             placement = shard_placement_fn(p) if shard_placement_fn is not None else None
             # a TP parameter's local TP shard is what is sharded, on any dim (FSDP2 checks it so too)
             dim = _shard_dim(p._local_tensor if tp_of[id(p)] is not None else p, placement, what, ctx.world,

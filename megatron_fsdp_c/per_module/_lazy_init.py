@@ -20,7 +20,7 @@ def groups_under(root: nn.Module) -> list:
     for name, m in root.named_modules():
         g = getattr(m, "_mfsdp_group", None)
         if g is not None and g not in groups:
-            if g.state is not None:  # lazily initialised before the model around it was sharded
+            if g.owner is not None:  # lazily initialised before the model around it was sharded
                 raise RuntimeError(
                     f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
                     f"through the root module first: the sharded {type(m).__name__} ran a forward (or unshard()) "

@@ -76,10 +76,10 @@ class UnshardHandle(TorchUnshardHandle):
         """Waits for the gather and registers the group's unsharded parameters on its modules,
         until reshard() ([Note: per-group registration] in _registration.py)."""
         if self._group is not None:
-            buckets = list(self._group.unit.buckets)
+            buckets = list(self._group.unit_state.buckets)
             if buckets:
                 self._state.param_buffer.engine.wait_unshard(buckets)
-            self._state.register(self._group.unit.index, True)
+            self._state.register(self._group.unit_state.index, True)
             self._group = None
 
 
@@ -120,8 +120,8 @@ class FSDPModule(TorchFSDPModule):
 
     def _reconfigure(self, groups) -> None:
         for g in groups:
-            if g.state is not None:
-                g.state.configure(g)
+            if g.owner is not None:
+                g.owner.configure(g)
 
     def _get_fsdp_state(self):
         """The adapter torch's own code reaches for (register_fsdp_forward_method,
@@ -135,8 +135,8 @@ class FSDPModule(TorchFSDPModule):
         its root (the outermost sharded module), as that forward would."""
         g = group_of(self)
         state = state_of(self)
-        if g.unit.buckets:
-            state.param_buffer.engine.unshard(list(g.unit.buckets))
+        if g.unit_state.buckets:
+            state.param_buffer.engine.unshard(list(g.unit_state.buckets))
         handle = UnshardHandle(state, g)
         if async_op:
             return handle
@@ -146,8 +146,8 @@ class FSDPModule(TorchFSDPModule):
     def reshard(self) -> None:
         """Releases this module's full parameters (ZeRO-3 groups) and registers its sharded ones."""
         g = group_of(self)
-        if g.state is not None:
-            g.state.reshard_group(g)
+        if g.owner is not None:
+            g.owner.reshard_group(g)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """Accepted, no effect: our pre-forward and pre-backward gathers are issued ahead
@@ -171,11 +171,11 @@ class FSDPModule(TorchFSDPModule):
         completed backwards before the failed one); a backward that was interrupted is ended with
         its collectives (every rank must call this), torch's waits locally."""
         g = group_of(self)
-        if g.state is None:
+        if g.owner is None:
             return
-        if g.state.root is not self:
+        if g.owner.root is not self:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
-        for state in g.state.siblings:  # every engine of the model ([Note: a mesh per group] in _root.py)
+        for state in g.owner.owners():  # every engine of the model ([Note: a mesh per group] in _root.py)
             state.reset_iter_state()
         g.pending_reduction = None  # an outstanding finalize_backward handle raises at wait()
 
@@ -186,7 +186,7 @@ class FSDPModule(TorchFSDPModule):
         meanwhile, as DDP holds; [Note: held gradients] in csrc/comm/backward.c)."""
         groups = self._groups(recurse)
         for g in groups:
-            g.requires_gradient_sync = bool(requires_gradient_sync)
+            g.hold = not requires_gradient_sync
         self._reconfigure(groups)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
@@ -195,7 +195,7 @@ class FSDPModule(TorchFSDPModule):
         ([Note: hybrid sharding] in csrc/comm/replicas.c). No effect on a 1-D mesh."""
         groups = self._groups(recurse)
         for g in groups:
-            g.requires_all_reduce = bool(requires_all_reduce)
+            g.hold_outer = not requires_all_reduce
         self._reconfigure(groups)
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
@@ -204,7 +204,7 @@ class FSDPModule(TorchFSDPModule):
         held back and reshards ([Note: manual backward finalization] in _step_end.py). Checked as
         torch checks it: the root only (once known), and no change during a backward."""
         g = group_of(self)
-        if g.state is not None and g.state.root is not self:
+        if g.owner is not None and g.owner.root is not self:
             raise RuntimeError(f"set_manual_backward_finalization must be called on the root FSDP module, not on "
                                f"this {type(self).__name__}")
         if bool(enabled) != g.manual_backward_finalization and in_backward():
@@ -220,15 +220,15 @@ class FSDPModule(TorchFSDPModule):
         g = group_of(self)
         if g.pending_reduction is not None:
             raise RuntimeError("The previous gradient reduction must be waited on before finalizing backward again")
-        if g.state is not None:
-            if g.state.root is not self:
+        if g.owner is not None:
+            if g.owner.root is not self:
                 raise RuntimeError(f"finalize_backward must be called on the root FSDP module, not on this "
                                    f"{type(self).__name__}")
-            for state in g.state.siblings:  # every engine of the model ([Note: a mesh per group] in _root.py)
+            for state in g.owner.owners():  # every engine of the model ([Note: a mesh per group] in _root.py)
                 state.finalize_backward()
         if not async_op:
             return None
-        if g.state is None:
+        if g.owner is None:
             return GradientReductionHandle(None)  # nothing was reduced: wait() returns at once
         handle = g.pending_reduction = GradientReductionHandle(g)
         return handle
@@ -359,9 +359,9 @@ class FSDPModule(TorchFSDPModule):
 
     def _apply(self, fn, *args, **kwargs):
         g = group_of(self)
-        if g.state is not None:  # see [Note: re-initialisation] in _registration.py; every engine of the model
+        if g.owner is not None:  # see [Note: re-initialisation] in _registration.py; every engine of the model
             why = f"{type(self).__name__}: .to()/.to_empty()/.float() after the first forward"
-            for state in list(g.state.siblings):
+            for state in list(g.owner.owners()):
                 state.release_engine(why)
         out = super(TorchFSDPModule, self)._apply(fn, *args, **kwargs)  # the original class's, not torch's FSDP
         for i, (mod, attr, _) in enumerate(g.places):  # to_empty() and friends may replace the parameters

@@ -59,9 +59,9 @@ class Registration:
     def reshard_group(self, g: ShardGroup) -> None:
         """FSDPModule.reshard(): releases the group's gathered weights (ZeRO-3) and registers
         its sharded parameters."""
-        if g.unit.releasable:
-            self.param_buffer.engine.reshard(list(g.unit.releasable))
-        self.register(g.unit.index, False)
+        if g.unit_state.releasable:
+            self.param_buffer.engine.reshard(list(g.unit_state.releasable))
+        self.register(g.unit_state.index, False)
 
     def release_engine(self, why: str) -> None:
         """[Note: re-initialisation]
@@ -81,7 +81,7 @@ class Registration:
         engine's unreduced buffers, in no .grad, so nothing could carry them."""
         if self.hooks.in_backward or self.pass_root is not None or self.methods_running:
             raise RuntimeError(f"{why} inside a forward or backward pass: call it between training steps")
-        if self.held:
+        if self.held_units:
             raise RuntimeError(f"{why} while gradients are held back by set_requires_gradient_sync(False): finish the "
                                "accumulation with a backward that syncs (and the optimizer step) first")
         stuck = [r.name for r in self.param_buffer.records if r.dist_param.grad is not None and r.grad_dtensor is not None
@@ -104,9 +104,9 @@ class Registration:
                     dp.grad._local_tensor = dp.grad._local_tensor.detach().clone()
                 origin = getattr(dp, "_mfsdp_origin", None)
                 if origin is not None:
-                    origin.state = None
+                    origin.owner = None
         for g in self.groups:
-            g.state = g.unit = None
+            g.owner = g.unit_state = None
 
     def _adoptable(self, r) -> bool:
         """Only a sharded gradient the engine accumulates into, reduced over one level, can start
@@ -168,5 +168,5 @@ def to_sharded_hook(group: ShardGroup, *args, **kwargs) -> None:
     parameter of `group`: its sharded parameters are registered, so a state dict taken or
     loaded between a forward and its backward sees the DTensors ([Note: per-group
     registration]; FSDP2's to_sharded_hook)."""
-    if group.state is not None:
-        group.state.register(group.unit.index, False)
+    if group.owner is not None:
+        group.owner.register(group.unit_state.index, False)

@@ -13,7 +13,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C
-from .._common import in_backward, weak_call
+from .._common import ShardingStrategy, in_backward, weak_call
 from .._owner import EngineOwner
 from .._hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
@@ -33,21 +33,21 @@ class RootState(Registration, StepEnd, EngineOwner):
 
     overlap_param_gather = True
 
-    def engines(self) -> tuple:
-        """The owners of this model's engines: itself (megatron_fsdp_c.close() ends their
-        communication, as for a Megatron-style model)."""
-        return (self,)
+    def owners(self) -> tuple:
+        """Every engine owner of this state's model (one RootState per mesh, [Note: a mesh per
+        group]), in the one order every rank drives them, as MegatronFSDP.owners()."""
+        return self._owners
 
     def __init__(self, root: nn.Module, groups: List[ShardGroup]):
         self.root = root
         self.groups = groups  # this engine's: the groups under the root on one mesh ([Note: a mesh per group])
-        self.siblings = [self]  # every root state of the model, this one among them (build_states)
+        self._owners = (self,)  # every root state of the model, this one among them (build_states)
         for g in groups:  # FSDP2's default (None): reshard after forward, except the root
             if g.reshard_after_forward is None:
                 g.reshard_after_forward = g is not getattr(root, "_mfsdp_group", None)
         self.methods_running = 0  # registered forward methods running (_torch_state.py)
         self.reduce_requested = False  # a post_backward() asked for the held gradients' reduction
-        self.held = set()  # indices of groups whose backwards held gradients back, not reduced yet
+        self.held_units = set()  # indices of groups whose backwards held gradients back, not reduced yet
         self.dist_ctx = ctx = groups[0].ctx
         names = {id(mod): name for name, mod in root.named_modules(remove_duplicate=False)}
         fqn = lambda mod, attr: f"{names[id(mod)]}.{attr}" if names.get(id(mod)) else attr  # noqa: E731
@@ -94,7 +94,7 @@ class RootState(Registration, StepEnd, EngineOwner):
                 else:
                     r.places.append((mod, attr))
                     r.aliases.append(name)
-        self.param_buffer = ParamBuffer(records, 3, OurPolicy(), ctx, bucket_cap=0, reduce_queue_bytes=None,
+        self.param_buffer = ParamBuffer(records, ShardingStrategy.OPTIM_GRADS_PARAMS, OurPolicy(), ctx, bucket_cap=0, reduce_queue_bytes=None,
                                         grad_prescale=1.0 / ctx.dp_world, reduce_op="sum")
         self.param_buffer.load_locals()
         self.param_buffer.build_dist_params(self, existing=True)
@@ -115,10 +115,10 @@ class RootState(Registration, StepEnd, EngineOwner):
                                  post_order=sorted(range(len(groups)), key=lambda u: ends.get(u, -1)),
                                  register_module_hooks=False)
         for u, g in enumerate(groups):
-            g.state, g.unit = self, self.hooks.units[u]
-            g.unit.members = g.unit.members_left = len(g.modules)
+            g.owner, g.unit_state = self, self.hooks.unit_states[u]
+            g.unit_state.members = g.unit_state.members_left = len(g.modules)
             if len(g.modules) > 1:
-                self.hooks.grouped.append(g.unit)
+                self.hooks.grouped.append(g.unit_state)
         self._track_requires_grad()
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
@@ -158,20 +158,20 @@ class RootState(Registration, StepEnd, EngineOwner):
         return list(self.param_buffer.buckets_of_unit(self.groups.index(g)))
 
     def configure(self, g: ShardGroup) -> None:
-        unit, engine = g.unit, self.param_buffer.engine
+        unit, engine = g.unit_state, self.param_buffer.engine
         unit.reshard_after_forward = g.reshard_after_forward
         unit.reshard_after_backward = g.reshard_after_backward
         unit.forward_prefetch = None if g.forward_prefetch is None else [
-            group_of(m).unit.pos for m in g.forward_prefetch if group_of(m).unit.pos >= 0]
+            group_of(m).unit_state.pos for m in g.forward_prefetch if group_of(m).unit_state.pos >= 0]
         unit.backward_prefetch = None if g.backward_prefetch is None else [
-            group_of(m).unit.bpos for m in g.backward_prefetch if group_of(m).unit.bpos >= 0]
+            group_of(m).unit_state.bpos for m in g.backward_prefetch if group_of(m).unit_state.bpos >= 0]
         engine.set_keep_weights(self.buckets_of(g), g.keep_unsharded_storage)  # [Note: kept full weights]
         # every bucket that can train, also while frozen ([Note: changing requires_grad] in ../_trainable.py)
         grads = [b for b in self.buckets_of(g) if self.param_buffer.specs[b]["trainable_mode"] != _C.GRAD_NONE]
         if grads:
-            engine.set_hold(grads, not g.requires_gradient_sync)
+            engine.set_hold(grads, g.hold)
             if self.dist_ctx.outer_world > 1:
-                engine.set_outer_hold(grads, not g.requires_all_reduce)
+                engine.set_outer_hold(grads, g.hold_outer)
             # [Note: expert gradient scaling]
             # A group's gradients are summed over its mesh's data-parallel ranks after dividing by
             # its divide factor: by default the mesh's data-parallel size (FSDP2's default, so an
@@ -244,9 +244,9 @@ class RootState(Registration, StepEnd, EngineOwner):
             self.param_buffer.engine.zero_item_grads(b, items)
 
     def _after_backward(self, synced: bool) -> None:
-        synced_units = {u for u, g in enumerate(self.groups) if g.requires_gradient_sync}
-        self.held = {u for u in self.held if u not in synced_units}
-        self.held |= {u for u, g in enumerate(self.groups) if u not in synced_units and g.unit.grad_buckets}
+        synced_units = {u for u, g in enumerate(self.groups) if not g.hold}
+        self.held_units = {u for u in self.held_units if u not in synced_units}
+        self.held_units |= {u for u, g in enumerate(self.groups) if u not in synced_units and g.unit_state.grad_buckets}
         self._attach_grads([r for r in self.param_buffer.records if r.unit in synced_units])
         for u in sorted(synced_units):
             if self.groups[u].all_reduce_hook is not None:
@@ -260,7 +260,7 @@ class RootState(Registration, StepEnd, EngineOwner):
         hook, stream = g.all_reduce_hook
         buf = self.param_buffer
         shards = []
-        for b in g.unit.grad_buckets:
+        for b in g.unit_state.grad_buckets:
             pieces = [buf.engine.local_piece(b, r.item, _C.BUF_OPT_GRAD) for r in buf.records if r.bucket == b]
             where = pieces[0][0]
             lo, hi = min(o for _, o, _ in pieces), max(o + n for _, o, n in pieces)
@@ -319,7 +319,7 @@ def build_states(root: nn.Module) -> List[RootState]:
         check_meshes(root, parts)
     states = [RootState(root, part) for part in parts]
     for s in states:
-        s.siblings = states
+        s._owners = tuple(states)
     return states
 
 
@@ -341,14 +341,14 @@ def state_of(module) -> RootState:
     init, through the model's root (root_of): a first forward or unshard() of a
     child initialises every group under the root, as the root's first forward would."""
     g = group_of(module)
-    if g.state is None:
+    if g.owner is None:
         # A first forward inside a functorch transform (torch.func.jvp, vmap, grad): the tensors
         # made there would be the transform's wrappers (no storage for the engine to adopt, and
         # DTensor.from_local refused): the engine is built outside the transforms, as the
         # weights are plain tensors outside them.
         with temporarily_clear_interpreter_stack():
             build_states(root_of(g))
-    return g.state
+    return g.owner
 
 
 @torch.compiler.disable(recursive=True)
@@ -358,12 +358,12 @@ def pre_forward(module, args, kwargs):
     g = module._mfsdp_group
     state = state_of(module)
     if state.pass_root is None and not in_backward():
-        for s in state.siblings:  # every engine of the model ([Note: a mesh per group])
+        for s in state.owners():  # every engine of the model ([Note: a mesh per group])
             s.root_pre_forward(module)
     mp = g.mp_policy
     if is_torch_policy(mp) and mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-    return state.hooks.pre_forward(g.unit, module, args, kwargs)
+    return state.hooks.pre_forward(g.unit_state, module, args, kwargs)
 
 
 @torch.compiler.disable(recursive=True)
@@ -371,13 +371,13 @@ def post_forward(module, args, output):
     """fully_shard's forward hook on each module of a group: the unit's post-forward, the output
     cast, and the root's post-forward when the pass started at this module."""
     g = module._mfsdp_group
-    state = g.state
-    output = state.hooks.post_forward(g.unit, module, args, output)
+    state = g.owner
+    output = state.hooks.post_forward(g.unit_state, module, args, output)
     mp = g.mp_policy
     if is_torch_policy(mp) and mp.output_dtype is not None:
         output = cast_floats(output, mp.output_dtype)
     if state.pass_root is module and not state.methods_running:  # a registered method's end, not its inner forwards
-        for s in state.siblings:
+        for s in state.owners():
             output = s.root_post_forward(output)
     return output
 

@@ -25,13 +25,13 @@ class StepEnd:
         callback. Every rank of the data-parallel group calls it at the same point (pipelining
         does), so the collectives match."""
         self.reduce_requested = False
-        held = [u for u in sorted(self.held) if self.groups[u].requires_gradient_sync]
+        held = [u for u in sorted(self.held_units) if not self.groups[u].hold]
         if not held:
             return
         if self.hooks.in_backward:
             raise RuntimeError("the reduction of held gradients was requested inside a backward pass")
         engine = self.param_buffer.engine
-        sealed = [b for u in held for b in self.groups[u].unit.grad_buckets]
+        sealed = [b for u in held for b in self.groups[u].unit_state.grad_buckets]
         others = [b for b in self.param_buffer.grad_buckets() if b not in sealed]
         if others:
             engine.set_hold(others, True)
@@ -48,10 +48,10 @@ class StepEnd:
     def release_after_backward(self) -> None:
         """Releases the gathered weights of the groups set to reshard after backward, and registers
         their sharded parameters, as a backward's final callback does."""
-        release = [b for u in self.hooks.units if u.reshard_after_backward for b in u.releasable]
+        release = [b for u in self.hooks.unit_states if u.reshard_after_backward for b in u.releasable]
         if release:
             self.param_buffer.engine.reshard(release)
-        for u in self.hooks.units:
+        for u in self.hooks.unit_states:
             if u.reshard_after_backward:
                 self.register(u.index, False)
 
@@ -88,13 +88,13 @@ class StepEnd:
             r.dist_param.grad = None
         self._used[:] = bytes(len(self._used))  # in place: the hooks hold this bytearray
         self._has_grad[:] = bytes(len(self._has_grad))
-        self.held.clear()
+        self.held_units.clear()
         if hooks.all_sharded:
             engine.reshard(list(hooks.all_sharded))
         hooks.fwd_next = hooks.fwd_done = 0
         hooks.bwd_next = hooks.bwd_done = len(hooks.bwd_seq)
         hooks.ran = set()
-        for u in hooks.units:
+        for u in hooks.unit_states:
             u.members_left = u.members
         self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
         for u in range(len(self.groups)):

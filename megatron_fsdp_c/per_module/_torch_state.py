@@ -59,8 +59,8 @@ class _ParamGroup:
         """The group's gradients held over the microbatches are reduced by the
         _root_post_backward_final_callback() torch's callers make next (one reduction for all
         groups, in the engine's shared order)."""
-        if self._group.state is not None:
-            self._group.state.reduce_requested = True
+        if self._group.owner is not None:
+            self._group.owner.reduce_requested = True
 
 
 class _StateContext:
@@ -71,8 +71,8 @@ class _StateContext:
 
     @property
     def all_states(self) -> List["TorchState"]:
-        state = self._group.state
-        return [g.torch_state for s in state.siblings for g in s.groups] if state is not None \
+        state = self._group.owner
+        return [g.torch_state for s in state.owners() for g in s.groups] if state is not None \
             else [self._group.torch_state]
 
     @property
@@ -108,11 +108,11 @@ class TorchState(_State):
         """A registered forward method starts: as a forward pre-hook, and the module's own
         forwards inside the method do not end the pass (the method's end does)."""
         args, kwargs = pre_forward(module, args, kwargs)
-        self._group.state.methods_running += 1
+        self._group.owner.methods_running += 1
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args, output):
-        state = self._group.state
+        state = self._group.owner
         state.methods_running -= 1
         output = post_forward(module, args, output)
         if not state.methods_running and not state.hooks.in_backward:
@@ -120,15 +120,15 @@ class TorchState(_State):
             # the inner forwards left the FORWARD state, so the group reshards there whatever its
             # reshard_after_forward: its sharded parameters are registered ([Note: per-group
             # registration] in _registration.py; the engine keeps the gathered weights for a backward).
-            state.register(self._group.unit.index, False)
+            state.register(self._group.unit_state.index, False)
         return output
 
     def _root_post_backward_final_callback(self) -> None:
         """Reduces what the backwards held back, if a post_backward() asked (pipelining's
         perform_reduce_grad), or any held gradients of groups whose sync is on again."""
-        state = self._group.state
+        state = self._group.owner
         if state is not None:
-            for s in state.siblings:  # every engine of the model, in one order on every rank
+            for s in state.owners():  # every engine of the model, in one order on every rank
                 s.reduce_held()
 
 
