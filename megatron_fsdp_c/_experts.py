@@ -54,7 +54,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._distributed import DistContext, check_rank_partition, check_same_model, make_dist_context
-from ._hooks import HookManager
 from ._owner import EngineOwner
 from ._param_buffer import ParamBuffer, ParamRecord
 
@@ -171,22 +170,16 @@ class ExpertOwner(EngineOwner):
         self.dist_ctx = ctx
         self._holds_dist_params = False
         check_same_model(records, ctx)  # the ranks of one expert mesh hold the same experts
-        self.param_buffer = ParamBuffer(records, strategy, policy, ctx, bucket_cap=bucket_cap,
-                                        reduce_queue_bytes=reduce_queue_bytes, grad_prescale=grad_prescale,
-                                        reduce_op=reduce_op, single_rank_collectives=single_rank_collectives,
-                                        quant_policy=quant_policy)
-        self.param_buffer.load_params()
-        self.param_buffer.build_dist_params(wrapper)  # the optimizer finds the wrapper from them
+        buf = ParamBuffer(records, strategy, policy, ctx, bucket_cap=bucket_cap, reduce_queue_bytes=reduce_queue_bytes,
+                          grad_prescale=grad_prescale, reduce_op=reduce_op,
+                          single_rank_collectives=single_rank_collectives, quant_policy=quant_policy)
+        buf.load_params()
+        buf.build_dist_params(wrapper)  # the optimizer finds the wrapper from them
         for r in records:  # the mark stays visible on model.parameters() (Megatron's optimizers read it)
             for attr in ("allreduce", "is_expert"):
                 if hasattr(r.origin, attr):
                     setattr(r.dist_param, attr, getattr(r.origin, attr))
-        n = len(records)
-        self._used = bytearray(n)
-        self._has_grad = bytearray(n)
-        self._trainable = bytearray(int(r.requires_grad) for r in records)
-        self.hooks = HookManager(self, units)
-        self._track_requires_grad()
+        self._start(buf, units)  # [Note: owner start-up] in _owner.py
 
     @property
     def overlap_param_gather(self) -> bool:

@@ -54,6 +54,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._common import grad_tensors, in_backward, logger, weak_call
+from ._pass_state import PassState, UnitState
 
 if TYPE_CHECKING:
     from ._param_buffer import ParamBuffer
@@ -120,27 +121,6 @@ class _PostBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
-class UnitState:
-    __slots__ = ("index", "module", "buckets", "releasable", "grad_buckets", "pos", "bpos", "members",
-                 "members_left", "reshard_after_forward", "reshard_after_backward", "forward_prefetch",
-                 "backward_prefetch")
-
-    def __init__(self, index, module, buckets, releasable, grad_buckets):
-        self.index = index
-        self.module = module
-        self.buckets = buckets            # bucket ids to gather before the unit runs
-        self.releasable = releasable      # ZeRO-3 bucket ids to release after it ran
-        self.grad_buckets = grad_buckets  # bucket ids with trainable parameters
-        self.pos = -1                     # position in the forward gather order
-        self.bpos = -1                    # position in the backward gather order (trainable ZeRO-3)
-        self.members = 1                  # modules sharing the unit (the per-module API's list groups)
-        self.members_left = 1             # of them, still to run in this forward before the release
-        self.reshard_after_forward = True   # (ZeRO-3) release after forward / after backward
-        self.reshard_after_backward = True
-        self.forward_prefetch = None      # units to have gathered when this one runs (None: the next one)
-        self.backward_prefetch = None
-
-
 class HookManager:
     """`unit_modules` in forward (registration) order; `post_order`: unit indices in the order
     their forwards end (children before the unit that contains them; default: as given).
@@ -170,12 +150,9 @@ class HookManager:
         self.ends = {u: k for k, u in enumerate(post_order if post_order is not None else range(len(self.unit_states)))}
         for pos, unit in enumerate(self.fwd_seq):
             unit.pos = pos
+        self.pass_state = PassState(0)
         self.retrain()
-        self.fwd_next = self.fwd_done = 0
-        self.ran = set()  # units run in a forward since the last backward
         self.warned_order = False
-        self.in_backward = False
-        self.sync_this_backward = False
         self.used = owner._used  # see [Note: unused parameters] in _owner.py
         self.trainable = owner._trainable
         self.handles = []
@@ -186,6 +163,13 @@ class HookManager:
         self._set_reduce_order(buf, self.ends)
         self.register_module_hooks = register_module_hooks
         self._register()
+
+    def reset_pass(self) -> None:
+        """Forgets a pass an error interrupted (FSDPModule.reset_iter_state): the next forward
+        starts the gather orders from the top, every unit's modules still to run."""
+        self.pass_state = PassState(len(self.bwd_seq))
+        for unit in self.unit_states:
+            unit.members_left = unit.members
 
     def retrain(self) -> None:
         """The units' trainable buckets and the backward gather order over the trainable ZeRO-3
@@ -199,7 +183,7 @@ class HookManager:
                               key=lambda u: self.ends[u.index])
         for pos, unit in enumerate(self.bwd_seq):
             unit.bpos = pos
-        self.bwd_next = self.bwd_done = len(self.bwd_seq)
+        self.pass_state.bwd_next = self.pass_state.bwd_done = len(self.bwd_seq)
 
     def _set_reduce_order(self, buf, ends) -> None:
         """Reductions in the order backward completes buckets: the unit whose forward ended last
@@ -271,31 +255,32 @@ class HookManager:
     def _forward_reach(self, unit: UnitState) -> None:
         """Gathers for `unit` in the shared forward order (see [Note: gather order])."""
         pos = unit.pos
-        if pos < self.fwd_done:
-            self._out_of_order(unit, pos < self.fwd_done - 1)
+        if pos < self.pass_state.fwd_done:
+            self._out_of_order(unit, pos < self.pass_state.fwd_done - 1)
             return
-        self._settle(self.fwd_seq, range(self.fwd_done, pos), lambda q: q >= self.fwd_next, True)
-        if pos >= self.fwd_next:
+        self._settle(self.fwd_seq, range(self.pass_state.fwd_done, pos), lambda q: q >= self.pass_state.fwd_next, True)
+        if pos >= self.pass_state.fwd_next:
             self.engine.unshard(unit.buckets)
-            self.fwd_next = pos + 1
-        self.fwd_done = pos + 1
+            self.pass_state.fwd_next = pos + 1
+        self.pass_state.fwd_done = pos + 1
 
     def _backward_reach(self, unit: UnitState) -> None:
         """Gathers for a trainable ZeRO-3 `unit` in the shared backward order."""
         pos = unit.bpos
-        if pos >= self.bwd_done:
-            self._out_of_order(unit, pos > self.bwd_done)
+        if pos >= self.pass_state.bwd_done:
+            self._out_of_order(unit, pos > self.pass_state.bwd_done)
             return
-        self._settle(self.bwd_seq, range(self.bwd_done - 1, pos, -1), lambda q: q < self.bwd_next, False)
-        if pos < self.bwd_next:
+        now = self.pass_state
+        self._settle(self.bwd_seq, range(now.bwd_done - 1, pos, -1), lambda q: q < now.bwd_next, False)
+        if pos < self.pass_state.bwd_next:
             self.engine.unshard(unit.buckets)
-            self.bwd_next = pos
-        self.bwd_done = pos
+            self.pass_state.bwd_next = pos
+        self.pass_state.bwd_done = pos
 
     # -- forward --------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
         if not in_backward():
-            self.fwd_next = self.fwd_done = 0
+            self.pass_state.fwd_next = self.pass_state.fwd_done = 0
         if self.root_buckets:
             self.engine.unshard(self.root_buckets)
             self.engine.wait_unshard(self.root_buckets)
@@ -308,8 +293,8 @@ class HookManager:
                     if unit.reshard_after_forward:
                         self._reshard(unit)
             n = len(self.fwd_seq)
-            self._settle(self.fwd_seq, range(self.fwd_done, n), lambda q: q >= self.fwd_next, True)
-            self.fwd_next = self.fwd_done = n
+            self._settle(self.fwd_seq, range(self.pass_state.fwd_done, n), lambda q: q >= self.pass_state.fwd_next, True)
+            self.pass_state.fwd_next = self.pass_state.fwd_done = n
         if torch.is_grad_enabled():
             tensors = grad_tensors(output)
             if tensors:
@@ -318,8 +303,8 @@ class HookManager:
 
     def pre_forward(self, unit: UnitState, module, args, kwargs):
         if not in_backward():
-            if unit.index not in self.ran:
-                self.ran.add(unit.index)
+            if unit.index not in self.pass_state.ran:
+                self.pass_state.ran.add(unit.index)
                 unit.members_left = unit.members
             if unit.pos >= 0:
                 self._forward_reach(unit)
@@ -350,9 +335,9 @@ class HookManager:
         """Gathers ahead in the shared order: through the next unit, or through the furthest of
         the units named by set_modules_to_forward_prefetch (every unit between in order too)."""
         through = unit.pos + 1 if unit.forward_prefetch is None else max(unit.forward_prefetch, default=-1)
-        while self.fwd_next <= min(through, len(self.fwd_seq) - 1):
-            self.engine.unshard(self.fwd_seq[self.fwd_next].buckets)
-            self.fwd_next += 1
+        while self.pass_state.fwd_next <= min(through, len(self.fwd_seq) - 1):
+            self.engine.unshard(self.fwd_seq[self.pass_state.fwd_next].buckets)
+            self.pass_state.fwd_next += 1
 
     def post_forward(self, unit: UnitState, module, args, output):
         if not in_backward() and unit.reshard_after_forward:
@@ -367,17 +352,17 @@ class HookManager:
 
     # -- backward -------------------------------------------------------------------------
     def start_backward(self) -> None:
-        if self.in_backward:
+        if self.pass_state.in_backward:
             return
-        owner = self.owner
+        owner, now = self.owner, self.pass_state
         owner._before_backward()
-        self.in_backward = True
-        self.sync_this_backward = owner._should_sync()
-        self.engine.begin_backward(self.sync_this_backward)
-        self.bwd_next = self.bwd_done = len(self.bwd_seq)
-        if self.ran:  # units that ran in no forward since the last backward get no gradient: they may
-            skipped = [b for u in self.fwd_seq if u.index not in self.ran for b in u.grad_buckets]  # reduce in turn
-            self.ran = set()
+        now.in_backward = True
+        now.sync = owner._should_sync()
+        self.engine.begin_backward(now.sync)
+        now.bwd_next = now.bwd_done = len(self.bwd_seq)
+        if now.ran:  # units that ran in no forward since the last backward get no gradient: they may
+            skipped = [b for u in self.fwd_seq if u.index not in now.ran for b in u.grad_buckets]  # reduce in turn
+            now.ran = set()
             if skipped:
                 self.engine.seal(skipped)
         torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
@@ -402,9 +387,9 @@ class HookManager:
         furthest of the units named by set_modules_to_backward_prefetch."""
         through = unit.bpos - 1 if unit.backward_prefetch is None else min(unit.backward_prefetch, default=unit.bpos)
         through = max(through, 0)
-        while self.bwd_next > through:
-            self.bwd_next -= 1
-            self.engine.unshard(self.bwd_seq[self.bwd_next].buckets)
+        while self.pass_state.bwd_next > through:
+            self.pass_state.bwd_next -= 1
+            self.engine.unshard(self.bwd_seq[self.pass_state.bwd_next].buckets)
 
     def post_backward(self, unit: UnitState) -> None:
         if unit.reshard_after_backward:
@@ -429,8 +414,9 @@ class HookManager:
 
     def end_backward(self) -> None:
         try:
-            self._settle(self.bwd_seq, range(self.bwd_done - 1, -1, -1), lambda q: q < self.bwd_next, False)
-            self.bwd_next = self.bwd_done = 0
+            now = self.pass_state
+            self._settle(self.bwd_seq, range(now.bwd_done - 1, -1, -1), lambda q: q < now.bwd_next, False)
+            self.pass_state.bwd_next = self.pass_state.bwd_done = 0
             self.engine.end_backward()
             release = [b for u in self.unit_states if u.reshard_after_backward for b in u.releasable]
             release += [b for b in self.all_sharded if self.bucket_unit[b] < 0]
@@ -441,5 +427,5 @@ class HookManager:
                     if u.reshard_after_backward:
                         self.on_resharded(u)
         finally:
-            self.in_backward = False
-        self.owner._after_backward(self.sync_this_backward)
+            self.pass_state.in_backward = False
+        self.owner._after_backward(self.pass_state.sync)

@@ -30,11 +30,11 @@ import torch
 
 from . import _C
 from ._common import grad_tensors, in_backward
+from ._hooks import HookManager
 from ._trainable import RequiresGradTracker
 
 if TYPE_CHECKING:
     from ._distributed import DistContext
-    from ._hooks import HookManager
     from ._param_buffer import ParamBuffer
 
 __all__ = ["EngineOwner", "clip_grad_norm", "host_trim_bytes"]
@@ -87,9 +87,8 @@ def clip_grad_norm(params, max_norm: float, norm_type: float = 2.0) -> torch.Ten
 
 
 class EngineOwner:
-    """A base class: the subclass builds the engine and sets these attributes (a byte per record
-    in `_used` and `_has_grad`, see [Note: unused parameters]); `_holds_dist_params` says which
-    parameters the modules hold now. After the hooks, it calls `_track_requires_grad()`."""
+    """A base class: the subclass builds and loads its ParamBuffer, then calls `_start` ([Note:
+    owner start-up]); `_holds_dist_params` says which parameters the modules hold now."""
 
     param_buffer: "ParamBuffer"
     dist_ctx: "DistContext"
@@ -114,9 +113,23 @@ class EngineOwner:
         if self._host_trim_bytes > 0:
             _C.trim_host_heap(self._host_trim_bytes)
 
-    # -- requires_grad ([Note: changing requires_grad] in _trainable.py) ----------------------
-    def _track_requires_grad(self) -> None:
+    def _start(self, param_buffer: "ParamBuffer", unit_modules, **hook_options) -> None:
+        """[Note: owner start-up]
+        The one start-up of every owner (MegatronFSDP, ExpertOwner, RootState), once its buffer
+        holds the weights and the distributed parameters exist: a byte per record for use
+        (`_used`, `_has_grad`: [Note: unused parameters]) and for requires_grad as applied
+        (`_trainable`), then the HookManager over `unit_modules` (it takes those bytearrays once:
+        they are only ever changed in place), then the requires_grad tracker (which reads the
+        hooks' orders, [Note: changing requires_grad] in _trainable.py)."""
+        self.param_buffer = param_buffer
+        records = param_buffer.records
+        self._used = bytearray(len(records))      # used locally since the last zero (the gradient hooks)
+        self._has_grad = bytearray(len(records))  # what torch would say: .grad is not None
+        self._trainable = bytearray(int(r.requires_grad) for r in records)
+        self.hooks = HookManager(self, unit_modules, **hook_options)
         self._trainable_tracker = RequiresGradTracker(self)
+
+    # -- requires_grad ([Note: changing requires_grad] in _trainable.py) ----------------------
 
     def _sync_requires_grad(self) -> None:
         """At the root's pre-forward: applies requires_grad changes made since the last forward."""

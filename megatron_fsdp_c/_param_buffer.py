@@ -41,6 +41,16 @@ ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access
 # csrc/comm/reduce.c, [Note: unused parameters] in _owner.py).
 FLAG_TAIL = 3
 
+def wire_fields(quant: Optional[QuantizedCommPolicy]) -> dict:
+    """A bucket's quantized-wire fields of the engine's spec (mfsdp_wire_spec): 0 for a plain
+    wire, else 1 + the mode's code; none without a policy."""
+    if quant is None:
+        return {}
+    code = lambda m: 0 if m is None else 1 + _C.QUANT_MODES[m]  # noqa: E731
+    return {"wire_weights": code(quant.weights), "wire_grads": code(quant.grads),
+            "wire_outer_weights": code(quant.outer_weights), "wire_block": quant.block}
+
+
 class StorageTally:
     """Counts bytes of storage, each storage once: views, aliases and DTensor local tensors
     share their owner's bytes; released (0-byte) storage counts nothing."""
@@ -143,11 +153,11 @@ class ParamBuffer:
             param_dtype=codes[dtype], main_dtype=codes[main], grad_dtype=codes[grad], comm_dtype=codes[comm],
             weights_sharded=int((sharded or self.single_rank_collectives) and not bp["replicated"]
                                 and strategy == ShardingStrategy.OPTIM_GRADS_PARAMS),
-            weights_regather=int(sharded and strategy in (1, 2)),
+            weights_regather=int(sharded and strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)),
             trainable_mode=grad_mode, frozen=int(not bp["requires_grad"]),
             sum_in_comm_dtype=int(policy.sum_in_comm_dtype),
             grad_mode=grad_mode if bp["requires_grad"] else _C.GRAD_NONE,
-            **wire,
+            **wire_fields(wire),
         )
 
     # -- initialisation -------------------------------------------------------------------

@@ -33,7 +33,6 @@ from ._common import ShardingStrategy, logger
 from .checkpoint import register_model_hooks
 from ._distributed import DistContext, check_same_model
 from ._experts import ExpertOwner, expert_scaling, split_expert_records
-from ._hooks import HookManager
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
 from ._owner import EngineOwner, clip_grad_norm
@@ -91,23 +90,16 @@ class MegatronFSDP(EngineOwner, nn.Module):
         else:
             prescale, op = 1.0 / dist_ctx.dp_world, "sum"
         cap = 0 if bucket_size is None else int(bucket_size)
-        self.param_buffer = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx,
-                                        bucket_cap=cap, reduce_queue_bytes=reduce_queue_bytes,
-                                        grad_prescale=prescale, reduce_op=op,
-                                        single_rank_collectives=single_rank_collectives,
-                                        quant_policy=quantized_comm_policy)
+        buf = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx, bucket_cap=cap,
+                          reduce_queue_bytes=reduce_queue_bytes, grad_prescale=prescale, reduce_op=op,
+                          single_rank_collectives=single_rank_collectives, quant_policy=quantized_comm_policy)
         self.init_peak_bytes = None
         if init_model_with_meta_device:
-            self.init_peak_bytes = self.param_buffer.load_from_meta(module, dist_ctx.device)
+            self.init_peak_bytes = buf.load_from_meta(module, dist_ctx.device)
         else:
-            self.param_buffer.load_params()
-        self.param_buffer.build_dist_params(self)
-        n = len(records)
-        self._used = bytearray(n)      # used locally since the last zero (set by the gradient hooks)
-        self._has_grad = bytearray(n)  # what torch would say: .grad is not None
-        self._trainable = bytearray(int(r.requires_grad) for r in records)
-        self.hooks = HookManager(self, fsdp_unit_modules)
-        self._track_requires_grad()
+            buf.load_params()
+        buf.build_dist_params(self)
+        self._start(buf, fsdp_unit_modules)  # [Note: owner start-up] in _owner.py
         if expert_records:  # [Note: expert data-parallel mesh] in _experts.py
             scale, expert_op = expert_scaling(dist_ctx, expert_ctx, average_in_collective=average_in_collective,
                                               calculate_per_token_loss=calculate_per_token_loss)
@@ -137,7 +129,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
         return [r for o in self.owners() for r in o.param_buffer.records]
 
     def _in_backward(self) -> bool:
-        return any(o.hooks.in_backward for o in self.owners())
+        return any(o.hooks.pass_state.in_backward for o in self.owners())
 
     # -- parameters -----------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,

@@ -138,18 +138,10 @@ class QuantizedCommPolicy:
     def enabled(self) -> bool:
         return any(m is not None for m in (self.weights, self.grads, self.outer_weights))
 
-    def wire_spec(self) -> dict:
-        """The bucket spec fields of the engine (mfsdp_wire_spec): 0 for a plain wire, else 1 +
-        the mode's code."""
-        from . import _C
-        code = lambda m: 0 if m is None else 1 + _C.QUANT_MODES[m]  # noqa: E731
-        return {"wire_weights": code(self.weights), "wire_grads": code(self.grads),
-                "wire_outer_weights": code(self.outer_weights), "wire_block": self.block}
-
 
 def bucket_dtypes(dtype: torch.dtype, trainable: bool, trains_later: bool, policy: MixedPrecisionPolicy,
                   quant: Optional[QuantizedCommPolicy], name: str):
-    """(main, grad, comm dtypes, quantized wire spec, why_not) of a bucket of `dtype` parameters
+    """(main, grad, comm dtypes, quantized wire (the policy, or None), why_not) of a bucket of `dtype` parameters
     (`name`: its first), trainable at sharding or not. A bad policy raises for a trainable bucket;
     for a frozen one it is why_not = (True, reason): it can never train. A frozen bucket keeps
     main weights of `dtype` unless `trains_later` (a wider main dtype would be memory for nothing
@@ -163,10 +155,10 @@ def bucket_dtypes(dtype: torch.dtype, trainable: bool, trains_later: bool, polic
         except ValueError as e:
             if trainable:
                 raise
-            return dtype, dtype, dtype, {}, (True, str(e))
-    wire = {}
+            return dtype, dtype, dtype, None, (True, str(e))
+    wire = None
     if quant is not None and quant.enabled:
-        wire = quant.wire_spec()
+        wire = quant
         if dtype.is_floating_point and quant.grads is not None:
             # [Note: quantized communication] in csrc/comm/wire.c: the pieces are quantized from, and
             # summed in, the main gradients; the wire format replaces the communication dtype

@@ -79,7 +79,7 @@ class Registration:
         next backward accumulates onto it, as FSDP2's onto its sharded .grad). Refused inside a forward or backward, and
         while gradients are held back by set_requires_gradient_sync(False): those live in the
         engine's unreduced buffers, in no .grad, so nothing could carry them."""
-        if self.hooks.in_backward or self.pass_root is not None or self.methods_running:
+        if self.hooks.pass_state.in_backward or self.pass_root is not None or self.methods_running:
             raise RuntimeError(f"{why} inside a forward or backward pass: call it between training steps")
         if self.held_units:
             raise RuntimeError(f"{why} while gradients are held back by set_requires_gradient_sync(False): finish the "

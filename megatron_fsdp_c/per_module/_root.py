@@ -15,7 +15,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from .. import _C
 from .._common import ShardingStrategy, in_backward, weak_call
 from .._owner import EngineOwner
-from .._hooks import HookManager
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from .._param_buffer import ParamBuffer, ParamRecord
 from ._group import ShardGroup, check_origins, group_of, refresh_places
@@ -94,13 +93,13 @@ class RootState(Registration, StepEnd, EngineOwner):
                 else:
                     r.places.append((mod, attr))
                     r.aliases.append(name)
-        self.param_buffer = ParamBuffer(records, ShardingStrategy.OPTIM_GRADS_PARAMS, OurPolicy(), ctx, bucket_cap=0, reduce_queue_bytes=None,
-                                        grad_prescale=1.0 / ctx.dp_world, reduce_op="sum")
-        self.param_buffer.load_locals()
-        self.param_buffer.build_dist_params(self, existing=True)
-        self._used = bytearray(len(records))
-        self._has_grad = bytearray(len(records))
-        self._trainable = bytearray(int(r.requires_grad) for r in records)
+        buf = ParamBuffer(records, ShardingStrategy.OPTIM_GRADS_PARAMS, OurPolicy(), ctx, bucket_cap=0,
+                          reduce_queue_bytes=None, grad_prescale=1.0 / ctx.dp_world, reduce_op="sum")
+        buf.load_locals()
+        buf.build_dist_params(self, existing=True)
+        self._setup_host_heap(ctx.device)
+        self._start(buf, [g.modules[0] for g in groups],  # [Note: owner start-up] in ../_owner.py
+                    post_order=sorted(range(len(groups)), key=lambda u: ends.get(u, -1)), register_module_hooks=False)
         self.adopt_grads()  # gradients carried through a .to() ([Note: re-initialisation] in _registration.py)
         # [Note: per-group registration]: what each group's modules hold, by unit index
         self._unit_records = [[] for _ in groups]
@@ -110,16 +109,11 @@ class RootState(Registration, StepEnd, EngineOwner):
         self._seen = [r.dist_param._version for r in records]
         self.report_nan_in_param_grad = False
         self.pass_root = None
-        self._setup_host_heap(ctx.device)
-        self.hooks = HookManager(self, [g.modules[0] for g in groups],
-                                 post_order=sorted(range(len(groups)), key=lambda u: ends.get(u, -1)),
-                                 register_module_hooks=False)
         for u, g in enumerate(groups):
             g.owner, g.unit_state = self, self.hooks.unit_states[u]
             g.unit_state.members = g.unit_state.members_left = len(g.modules)
             if len(g.modules) > 1:
                 self.hooks.grouped.append(g.unit_state)
-        self._track_requires_grad()
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
         self._spmd_hooked = set()  # indices of SPMD compute parameters with their gradient hook

@@ -28,7 +28,7 @@ class StepEnd:
         held = [u for u in sorted(self.held_units) if not self.groups[u].hold]
         if not held:
             return
-        if self.hooks.in_backward:
+        if self.hooks.pass_state.in_backward:
             raise RuntimeError("the reduction of held gradients was requested inside a backward pass")
         engine = self.param_buffer.engine
         sealed = [b for u in held for b in self.groups[u].unit_state.grad_buckets]
@@ -66,7 +66,7 @@ class StepEnd:
         gradients are reduced, and the weights released, by the time finalize_backward returns
         (earlier than FSDP2 where a backward synced), which is what its contract lets a caller
         rely on. Every rank calls it at the same point."""
-        if self.hooks.in_backward or in_backward():
+        if self.hooks.pass_state.in_backward or in_backward():
             raise RuntimeError("finalize_backward was called inside a backward pass: call it after the backward "
                                "passes of the step, before reading or clearing gradients")
         self.reduce_held()
@@ -78,11 +78,11 @@ class StepEnd:
         gradients are discarded, every gathered bucket is released and the sharded parameters
         are put back; the hooks' per-pass positions start again."""
         engine, hooks = self.param_buffer.engine, self.hooks
-        if hooks.in_backward:
-            try:
+        try:
+            if hooks.pass_state.in_backward:
                 engine.end_backward()
-            finally:
-                hooks.in_backward = False
+        finally:
+            hooks.reset_pass()
         engine.zero_grads()
         for r in self.param_buffer.records:
             r.dist_param.grad = None
@@ -91,11 +91,6 @@ class StepEnd:
         self.held_units.clear()
         if hooks.all_sharded:
             engine.reshard(list(hooks.all_sharded))
-        hooks.fwd_next = hooks.fwd_done = 0
-        hooks.bwd_next = hooks.bwd_done = len(hooks.bwd_seq)
-        hooks.ran = set()
-        for u in hooks.unit_states:
-            u.members_left = u.members
         self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
         for u in range(len(self.groups)):
             self.register(u, False)

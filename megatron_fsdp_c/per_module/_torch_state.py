@@ -115,7 +115,7 @@ class TorchState(_State):
         state = self._group.owner
         state.methods_running -= 1
         output = post_forward(module, args, output)
-        if not state.methods_running and not state.hooks.in_backward:
+        if not state.methods_running and not state.hooks.pass_state.in_backward:
             # FSDP2's wrapper runs the group's post-forward once more at the method's end, after
             # the inner forwards left the FORWARD state, so the group reshards there whatever its
             # reshard_after_forward: its sharded parameters are registered ([Note: per-group
