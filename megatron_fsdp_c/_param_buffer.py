@@ -18,6 +18,7 @@ csrc/core/mfsdp_layout.h, reached through _C.plan.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from typing import Dict, List, Optional
@@ -69,15 +70,30 @@ class StorageTally:
         return s.nbytes()
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitConfig:
+    """How one unit's buckets are built where units differ (the per-module API: one per group,
+    converted once, by RootState): its strategy, its quantized wire, and its engine policy by
+    compute dtype (a group's parameters share their storage dtype, as FSDP2 requires, so the
+    compute dtype picks the policy)."""
+    strategy: ShardingStrategy
+    quant: Optional[QuantizedCommPolicy]
+    policies: Dict[torch.dtype, MixedPrecisionPolicy]
+
+
 class ParamBuffer:
-    """Builds the plan and the engine for one model and keeps the parameter records."""
+    """Builds the plan and the engine for one model and keeps the parameter records. The model's
+    strategy, policy and quant_policy hold for every unit, unless `units` gives each unit its own
+    (UnitConfig, by unit index)."""
 
     def __init__(self, records: List[ParamRecord], strategy: ShardingStrategy, policy: MixedPrecisionPolicy, ctx: DistContext,
                  *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str,
-                 single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None):
+                 single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None,
+                 units: Optional[List[UnitConfig]] = None):
         self.single_rank_collectives = single_rank_collectives
         self.records = records
         self.strategy = strategy
+        self.units = units
         self.ctx = ctx
         codes = _C.DTYPE_CODES
         plan_input = []
@@ -87,7 +103,8 @@ class ParamBuffer:
                                int(r.param.requires_grad), int(r.replicated), outer))
         shard_world = 1 if strategy == ShardingStrategy.NO_SHARD else ctx.pieces
         # quantized gradients: the flag tail on their blocks' boundaries ([Note: used-flag tail])
-        blocks = {q.block for q in (r.quant or quant_policy for r in records) if q is not None and q.grads}
+        quants = [quant_policy] if units is None else [c.quant for c in units]
+        blocks = {q.block for q in quants if q is not None and q.grads}
         self.plan = _C.plan(plan_input, shard_world, ctx.piece_rank if shard_world > 1 else 0, bucket_cap,
                             ALIGN_BYTES, FLAG_TAIL, math.lcm(*blocks) if blocks else 0)
         dtype_of = {code: dt for dt, code in codes.items()}
@@ -96,9 +113,11 @@ class ParamBuffer:
         self.train_error: Dict[int, str] = {}  # bucket -> why its parameters cannot start training
         for b, bp in enumerate(self.plan):
             first = records[bp["params"][0]] if bp["params"] else None
-            spec = self._bucket_spec(b, bp, dtype_of[bp["dtype"]], self.strategy_of(first),
-                                     (first.policy if first is not None and first.policy else policy),
-                                     (first.quant if first is not None and first.quant else quant_policy),
+            dtype = dtype_of[bp["dtype"]]
+            unit = None if units is None or bp["unit"] < 0 else units[bp["unit"]]
+            spec = self._bucket_spec(b, bp, dtype, self.strategy_of_unit(bp["unit"]),
+                                     policy if unit is None else unit.policies[dtype],
+                                     quant_policy if unit is None else unit.quant,
                                      first.name if first is not None else "",
                                      any(records[pi].trains_later for pi in bp["params"]))
             specs.append(spec)
@@ -122,8 +141,8 @@ class ParamBuffer:
                                 outer_sharded=ctx.outer_sharded)
         self.bucket_units = [bp["unit"] for bp in self.plan]
 
-    def strategy_of(self, record: Optional[ParamRecord]) -> ShardingStrategy:
-        return self.strategy if record is None or record.strategy is None else record.strategy
+    def strategy_of_unit(self, unit: int) -> ShardingStrategy:
+        return self.strategy if self.units is None or unit < 0 else self.units[unit].strategy
 
     def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
                      quant: Optional[QuantizedCommPolicy], name: str, trains_later: bool) -> dict:
@@ -337,7 +356,8 @@ class ParamBuffer:
         return report
 
     def placement(self, r: ParamRecord):
-        return Shard(r.shard_dim) if (self.strategy_of(r) > 0 and not r.replicated) else Replicate()
+        sharded = self.strategy_of_unit(r.unit) != ShardingStrategy.NO_SHARD
+        return Shard(r.shard_dim) if sharded and not r.replicated else Replicate()
 
     def layout(self, r: ParamRecord) -> tuple:
         """(mesh, placements, global shape) of `r`'s DTensors: the data-parallel mesh, or with TP

@@ -11,7 +11,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _C
-from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 from .no_shard import is_no_shard
 from ._tensor_parallel import TPSpec
 
@@ -62,12 +61,9 @@ class ParamRecord:
     grad_dtensor: Optional[DTensor] = None
     origin: Optional[nn.Parameter] = None  # the Parameter object the user saw (meta init replaces it)
     aliases: list = dataclasses.field(default_factory=list)  # every qualified name it is registered under
-    strategy: Optional[int] = None  # this parameter's group's strategy (None: the model's)
-    policy: Optional[MixedPrecisionPolicy] = None  # and its mixed precision (None: the model's)
     trains_later: bool = False      # frozen at sharding but expected to train: its main weights are planned wide
     shard_dim: int = 0              # torch's Shard(shard_dim) when sharded ([Note: chunked layout])
     tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
-    quant: Optional[QuantizedCommPolicy] = None  # and its quantized communication (None: the model's)
 
     def __post_init__(self):
         self.origin = self.param

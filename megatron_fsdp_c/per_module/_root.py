@@ -16,7 +16,7 @@ from .. import _C
 from .._common import ShardingStrategy, in_backward, weak_call
 from .._owner import EngineOwner
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
-from .._param_buffer import ParamBuffer, ParamRecord
+from .._param_buffer import ParamBuffer, ParamRecord, UnitConfig
 from ._group import ShardGroup, check_origins, group_of, refresh_places
 from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
 from ._policy import cast_floats, check_plain_tensor, compute_dtype, engine_policy, is_torch_policy
@@ -60,6 +60,7 @@ class RootState(Registration, StepEnd, EngineOwner):
             if g is not None and g in groups:  # (groups on another mesh are another engine's)
                 ends[groups.index(g)] = k
         records, by_param, spmd_specs = [], {}, {}
+        units = [UnitConfig(g.strategy, g.quant_policy, {}) for g in groups]  # what the buffer builds each group with
         for u, g in enumerate(groups):
             for (mod, attr, dp), tp in zip(g.places, g.tp_specs):
                 name = fqn(mod, attr)
@@ -70,6 +71,7 @@ class RootState(Registration, StepEnd, EngineOwner):
                     mp = g.param_policies.get((id(mod), attr), g.mp_policy)  # torch 2.15: per parameter
                     compute, policy = engine_policy(mp, compute_dtype(
                         mp, g.compute_dtypes.get((id(mod), attr)), dp.dtype, f"parameter '{name}'"), dp)
+                    set_unit_policy(units[u], compute, policy, name)
                     # the compute parameter: pointed at the full weights by load_locals; a TP
                     # parameter's is a DTensor on the TP mesh over its gathered TP shard
                     empty = torch.empty(0, dtype=compute, device=ctx.device)
@@ -80,8 +82,7 @@ class RootState(Registration, StepEnd, EngineOwner):
                     # the shard dim is the data-parallel mesh's last (a TP placement follows it)
                     r.replicated = isinstance(dp.placements[ctx.mesh.ndim - 1], Replicate)
                     r.shard_dim = 0 if r.replicated else dp.placements[ctx.mesh.ndim - 1].dim
-                    r.strategy, r.policy, r.dist_param, r.tp = g.strategy, policy, dp, tp
-                    r.quant = g.quant_policy
+                    r.dist_param, r.tp = dp, tp
                     # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main
                     # weights planned so, any floating one can start training ([Note: changing
                     # requires_grad]; mixed_precision.bucket_dtypes ignores the others)
@@ -94,7 +95,7 @@ class RootState(Registration, StepEnd, EngineOwner):
                     r.places.append((mod, attr))
                     r.aliases.append(name)
         buf = ParamBuffer(records, ShardingStrategy.OPTIM_GRADS_PARAMS, OurPolicy(), ctx, bucket_cap=0,
-                          reduce_queue_bytes=None, grad_prescale=1.0 / ctx.dp_world, reduce_op="sum")
+                          reduce_queue_bytes=None, grad_prescale=1.0 / ctx.dp_world, reduce_op="sum", units=units)
         buf.load_locals()
         buf.build_dist_params(self, existing=True)
         self._setup_host_heap(ctx.device)
@@ -272,6 +273,19 @@ class RootState(Registration, StepEnd, EngineOwner):
             for t in shards:
                 hook(t)
         current.wait_stream(stream)
+
+
+def set_unit_policy(unit: UnitConfig, compute: torch.dtype, policy, name: str) -> None:
+    """Records the engine policy of a group's parameters that compute in `compute`: one per group
+    and compute dtype (a bucket holds one group's parameters of one compute dtype). Parameters
+    that would need two (different storage or gradient dtypes under one param_dtype) are refused,
+    as FSDP2 refuses non-uniform dtypes in a group."""
+    known = unit.policies.setdefault(compute, policy)
+    if known != policy:
+        raise ValueError(f"parameter '{name}' computes in {compute} like other parameters of its fully_shard group, "
+                         f"but needs other main weights or gradient reduction ({policy}) than they do ({known}): a "
+                         "group's parameters must share their dtype (and grad_dtype), as FSDP2 requires. Convert them "
+                         "to one dtype before fully_shard, or shard them in separate groups")
 
 
 def build_states(root: nn.Module) -> List[RootState]:
