@@ -293,7 +293,8 @@ class HookManager:
                     if unit.reshard_after_forward:
                         self._reshard(unit)
             n = len(self.fwd_seq)
-            self._settle(self.fwd_seq, range(self.pass_state.fwd_done, n), lambda q: q >= self.pass_state.fwd_next, True)
+            now = self.pass_state
+            self._settle(self.fwd_seq, range(now.fwd_done, n), lambda q: q >= now.fwd_next, True)
             self.pass_state.fwd_next = self.pass_state.fwd_done = n
         if torch.is_grad_enabled():
             tensors = grad_tensors(output)

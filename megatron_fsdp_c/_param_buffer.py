@@ -86,9 +86,9 @@ class ParamBuffer:
     strategy, policy and quant_policy hold for every unit, unless `units` gives each unit its own
     (UnitConfig, by unit index)."""
 
-    def __init__(self, records: List[ParamRecord], strategy: ShardingStrategy, policy: MixedPrecisionPolicy, ctx: DistContext,
-                 *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str,
-                 single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None,
+    def __init__(self, records: List[ParamRecord], strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
+                 ctx: DistContext, *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float,
+                 reduce_op: str, single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None,
                  units: Optional[List[UnitConfig]] = None):
         self.single_rank_collectives = single_rank_collectives
         self.records = records
@@ -144,8 +144,9 @@ class ParamBuffer:
     def strategy_of_unit(self, unit: int) -> ShardingStrategy:
         return self.strategy if self.units is None or unit < 0 else self.units[unit].strategy
 
-    def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
-                     quant: Optional[QuantizedCommPolicy], name: str, trains_later: bool) -> dict:
+    def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: ShardingStrategy,
+                     policy: MixedPrecisionPolicy, quant: Optional[QuantizedCommPolicy], name: str,
+                     trains_later: bool) -> dict:
         """The engine's spec of bucket `b`: every floating bucket gets the gradient mode it trains
         with, a frozen one marked `frozen` (no gradient memory until a parameter of it starts
         training, [Note: changing requires_grad] in _trainable.py); train_error[b] says why one cannot."""

@@ -59,7 +59,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
         self.mp_policy = mixed_precision_policy
         # Megatron-FSDP forces overlap on for ZeRO-2/3; here overlap is how the engine always works.
         self.overlap_grad_reduce = True if zero_dp_strategy >= ShardingStrategy.OPTIM_GRADS else overlap_grad_reduce
-        self.overlap_param_gather = True if zero_dp_strategy == ShardingStrategy.OPTIM_GRADS_PARAMS else overlap_param_gather
+        self.overlap_param_gather = zero_dp_strategy == ShardingStrategy.OPTIM_GRADS_PARAMS or overlap_param_gather
         self.report_nan_in_param_grad = report_nan_in_param_grad
         self.model_auto_sync = sync_model_each_microbatch
         self.is_last_microbatch = False
