@@ -1594,6 +1594,6 @@ int main(void) {
     fprintf(stderr, "test_core: %d checks failed\n", test_failures);
     return test_failures > 100 ? 100 : test_failures;
   }
-  printf("test_core: all checks passed\n");
+  printf("test_core: all %ld checks passed\n", (long)test_checks);
   return 0;
 }

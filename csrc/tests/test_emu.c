@@ -1314,7 +1314,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "test_emu: %d checks failed\n", test_failures);
     return test_failures > 100 ? 100 : test_failures;
   }
-  printf("test_emu: all checks passed (%ld NCCL collectives through the native transport, %ld pre-multiplied)\n",
-         collectives, emu_nccl_premul_reductions());
+  printf("test_emu: all %ld checks passed (%ld NCCL collectives through the native transport, %ld pre-multiplied)\n",
+         (long)test_checks, collectives, emu_nccl_premul_reductions());
   return 0;
 }
