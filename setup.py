@@ -30,10 +30,10 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).parent.resolve()
 
 CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c", "csrc/core/quant_cpu.c"]
-# the collective pipeline, one file per concern (map at the top of csrc/comm/pipeline.c; the
-# Makefile's COMM_SRC lists the same files)
-COMM = [f"csrc/comm/{name}.c" for name in ("pipeline", "buffers", "weights", "reduce", "backward", "replicas", "wire",
-                                           "trainable")]
+# the collective pipeline, one file per concern, floor to roof (map at the top of
+# csrc/comm/pipeline.c; the Makefile's COMM_SRC lists the same files)
+COMM = [f"csrc/comm/{name}.c" for name in ("guards", "geometry", "buffers", "wire", "replicas", "reduce", "weights",
+                                           "backward", "trainable", "pipeline")]
 GLUE = ["csrc/python/glue.c", "csrc/python/plan.c", "csrc/python/kernels.c", "csrc/python/host_heap.c",
         "csrc/python/torch_memory.c", "csrc/python/torch_transport.c", "csrc/python/nccl_transport_type.c",
         "csrc/python/bucket_spec.c", "csrc/python/engine.c", "csrc/python/module.c"]  # floor to roof (glue.h)

@@ -65,24 +65,6 @@
 
 #include <string.h>
 
-/* Low-precision communication, high-precision accumulation: when a reduce-scatter would sum
- * in a dtype narrower than the main gradients, the pipeline exchanges the narrow pieces instead
- * (all-to-all: the same bytes on the wire as a reduce-scatter) and sums them itself in the
- * gradient dtype, rounding once. See [Note: exchange reduction]. */
-int pl_exchanges(const mfsdp_pipeline* p, const bucket* bk) {
-  const mfsdp_bucket_spec* s = &bk->spec;
-  if (s->grad_mode == MFSDP_GRAD_NONE || p->cfg.dp_world < 2) return 0;
-  if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && bk->shards < 2) return 0;
-  if (bk->q_grads >= 0) return 1;
-  return !s->sum_in_comm_dtype && mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
-}
-
-/* An all-reduce done as exchange + gather splits the bucket into dp_world blocks: its comm
- * buffers are padded to a multiple of dp_world. */
-int64_t pl_exchange_block(const mfsdp_pipeline* p, const bucket* bk) {
-  return (bk->full_size + p->cfg.dp_world - 1) / p->cfg.dp_world;
-}
-
 static int64_t reduce_bytes(const bucket* bk) {
   const mfsdp_buffer* b = bk->present[MFSDP_BUF_COMM] ? &bk->buf[MFSDP_BUF_COMM] : &bk->buf[MFSDP_BUF_GRAD];
   return b->numel * mfsdp_dtype_size(b->dtype);
