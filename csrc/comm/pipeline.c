@@ -286,14 +286,14 @@ mfsdp_status mfsdp_pipeline_set_reduce_order(mfsdp_pipeline* p, const int32_t* o
 mfsdp_status mfsdp_pipeline_set_hold(mfsdp_pipeline* p, const int32_t* ids, int32_t n, int hold) {
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient sync cannot change inside a backward pass");
   for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(pl_check_bucket(p, ids[i]));
-  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].defer_reduce = (int8_t)!!hold;
+  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].hold = (int8_t)!!hold;
   return MFSDP_OK;
 }
 
 mfsdp_status mfsdp_pipeline_set_outer_hold(mfsdp_pipeline* p, const int32_t* ids, int32_t n, int hold) {
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient sync cannot change inside a backward pass");
   for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(pl_check_bucket(p, ids[i]));
-  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].defer_outer_reduce = (int8_t)!!hold;
+  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].outer_hold = (int8_t)!!hold;
   return MFSDP_OK;
 }
 
@@ -305,7 +305,7 @@ mfsdp_status mfsdp_pipeline_set_prescale(mfsdp_pipeline* p, const int32_t* ids, 
     MFSDP_CHECK(pl_check_bucket(p, ids[i]));
     const bucket* bk = &p->b[ids[i]];
     /* gradients already scaled: a new scale would mix two; the same one is a no-op */
-    if (bk->prescale != prescale && (bk->gstate == MFSDP_G_REDUCED || bk->holds_unscaled_sums))
+    if (bk->prescale != prescale && (bk->gstate == MFSDP_G_REDUCED || bk->held_grads))
       return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d holds gradients scaled the old way: zero them first",
                         ids[i]);
   }

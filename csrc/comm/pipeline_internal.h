@@ -91,12 +91,12 @@ typedef struct bucket {
   /* mfsdp_pipeline_set_hold: its reduction waits for a backward off hold. ZeRO-2/3 accumulate
    * unscaled local sums meanwhile ([Note: held gradients]); no_shard/ZeRO-1 are left out of
    * the reductions (their local sums accumulate in GRAD anyway). */
-  int8_t defer_reduce;
-  int8_t defer_outer_reduce; /* set_outer_hold: the reduction across replicas waits (the inner one goes on) */
+  int8_t hold;
+  int8_t outer_hold; /* set_outer_hold: the reduction across replicas waits (the inner one goes on) */
   int8_t outer_reduced; /* its reduced gradients were all-reduced across replicas since the last zero */
   mfsdp_work* outer_work; /* across replicas: the gradient reduction, or (HFSDP) the weights' gather */
   int8_t outer_gathering; /* outer_work is the weights' gather: only this bucket's next unshard waits */
-  int8_t holds_unscaled_sums; /* ZeRO-2/3: GRAD holds unscaled local sums since a backward on hold */
+  int8_t held_grads; /* ZeRO-2/3: GRAD holds the unscaled local sums of backwards on hold */
   double prescale; /* gradients are multiplied by this before the sum (default cfg.grad_prescale) */
   uint8_t* ready;
   pending_grad* pending; /* this backward's gradients not yet packed */

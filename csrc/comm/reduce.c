@@ -178,7 +178,7 @@ mfsdp_status pl_zero_item_flags(mfsdp_pipeline* p, bucket* bk, int32_t item) {
     MFSDP_CHECK(k->fill_zero(kc, pl_at(g, slot + pl_tail_of(bk) + item), g->dtype, 1));
   }
   const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
-  for (int32_t r = 0; !persistent && bk->holds_unscaled_sums && r < bk->owners; ++r)
+  for (int32_t r = 0; !persistent && bk->held_grads && r < bk->owners; ++r)
     MFSDP_CHECK(k->fill_zero(kc, pl_at(held, pl_slot_of(bk, r) + pl_tail_of(bk) + item), held->dtype, 1));
   return MFSDP_OK;
 }
@@ -196,7 +196,7 @@ static mfsdp_status finish_accumulate(mfsdp_pipeline* p, bucket* bk) {
                                           1.0));
   MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_GRAD));
   bk->gstate = MFSDP_G_CLEAN;
-  bk->holds_unscaled_sums = 0;
+  bk->held_grads = 0;
   return MFSDP_OK;
 }
 
@@ -338,7 +338,7 @@ mfsdp_status pl_launch_bucket(mfsdp_pipeline* p, int32_t id) {
     const mfsdp_kernel_ops* k = p->be.kernels;
     MFSDP_CHECK(pl_materialize(p, bk, MFSDP_BUF_GRAD));
     const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
-    if (bk->holds_unscaled_sums) { /* unscaled sums of several backwards: scale once ([Note: held gradients]) */
+    if (bk->held_grads) { /* unscaled sums of several backwards: scale once ([Note: held gradients]) */
       if (bk->prescale != 1.0) MFSDP_CHECK(k->scale(p->be.kernels_ctx, g->data, g->dtype, bk->full_size, bk->prescale));
     } else if (bk->gstate == MFSDP_G_CLEAN) { /* nothing of this backward packed here */
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
@@ -362,7 +362,7 @@ mfsdp_status pl_launch_in_order(mfsdp_pipeline* p) {
   while (p->next < p->n) {
     int32_t id = p->order[p->next];
     bucket* bk = &p->b[id];
-    int reduces = pl_reduces(bk) && !bk->defer_reduce &&
+    int reduces = pl_reduces(bk) && !bk->hold &&
                   (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync);
     if (reduces) {
       if (!bk->complete) break;
