@@ -9,7 +9,8 @@ CC ?= gcc
 # setup.py's COMM lists the same files.
 COMM_SRC := $(addprefix csrc/comm/,guards.c geometry.c buffers.c wire.c replicas.c reduce.c weights.c backward.c trainable.c \
 	              pipeline.c)
-CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c $(COMM_SRC)
+CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c csrc/core/cpu_table.c \
+	           $(COMM_SRC)
 TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror \
 	             -Wno-unused-parameter -Wno-missing-field-initializers -pthread -D_POSIX_C_SOURCE=200809L \
 	             -fsanitize=address,undefined -fno-sanitize-recover=undefined

@@ -29,7 +29,8 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
 
-CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c", "csrc/core/quant_cpu.c"]
+CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c", "csrc/core/quant_cpu.c",
+        "csrc/core/cpu_table.c"]  # floor to roof: the table lists the kernels of the two before it
 # the collective pipeline, one file per concern, floor to roof (map at the top of
 # csrc/comm/pipeline.c; the Makefile's COMM_SRC lists the same files)
 COMM = [f"csrc/comm/{name}.c" for name in ("guards", "geometry", "buffers", "wire", "replicas", "reduce", "weights",
