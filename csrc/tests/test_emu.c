@@ -212,7 +212,8 @@ static void test_kernels(void) {
   int32_t ints[4] = {0};
   CHECK(mfsdp_cuda_kernels->copy(k.ctx, x, MFSDP_F32, ints, MFSDP_I32, 4, 1.0) == MFSDP_ERR_UNSUPPORTED,
         "int -> float refused");
-  CHECK(strstr(mfsdp_last_error(), "kernels.cu:") != NULL, "error names kernels.cu: %s", mfsdp_last_error());
+  CHECK(strstr(mfsdp_last_error(), "kernels_internal.cuh:") != NULL, "error names kernels_internal.cuh (the dtype "
+        "dispatch): %s", mfsdp_last_error());
   CHECK(mfsdp_cuda_kernels->copy(k.ctx, x, MFSDP_F32, y, MFSDP_F32, -1, 1.0) == MFSDP_ERR_INVALID_ARGUMENT,
         "negative count refused");
   CHECK(mfsdp_cuda_kernels->copy(k.ctx, NULL, MFSDP_F32, y, MFSDP_F32, 4, 1.0) == MFSDP_ERR_INVALID_ARGUMENT,
