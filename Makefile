@@ -19,7 +19,7 @@ TEST_HARNESS := $(TEST_HARNESS_C) csrc/tests/harness.h csrc/tests/pipeline_cases
 # The CUDA half, floor to roof (maps at the top of csrc/cuda/kernels.cu and nccl_transport.c);
 # setup.py's CUDA_CU and CUDA_C list the same files.
 CUDA_CU := $(addprefix csrc/cuda/,kernels_cast.cu kernels_quant.cu kernels.cu)
-CUDA_C := csrc/cuda/nccl_transport.c
+CUDA_C := $(addprefix csrc/cuda/,nccl_watch.c nccl_collectives.c nccl_transport.c)
 # The emulated device (csrc/tests/emu): the shipped CUDA kernels and NCCL transport, compiled for
 # the host against an emulated CUDA runtime and NCCL.
 CXX ?= g++

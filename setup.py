@@ -40,7 +40,7 @@ GLUE = ["csrc/python/glue.c", "csrc/python/plan.c", "csrc/python/kernels.c", "cs
         "csrc/python/bucket_spec.c", "csrc/python/engine.c", "csrc/python/module.c"]  # floor to roof (glue.h)
 # the CUDA half, floor to roof (maps at the top of csrc/cuda/kernels.cu and nccl_transport.c; the
 # Makefile's CUDA_C and CUDA_CU list the same files)
-CUDA_C = ["csrc/cuda/nccl_transport.c"]  # C, compiled by the C compiler
+CUDA_C = ["csrc/cuda/nccl_watch.c", "csrc/cuda/nccl_collectives.c", "csrc/cuda/nccl_transport.c"]  # C, by the C compiler
 CUDA_CU = ["csrc/cuda/kernels_cast.cu", "csrc/cuda/kernels_quant.cu", "csrc/cuda/kernels.cu"]
 CPU_ONLY = ["csrc/cuda/cuda_absent.c"]
 

@@ -1221,7 +1221,7 @@ static void* stall_worker(void* arg) {
     }
     double waited = (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
     CHECK(s == MFSDP_ERR_TIMEOUT, "stalled collective -> %s: %s", mfsdp_status_name(s), mfsdp_last_error());
-    CHECK(strstr(mfsdp_last_error(), "within the timeout") && strstr(mfsdp_last_error(), "nccl_transport.c:"),
+    CHECK(strstr(mfsdp_last_error(), "within the timeout") && strstr(mfsdp_last_error(), "nccl_watch.c:"),
           "timeout message names the cause and file:line: %s", mfsdp_last_error());
     CHECK(waited > 0.2 && waited < 5.0, "timeout 0.3 s raised after %.2f s", waited);
     CHECK(mfsdp_nccl_failure(r->nccl) != NULL, "failure reason kept");
