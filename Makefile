@@ -16,6 +16,11 @@ TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -
 	             -fsanitize=address,undefined -fno-sanitize-recover=undefined
 TEST_HARNESS_C := csrc/tests/harness.c csrc/tests/pipeline_cases.c
 TEST_HARNESS := $(TEST_HARNESS_C) csrc/tests/harness.h csrc/tests/pipeline_cases.h
+# The parts of test_core and test_emu, one file per concern (their runners call each by name).
+TEST_CORE_C := $(addprefix csrc/tests/core/,test_kernels.c test_quant.c test_layout.c test_reduce.c test_replicas.c \
+	             test_trainable.c test_misuse.c)
+TEST_EMU_C := $(addprefix csrc/tests/cuda/,nccl_rig.c test_kernels.c test_emulator.c test_quant.c test_grouped.c \
+	            test_hfsdp.c test_hangs.c)
 # The CUDA half, floor to roof (maps at the top of csrc/cuda/kernels.cu and nccl_transport.c);
 # setup.py's CUDA_CU and CUDA_C list the same files.
 CUDA_CU := $(addprefix csrc/cuda/,kernels_cast.cu kernels_quant.cu kernels.cu)
@@ -26,7 +31,8 @@ CXX ?= g++
 EMU_FLAGS := -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror -Wno-unused-parameter -pthread \
 	           -fsanitize=address,undefined -fno-sanitize-recover=undefined -DMFSDP_WITH_CUDA -Icsrc/tests/emu
 EMU_DEPS := csrc/tests/emu/cuda_runtime.h csrc/tests/emu/nccl.h csrc/tests/emu/emu_runtime.cpp \
-	          csrc/tests/emu/host_kernels.py $(CUDA_CU) $(wildcard csrc/cuda/*.cuh) $(CUDA_C) csrc/tests/test_emu.c
+	          csrc/tests/emu/host_kernels.py $(CUDA_CU) $(wildcard csrc/cuda/*.cuh) $(CUDA_C) csrc/tests/test_emu.c \
+	          $(TEST_EMU_C) csrc/tests/cuda/cuda_tests.h
 EMU_OBJ_DIR := csrc/tests/bin/emu
 FUZZ_SECONDS ?= 20
 
@@ -53,11 +59,11 @@ example: setup
 # test_core and fuzz_layout link the same sanitized objects: each source compiles once.
 TEST_OBJ_DIR := csrc/tests/bin/obj
 TEST_OBJS := $(patsubst csrc/%.c,$(TEST_OBJ_DIR)/%.o,$(CORE_SRC) $(TEST_HARNESS_C))
-$(TEST_OBJ_DIR)/%.o: csrc/%.c $(wildcard csrc/*/*.h)
+$(TEST_OBJ_DIR)/%.o: csrc/%.c $(wildcard csrc/*/*.h csrc/tests/*/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(TEST_CFLAGS) -c $< -o $@
 
-csrc/tests/bin/test_core: $(TEST_OBJS) $(TEST_OBJ_DIR)/tests/test_core.o
+csrc/tests/bin/test_core: $(TEST_OBJS) $(patsubst csrc/%.c,$(TEST_OBJ_DIR)/%.o,csrc/tests/test_core.c $(TEST_CORE_C))
 	$(CC) $(TEST_CFLAGS) -o $@ $^ -lm
 
 csrc/tests/bin/fuzz_layout: $(TEST_OBJS) $(TEST_OBJ_DIR)/tests/fuzz_layout.o
@@ -69,7 +75,7 @@ csrc/tests/bin/test_emu: $(CORE_SRC) $(TEST_HARNESS) $(EMU_DEPS) $(wildcard csrc
 	  $(PYTHON) csrc/tests/emu/host_kernels.py $$f $$o.cpp && \
 	  $(CXX) -std=c++17 $(EMU_FLAGS) -Wno-unknown-pragmas -Icsrc/cuda -c $$o.cpp -o $$o.o || exit 1; done
 	$(CXX) -std=c++17 $(EMU_FLAGS) -c csrc/tests/emu/emu_runtime.cpp -o $(EMU_OBJ_DIR)/emu_runtime.o
-	for f in $(CUDA_C) csrc/tests/test_emu.c $(TEST_HARNESS_C) $(CORE_SRC); do \
+	for f in $(CUDA_C) csrc/tests/test_emu.c $(TEST_EMU_C) $(TEST_HARNESS_C) $(CORE_SRC); do \
 	  $(CC) $(TEST_CFLAGS) -DMFSDP_WITH_CUDA -Icsrc/tests/emu -c $$f -o $(EMU_OBJ_DIR)/$$(echo $${f%.c} | tr / _).o || exit 1; done
 	$(CXX) $(EMU_FLAGS) -o $@ $(EMU_OBJ_DIR)/*.o -lm
 
