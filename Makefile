@@ -5,22 +5,35 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CC ?= gcc
 
-# The collective pipeline, one file per concern (map at the top of csrc/comm/pipeline.c); setup.py's COMM
-# lists the same files.
-COMM_SRC := $(addprefix csrc/comm/,pipeline.c buffers.c weights.c reduce.c backward.c replicas.c wire.c trainable.c)
-CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c $(COMM_SRC)
+# The collective pipeline, one file per concern, floor to roof (map at the top of csrc/comm/pipeline.c);
+# setup.py's COMM lists the same files.
+COMM_SRC := $(addprefix csrc/comm/,guards.c geometry.c buffers.c wire.c replicas.c reduce.c weights.c backward.c trainable.c \
+	              pipeline.c)
+CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c csrc/core/cpu_table.c \
+	           $(COMM_SRC)
 TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror \
 	             -Wno-unused-parameter -Wno-missing-field-initializers -pthread -D_POSIX_C_SOURCE=200809L \
 	             -fsanitize=address,undefined -fno-sanitize-recover=undefined
 TEST_HARNESS_C := csrc/tests/harness.c csrc/tests/pipeline_cases.c
 TEST_HARNESS := $(TEST_HARNESS_C) csrc/tests/harness.h csrc/tests/pipeline_cases.h
-# The emulated device (csrc/tests/emu): the shipped kernels.cu and nccl_transport.c, compiled
-# for the host against an emulated CUDA runtime and NCCL.
+# The parts of test_core and test_emu, one file per concern (their runners call each by name).
+TEST_CORE_C := $(addprefix csrc/tests/core/,test_kernels.c test_quant.c test_layout.c test_reduce.c test_replicas.c \
+	             test_trainable.c test_misuse.c)
+TEST_EMU_C := $(addprefix csrc/tests/cuda/,nccl_rig.c test_kernels.c test_emulator.c test_quant.c test_grouped.c \
+	            test_hfsdp.c test_hangs.c)
+# The CUDA half, floor to roof (maps at the top of csrc/cuda/kernels.cu and nccl_transport.c);
+# setup.py's CUDA_CU and CUDA_C list the same files.
+CUDA_CU := $(addprefix csrc/cuda/,kernels_cast.cu kernels_quant.cu kernels.cu)
+CUDA_C := $(addprefix csrc/cuda/,nccl_watch.c nccl_collectives.c nccl_transport.c)
+# The emulated device (csrc/tests/emu): the shipped CUDA kernels and NCCL transport, compiled for
+# the host against an emulated CUDA runtime and NCCL.
 CXX ?= g++
 EMU_FLAGS := -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror -Wno-unused-parameter -pthread \
 	           -fsanitize=address,undefined -fno-sanitize-recover=undefined -DMFSDP_WITH_CUDA -Icsrc/tests/emu
 EMU_DEPS := csrc/tests/emu/cuda_runtime.h csrc/tests/emu/nccl.h csrc/tests/emu/emu_runtime.cpp \
-	          csrc/tests/emu/host_kernels.py csrc/cuda/kernels.cu csrc/cuda/nccl_transport.c csrc/tests/test_emu.c
+	          csrc/tests/emu/host_kernels.py $(CUDA_CU) $(wildcard csrc/cuda/*.cuh) $(CUDA_C) csrc/tests/test_emu.c \
+	          $(TEST_EMU_C) csrc/tests/cuda/cuda_tests.h
+EMU_OBJ_DIR := csrc/tests/bin/emu
 FUZZ_SECONDS ?= 20
 
 .PHONY: setup example test compat ctest cuda-check pytest bench bench-quant clean
@@ -34,7 +47,7 @@ $(VENV)/.ready: pyproject.toml setup.py Makefile
 	  torchmetrics==1.9.0
 	@touch $@
 
-$(VENV)/.built: $(VENV)/.ready $(wildcard csrc/*/*.c csrc/*/*.h csrc/*/*.cu) setup.py
+$(VENV)/.built: $(VENV)/.ready $(wildcard csrc/*/*.c csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh) setup.py
 	$(PY) -m pip install -q --no-build-isolation -e .
 	@touch $@
 
@@ -46,24 +59,25 @@ example: setup
 # test_core and fuzz_layout link the same sanitized objects: each source compiles once.
 TEST_OBJ_DIR := csrc/tests/bin/obj
 TEST_OBJS := $(patsubst csrc/%.c,$(TEST_OBJ_DIR)/%.o,$(CORE_SRC) $(TEST_HARNESS_C))
-$(TEST_OBJ_DIR)/%.o: csrc/%.c $(wildcard csrc/*/*.h)
+$(TEST_OBJ_DIR)/%.o: csrc/%.c $(wildcard csrc/*/*.h csrc/tests/*/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(TEST_CFLAGS) -c $< -o $@
 
-csrc/tests/bin/test_core: $(TEST_OBJS) $(TEST_OBJ_DIR)/tests/test_core.o
+csrc/tests/bin/test_core: $(TEST_OBJS) $(patsubst csrc/%.c,$(TEST_OBJ_DIR)/%.o,csrc/tests/test_core.c $(TEST_CORE_C))
 	$(CC) $(TEST_CFLAGS) -o $@ $^ -lm
 
 csrc/tests/bin/fuzz_layout: $(TEST_OBJS) $(TEST_OBJ_DIR)/tests/fuzz_layout.o
 	$(CC) $(TEST_CFLAGS) -o $@ $^ -lm
 
 csrc/tests/bin/test_emu: $(CORE_SRC) $(TEST_HARNESS) $(EMU_DEPS) $(wildcard csrc/*/*.h)
-	@mkdir -p csrc/tests/bin/emu
-	$(PYTHON) csrc/tests/emu/host_kernels.py csrc/cuda/kernels.cu csrc/tests/bin/emu/kernels_host.cpp
-	$(CXX) -std=c++17 $(EMU_FLAGS) -Wno-unknown-pragmas -Icsrc/cuda -c csrc/tests/bin/emu/kernels_host.cpp -o csrc/tests/bin/emu/kernels.o
-	$(CXX) -std=c++17 $(EMU_FLAGS) -c csrc/tests/emu/emu_runtime.cpp -o csrc/tests/bin/emu/emu_runtime.o
-	for f in csrc/cuda/nccl_transport.c csrc/tests/test_emu.c $(TEST_HARNESS_C) $(CORE_SRC); do \
-	  $(CC) $(TEST_CFLAGS) -DMFSDP_WITH_CUDA -Icsrc/tests/emu -c $$f -o csrc/tests/bin/emu/$$(basename $$f .c).o || exit 1; done
-	$(CXX) $(EMU_FLAGS) -o $@ csrc/tests/bin/emu/*.o -lm
+	@rm -rf $(EMU_OBJ_DIR) && mkdir -p $(EMU_OBJ_DIR)
+	for f in $(CUDA_CU); do o=$(EMU_OBJ_DIR)/$$(echo $${f%.cu} | tr / _); \
+	  $(PYTHON) csrc/tests/emu/host_kernels.py $$f $$o.cpp && \
+	  $(CXX) -std=c++17 $(EMU_FLAGS) -Wno-unknown-pragmas -Icsrc/cuda -c $$o.cpp -o $$o.o || exit 1; done
+	$(CXX) -std=c++17 $(EMU_FLAGS) -c csrc/tests/emu/emu_runtime.cpp -o $(EMU_OBJ_DIR)/emu_runtime.o
+	for f in $(CUDA_C) csrc/tests/test_emu.c $(TEST_EMU_C) $(TEST_HARNESS_C) $(CORE_SRC); do \
+	  $(CC) $(TEST_CFLAGS) -DMFSDP_WITH_CUDA -Icsrc/tests/emu -c $$f -o $(EMU_OBJ_DIR)/$$(echo $${f%.c} | tr / _).o || exit 1; done
+	$(CXX) $(EMU_FLAGS) -o $@ $(EMU_OBJ_DIR)/*.o -lm
 
 ctest: csrc/tests/bin/test_core csrc/tests/bin/fuzz_layout csrc/tests/bin/test_emu
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 csrc/tests/bin/test_core
@@ -79,10 +93,10 @@ $(VENV)/.nccl: $(VENV)/.ready
 cuda-check: $(VENV)/.nccl
 	@if command -v nvcc >/dev/null 2>&1; then \
 	  MFSDP_CUDA=1 $(PY) setup.py -q build_ext --build-temp build/cuda/tmp --build-lib build/cuda/lib && \
-	  nvcc -ptx -O3 -std=c++17 -arch=compute_$${MFSDP_CUDA_ARCH:-90} --expt-relaxed-constexpr \
-	    csrc/cuda/kernels.cu -o build/cuda/kernels.ptx && \
-	  if grep -n 'fma\.' build/cuda/kernels.ptx | head -3 | grep .; then \
-	    echo "cuda-check: kernels.cu contracts multiply-add into FMA (see [Note: no FMA])"; exit 1; fi && \
+	  for f in $(CUDA_CU); do ptx=build/cuda/$$(basename $$f .cu).ptx; \
+	    nvcc -ptx -O3 -std=c++17 -arch=compute_$${MFSDP_CUDA_ARCH:-90} --expt-relaxed-constexpr $$f -o $$ptx || exit 1; \
+	    if grep -n 'fma\.' $$ptx | head -3 | grep .; then \
+	      echo "cuda-check: $$f contracts multiply-add into FMA (see [Note: no FMA])"; exit 1; fi; done && \
 	  echo "cuda-check: CUDA kernels + NCCL transport compiled and linked (build/cuda/lib), no FMA in the kernels"; \
 	else echo "cuda-check: nvcc not found, CUDA build skipped"; fi
 

@@ -29,16 +29,19 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
 
-CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c", "csrc/core/quant_cpu.c"]
-# the collective pipeline, one file per concern (map at the top of csrc/comm/pipeline.c; the
-# Makefile's COMM_SRC lists the same files)
-COMM = [f"csrc/comm/{name}.c" for name in ("pipeline", "buffers", "weights", "reduce", "backward", "replicas", "wire",
-                                           "trainable")]
+CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c", "csrc/core/quant_cpu.c",
+        "csrc/core/cpu_table.c"]  # floor to roof: the table lists the kernels of the two before it
+# the collective pipeline, one file per concern, floor to roof (map at the top of
+# csrc/comm/pipeline.c; the Makefile's COMM_SRC lists the same files)
+COMM = [f"csrc/comm/{name}.c" for name in ("guards", "geometry", "buffers", "wire", "replicas", "reduce", "weights",
+                                           "backward", "trainable", "pipeline")]
 GLUE = ["csrc/python/glue.c", "csrc/python/plan.c", "csrc/python/kernels.c", "csrc/python/host_heap.c",
         "csrc/python/torch_memory.c", "csrc/python/torch_transport.c", "csrc/python/nccl_transport_type.c",
         "csrc/python/bucket_spec.c", "csrc/python/engine.c", "csrc/python/module.c"]  # floor to roof (glue.h)
-CUDA_C = ["csrc/cuda/nccl_transport.c"]  # C, compiled by the C compiler
-CUDA_CU = ["csrc/cuda/kernels.cu"]
+# the CUDA half, floor to roof (maps at the top of csrc/cuda/kernels.cu and nccl_transport.c; the
+# Makefile's CUDA_C and CUDA_CU list the same files)
+CUDA_C = ["csrc/cuda/nccl_watch.c", "csrc/cuda/nccl_collectives.c", "csrc/cuda/nccl_transport.c"]  # C, by the C compiler
+CUDA_CU = ["csrc/cuda/kernels_cast.cu", "csrc/cuda/kernels_quant.cu", "csrc/cuda/kernels.cu"]
 CPU_ONLY = ["csrc/cuda/cuda_absent.c"]
 
 C_FLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall", "-Wextra",
@@ -256,8 +259,8 @@ CUDA = find_cuda()
 class BuildExt(build_ext):
     """[Note: the build runs in parallel]
     nvcc compiles the .cu sources in the background while the C sources compile, several at a
-    time (one per core), and the link waits for both: the extension's ~25 C files and its one
-    .cu file take about as long as the slowest of them, not their sum (a GPU check's build stage
+    time (one per core), and the link waits for both: the extension's ~30 C files and its three
+    .cu files take about as long as the slowest of them, not their sum (a GPU check's build stage
     has a budget; make test's set-up runs beside the C tests). The C compiler's own calls are
     unchanged, one file each; only their order in time is."""
 

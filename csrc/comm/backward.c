@@ -12,9 +12,9 @@
  *
  * [Note: held gradients]
  * A ZeRO-2/3 bucket put on hold (mfsdp_pipeline_set_hold, FSDP2's
- * set_requires_gradient_sync(False): its `defer_reduce`) is not reduced in a backward: its
+ * set_requires_gradient_sync(False): its `hold`) is not reduced in a backward: its
  * gradients are added, unscaled, into its full gradient buffer, which stays allocated (one full
- * copy of the bucket's gradients, as DDP holds) and is marked `holds_unscaled_sums`. The next
+ * copy of the bucket's gradients, as DDP holds) and is marked `held_grads`. The next
  * backward off hold adds its own gradients unscaled too, scales the sum once and
  * reduce-scatters it, which clears the mark: the local sum over microbatches is formed exactly
  * as DDP forms it. While the mark is set, the pre-scale cannot change (set_prescale refuses)
@@ -46,11 +46,11 @@ static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
   int accumulate = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE;
   double alpha = accumulate ? 1.0 : bk->prescale;
-  if (!accumulate && (bk->defer_reduce || bk->holds_unscaled_sums)) { /* [Note: held gradients]: unscaled local sums */
-    if (!bk->holds_unscaled_sums) {
+  if (!accumulate && (bk->hold || bk->held_grads)) { /* [Note: held gradients]: unscaled local sums */
+    if (!bk->held_grads) {
       MFSDP_CHECK(pl_materialize(p, bk, MFSDP_BUF_GRAD));
       MFSDP_CHECK(p->be.kernels->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
-      bk->holds_unscaled_sums = 1;
+      bk->held_grads = 1;
     }
     accumulate = 1;
     alpha = 1.0;
@@ -160,7 +160,7 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
     for (int32_t k = 0; k < p->n; ++k) {
       bucket* bk = &p->b[p->order[k]];
       if ((bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE || bk->spec.grad_mode == MFSDP_GRAD_SCATTER_IN_PLACE) &&
-          pl_reduces(bk) && !bk->defer_reduce)
+          pl_reduces(bk) && !bk->hold)
         MFSDP_CHECK(pl_launch_bucket(p, p->order[k]));
     }
     p->reduce_due = 0;
@@ -190,9 +190,9 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
     if (!bk->has_grads) continue;
     int target = bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE ? MFSDP_BUF_GRAD_SHARD : MFSDP_BUF_GRAD;
     MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[target].data, bk->buf[target].dtype, bk->buf[target].numel));
-    if (bk->holds_unscaled_sums) { /* discard what was held back */
+    if (bk->held_grads) { /* discard what was held back */
       MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_GRAD));
-      bk->holds_unscaled_sums = 0;
+      bk->held_grads = 0;
     }
     bk->outer_reduced = 0;
     bk->flags_local = 0; /* zero tails everywhere: every rank's */
@@ -227,7 +227,7 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
         MFSDP_CHECK(
             k->fill_zero(kc, pl_at(g, (int64_t)o * bk->sub_size + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
       const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
-      for (int32_t r = 0; bk->holds_unscaled_sums && r < bk->owners; ++r)
+      for (int32_t r = 0; bk->held_grads && r < bk->owners; ++r)
         MFSDP_CHECK(
             k->fill_zero(kc, pl_at(held, pl_slot_of(bk, r) + bk->shard_offsets[i]), held->dtype, bk->pieces[i]));
     }

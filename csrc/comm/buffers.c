@@ -205,7 +205,7 @@ void pl_drop_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
   if (bk->spec.layout.n_items) memset(bk->used, 0, (size_t)bk->spec.layout.n_items);
   bk->has_grads = 0;
   bk->gstate = MFSDP_G_CLEAN;
-  bk->holds_unscaled_sums = 0;
+  bk->held_grads = 0;
   bk->outer_reduced = 0;
   bk->flags_local = 0;
 }

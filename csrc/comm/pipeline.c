@@ -1,16 +1,21 @@
-/* pipeline.c: a pipeline's life cycle (create, destroy), its queries and knobs, and the guards
- * every entry point uses (see mfsdp_pipeline.h for the API, pipeline_internal.h for the state).
+/* pipeline.c: a pipeline's life cycle (create, destroy), its queries and knobs (see
+ * mfsdp_pipeline.h for the API, pipeline_internal.h for the state).
  *
- * The pipeline is cut by concern, around the one set of structs in pipeline_internal.h:
- *   pipeline.c   create/destroy, queries, knobs (hold, prescale, comm dtype, order), drain, guards
+ * The pipeline is cut by concern, around the one set of structs in pipeline_internal.h. The
+ * files form a stack, listed here from the floor up: each calls only files listed before it
+ * (tests/test_c_structure.py checks that no C files call each other in a circle):
+ *   guards.c     the guards every entry point and collective goes through (health, bucket ids,
+ *                waiting for a work) and the comm counters
+ *   geometry.c   a bucket's shape, and the collectives it implies (communicates, exchanges)
  *   buffers.c    the buffer table of a bucket: owners and views, materialise/release, packing
+ *   wire.c       quantized communication: the wires that carry block-quantized pieces
+ *   replicas.c   hybrid sharding: the collectives across replicas (HSDP and HFSDP)
+ *   reduce.c     the reduction queue: launch in the shared order, complete, exchange reduction
  *   weights.c    loading weights (init, set_item, set_local), gathers, reshard, installing
  *                the optimizer's weights
- *   reduce.c     the reduction queue: launch in the shared order, complete, exchange reduction
  *   backward.c   the backward protocol (begin, grad_ready, seal, end) and gradient sync/zero
- *   replicas.c   hybrid sharding: the collectives across replicas (HSDP and HFSDP)
- *   wire.c       quantized communication: the wires that carry block-quantized pieces
- *   trainable.c  which items train, changed at run time; gradient buffers created and freed */
+ *   trainable.c  which items train, changed at run time; gradient buffers created and freed
+ *   pipeline.c   create/destroy, queries, knobs (hold, prescale, comm dtype, order), drain */
 #include "pipeline_internal.h"
 
 #include <stdlib.h>
@@ -51,24 +56,6 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
       l->world != pieces)
     return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: reduce-scatter needs one shard per rank", i);
   return MFSDP_OK;
-}
-
-/* See [Note: bucket geometry]. */
-static void set_geometry(bucket* bk, const mfsdp_pipeline_config* cfg) {
-  const mfsdp_bucket_layout* l = &bk->spec.layout;
-  bk->owners = l->world;
-  bk->subs = l->world > 1 && cfg->outer_sharded && cfg->outer_world > 1 ? cfg->outer_world : 1;
-  bk->shards = bk->owners / bk->subs;
-  bk->sub_size = l->shard_size;
-  bk->shard_size = bk->subs * bk->sub_size;
-  bk->full_size = (int64_t)l->world * l->shard_size;
-  bk->own_shard = bk->spec.shard_rank % bk->shards;
-  bk->own_sub = bk->spec.shard_rank / bk->shards;
-  bk->shard_start = bk->own_shard * bk->shard_size;
-  bk->sub_start = bk->own_sub * bk->sub_size;
-  /* slots are permuted across replicas unless one index is trivial: then rank-major is piece order */
-  bk->identity = mfsdp_layout_is_identity(l) && (bk->subs == 1 || bk->shards == 1);
-  bk->gathered = bk->spec.weights_sharded || (bk->spec.weights_regather && l->world > 1);
 }
 
 static int64_t* copy_i64(const int64_t* src, int32_t n) {
@@ -130,7 +117,7 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
     bk->spec.layout.param_offsets = bk->param_offsets;
     bk->spec.layout.shard_offsets = bk->shard_offsets;
     bk->spec.layout.outers = bk->outers;
-    set_geometry(bk, cfg);
+    pl_set_geometry(bk, cfg);
     pl_wire_setup(p, bk);
     /* [Note: used-flag tail] in reduce.c: a tail of 3 per item; a quantized gradient wire only
      * when its blocks never mix flags and gradients (the tail and every sub-shard on block
@@ -195,57 +182,7 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* guards and transport calls */
-
-mfsdp_status pl_healthy(const mfsdp_pipeline* p) {
-  if (p->broken[0])
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE,
-                      "the engine stopped after a failed collective (%s); build a new model with fully_shard",
-                      p->broken);
-  return MFSDP_OK;
-}
-
-/* A failed collective leaves the ranks out of step: remember it and refuse further work. */
-mfsdp_status pl_comm_failed(mfsdp_pipeline* p, mfsdp_status st) {
-  if (st != MFSDP_OK && st != MFSDP_ERR_INVALID_ARGUMENT && !p->broken[0]) {
-    strncpy(p->broken, mfsdp_last_error(), sizeof p->broken - 1);
-    p->broken[sizeof p->broken - 1] = '\0';
-  }
-  return st;
-}
-
-mfsdp_status pl_check_bucket(const mfsdp_pipeline* p, int32_t b) {
-  if (b < 0 || b >= p->n) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d out of range [0, %d)", b, p->n);
-  return MFSDP_OK;
-}
-
-int pl_communicates(const mfsdp_pipeline* p, const bucket* bk) {
-  if (p->cfg.force_comm) return 1; /* single-rank collectives: exercises a transport on one device */
-  return p->cfg.dp_world > 1 && (bk->shards > 1 || bk->spec.grad_mode == MFSDP_GRAD_ALL_REDUCE);
-}
-
-mfsdp_status pl_wait_work(mfsdp_pipeline* p, mfsdp_work** work) {
-  mfsdp_work* w = *work;
-  *work = NULL;
-  if (w == NULL) return MFSDP_OK;
-  return pl_comm_failed(p, p->be.transport->wait(p->be.transport_ctx, w));
-}
-
-/* ------------------------------------------------------------------------------------------ */
-/* queries and the comm counters */
-
-/* Every collective issued is counted here, once it went out: one more of `kind`, moving `bytes`. */
-void pl_count(bucket* bk, pl_comm_kind kind, int64_t bytes) {
-  switch (kind) {
-#define COUNT_(k)                 \
-  case PL_COMM_##k:               \
-    bk->stats.k##s++;             \
-    bk->stats.k##_bytes += bytes; \
-    break;
-    MFSDP_COMM_COUNTERS(COUNT_)
-#undef COUNT_
-  }
-}
+/* queries */
 
 void mfsdp_pipeline_stats(const mfsdp_pipeline* p, int32_t b, mfsdp_comm_stats* out) {
   memset(out, 0, sizeof *out);
@@ -349,14 +286,14 @@ mfsdp_status mfsdp_pipeline_set_reduce_order(mfsdp_pipeline* p, const int32_t* o
 mfsdp_status mfsdp_pipeline_set_hold(mfsdp_pipeline* p, const int32_t* ids, int32_t n, int hold) {
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient sync cannot change inside a backward pass");
   for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(pl_check_bucket(p, ids[i]));
-  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].defer_reduce = (int8_t)!!hold;
+  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].hold = (int8_t)!!hold;
   return MFSDP_OK;
 }
 
 mfsdp_status mfsdp_pipeline_set_outer_hold(mfsdp_pipeline* p, const int32_t* ids, int32_t n, int hold) {
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "gradient sync cannot change inside a backward pass");
   for (int32_t i = 0; i < n; ++i) MFSDP_CHECK(pl_check_bucket(p, ids[i]));
-  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].defer_outer_reduce = (int8_t)!!hold;
+  for (int32_t i = 0; i < n; ++i) p->b[ids[i]].outer_hold = (int8_t)!!hold;
   return MFSDP_OK;
 }
 
@@ -368,7 +305,7 @@ mfsdp_status mfsdp_pipeline_set_prescale(mfsdp_pipeline* p, const int32_t* ids, 
     MFSDP_CHECK(pl_check_bucket(p, ids[i]));
     const bucket* bk = &p->b[ids[i]];
     /* gradients already scaled: a new scale would mix two; the same one is a no-op */
-    if (bk->prescale != prescale && (bk->gstate == MFSDP_G_REDUCED || bk->holds_unscaled_sums))
+    if (bk->prescale != prescale && (bk->gstate == MFSDP_G_REDUCED || bk->held_grads))
       return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d holds gradients scaled the old way: zero them first",
                         ids[i]);
   }

@@ -91,12 +91,12 @@ typedef struct bucket {
   /* mfsdp_pipeline_set_hold: its reduction waits for a backward off hold. ZeRO-2/3 accumulate
    * unscaled local sums meanwhile ([Note: held gradients]); no_shard/ZeRO-1 are left out of
    * the reductions (their local sums accumulate in GRAD anyway). */
-  int8_t defer_reduce;
-  int8_t defer_outer_reduce; /* set_outer_hold: the reduction across replicas waits (the inner one goes on) */
+  int8_t hold;
+  int8_t outer_hold; /* set_outer_hold: the reduction across replicas waits (the inner one goes on) */
   int8_t outer_reduced; /* its reduced gradients were all-reduced across replicas since the last zero */
   mfsdp_work* outer_work; /* across replicas: the gradient reduction, or (HFSDP) the weights' gather */
   int8_t outer_gathering; /* outer_work is the weights' gather: only this bucket's next unshard waits */
-  int8_t holds_unscaled_sums; /* ZeRO-2/3: GRAD holds unscaled local sums since a backward on hold */
+  int8_t held_grads; /* ZeRO-2/3: GRAD holds the unscaled local sums of backwards on hold */
   double prescale; /* gradients are multiplied by this before the sum (default cfg.grad_prescale) */
   uint8_t* ready;
   pending_grad* pending; /* this backward's gradients not yet packed */
@@ -199,15 +199,21 @@ static inline int pl_reduces(const bucket* bk) { return bk->n_trainable > 0; }
 /* Element offset of the flag tail inside every sub-shard ([Note: used-flag tail] in reduce.c). */
 static inline int64_t pl_tail_of(const bucket* bk) { return bk->spec.layout.tail_offset; }
 
-/* Shared helpers, by the file that defines them (each documented at its definition). */
+/* Shared helpers, by the file that defines them, from the floor up (the map at the top of
+ * pipeline.c; each documented at its definition). */
 
-/* pipeline.c */
+/* guards.c */
 PL_INTERNAL mfsdp_status pl_healthy(const mfsdp_pipeline* p);
 PL_INTERNAL mfsdp_status pl_comm_failed(mfsdp_pipeline* p, mfsdp_status st);
 PL_INTERNAL mfsdp_status pl_check_bucket(const mfsdp_pipeline* p, int32_t b);
-PL_INTERNAL int pl_communicates(const mfsdp_pipeline* p, const bucket* bk);
 PL_INTERNAL mfsdp_status pl_wait_work(mfsdp_pipeline* p, mfsdp_work** work);
 PL_INTERNAL void pl_count(bucket* bk, pl_comm_kind kind, int64_t bytes);
+
+/* geometry.c */
+PL_INTERNAL void pl_set_geometry(bucket* bk, const mfsdp_pipeline_config* cfg);
+PL_INTERNAL int pl_communicates(const mfsdp_pipeline* p, const bucket* bk);
+PL_INTERNAL int pl_exchanges(const mfsdp_pipeline* p, const bucket* bk);
+PL_INTERNAL int64_t pl_exchange_block(const mfsdp_pipeline* p, const bucket* bk);
 
 /* buffers.c */
 PL_INTERNAL mfsdp_status pl_materialize(mfsdp_pipeline* p, bucket* bk, int kind);
@@ -222,19 +228,6 @@ PL_INTERNAL mfsdp_status pl_compute_holes(bucket* bk);
 PL_INTERNAL mfsdp_status pl_zero_holes(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL mfsdp_status pl_packer_flush(packer* k);
 PL_INTERNAL mfsdp_status pl_packer_add(packer* k, const void* src, int32_t src_dtype, int64_t dst_offset, int64_t n);
-
-/* weights.c */
-PL_INTERNAL mfsdp_status pl_finish_gather(mfsdp_pipeline* p, bucket* bk);
-
-/* reduce.c */
-PL_INTERNAL int pl_exchanges(const mfsdp_pipeline* p, const bucket* bk);
-PL_INTERNAL int64_t pl_exchange_block(const mfsdp_pipeline* p, const bucket* bk);
-PL_INTERNAL mfsdp_status pl_complete_until(mfsdp_pipeline* p, int32_t id);
-PL_INTERNAL mfsdp_status pl_complete_all(mfsdp_pipeline* p);
-PL_INTERNAL mfsdp_status pl_rebase(mfsdp_pipeline* p, bucket* bk);
-PL_INTERNAL mfsdp_status pl_launch_bucket(mfsdp_pipeline* p, int32_t id);
-PL_INTERNAL mfsdp_status pl_launch_in_order(mfsdp_pipeline* p);
-PL_INTERNAL mfsdp_status pl_zero_item_flags(mfsdp_pipeline* p, bucket* bk, int32_t item);
 
 /* wire.c */
 PL_INTERNAL mfsdp_status pl_wire_check(const mfsdp_pipeline_config* cfg, const mfsdp_backend* be,
@@ -254,5 +247,16 @@ PL_INTERNAL mfsdp_status pl_rebase_across_replicas(mfsdp_pipeline* p, bucket* bk
 PL_INTERNAL mfsdp_status pl_launch_outer_gather(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL mfsdp_status pl_complete_outer_of(mfsdp_pipeline* p, bucket* bk);
 PL_INTERNAL mfsdp_status pl_complete_outer(mfsdp_pipeline* p, int gathers);
+
+/* reduce.c */
+PL_INTERNAL mfsdp_status pl_complete_until(mfsdp_pipeline* p, int32_t id);
+PL_INTERNAL mfsdp_status pl_complete_all(mfsdp_pipeline* p);
+PL_INTERNAL mfsdp_status pl_rebase(mfsdp_pipeline* p, bucket* bk);
+PL_INTERNAL mfsdp_status pl_launch_bucket(mfsdp_pipeline* p, int32_t id);
+PL_INTERNAL mfsdp_status pl_launch_in_order(mfsdp_pipeline* p);
+PL_INTERNAL mfsdp_status pl_zero_item_flags(mfsdp_pipeline* p, bucket* bk, int32_t item);
+
+/* weights.c */
+PL_INTERNAL mfsdp_status pl_finish_gather(mfsdp_pipeline* p, bucket* bk);
 
 #endif

@@ -65,24 +65,6 @@
 
 #include <string.h>
 
-/* Low-precision communication, high-precision accumulation: when a reduce-scatter would sum
- * in a dtype narrower than the main gradients, the pipeline exchanges the narrow pieces instead
- * (all-to-all: the same bytes on the wire as a reduce-scatter) and sums them itself in the
- * gradient dtype, rounding once. See [Note: exchange reduction]. */
-int pl_exchanges(const mfsdp_pipeline* p, const bucket* bk) {
-  const mfsdp_bucket_spec* s = &bk->spec;
-  if (s->grad_mode == MFSDP_GRAD_NONE || p->cfg.dp_world < 2) return 0;
-  if (s->grad_mode != MFSDP_GRAD_ALL_REDUCE && bk->shards < 2) return 0;
-  if (bk->q_grads >= 0) return 1;
-  return !s->sum_in_comm_dtype && mfsdp_dtype_precision(s->comm_dtype) < mfsdp_dtype_precision(s->grad_dtype);
-}
-
-/* An all-reduce done as exchange + gather splits the bucket into dp_world blocks: its comm
- * buffers are padded to a multiple of dp_world. */
-int64_t pl_exchange_block(const mfsdp_pipeline* p, const bucket* bk) {
-  return (bk->full_size + p->cfg.dp_world - 1) / p->cfg.dp_world;
-}
-
 static int64_t reduce_bytes(const bucket* bk) {
   const mfsdp_buffer* b = bk->present[MFSDP_BUF_COMM] ? &bk->buf[MFSDP_BUF_COMM] : &bk->buf[MFSDP_BUF_GRAD];
   return b->numel * mfsdp_dtype_size(b->dtype);
@@ -196,7 +178,7 @@ mfsdp_status pl_zero_item_flags(mfsdp_pipeline* p, bucket* bk, int32_t item) {
     MFSDP_CHECK(k->fill_zero(kc, pl_at(g, slot + pl_tail_of(bk) + item), g->dtype, 1));
   }
   const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
-  for (int32_t r = 0; !persistent && bk->holds_unscaled_sums && r < bk->owners; ++r)
+  for (int32_t r = 0; !persistent && bk->held_grads && r < bk->owners; ++r)
     MFSDP_CHECK(k->fill_zero(kc, pl_at(held, pl_slot_of(bk, r) + pl_tail_of(bk) + item), held->dtype, 1));
   return MFSDP_OK;
 }
@@ -214,7 +196,7 @@ static mfsdp_status finish_accumulate(mfsdp_pipeline* p, bucket* bk) {
                                           1.0));
   MFSDP_CHECK(pl_release(p, bk, MFSDP_BUF_GRAD));
   bk->gstate = MFSDP_G_CLEAN;
-  bk->holds_unscaled_sums = 0;
+  bk->held_grads = 0;
   return MFSDP_OK;
 }
 
@@ -356,7 +338,7 @@ mfsdp_status pl_launch_bucket(mfsdp_pipeline* p, int32_t id) {
     const mfsdp_kernel_ops* k = p->be.kernels;
     MFSDP_CHECK(pl_materialize(p, bk, MFSDP_BUF_GRAD));
     const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
-    if (bk->holds_unscaled_sums) { /* unscaled sums of several backwards: scale once ([Note: held gradients]) */
+    if (bk->held_grads) { /* unscaled sums of several backwards: scale once ([Note: held gradients]) */
       if (bk->prescale != 1.0) MFSDP_CHECK(k->scale(p->be.kernels_ctx, g->data, g->dtype, bk->full_size, bk->prescale));
     } else if (bk->gstate == MFSDP_G_CLEAN) { /* nothing of this backward packed here */
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
@@ -380,7 +362,7 @@ mfsdp_status pl_launch_in_order(mfsdp_pipeline* p) {
   while (p->next < p->n) {
     int32_t id = p->order[p->next];
     bucket* bk = &p->b[id];
-    int reduces = pl_reduces(bk) && !bk->defer_reduce &&
+    int reduces = pl_reduces(bk) && !bk->hold &&
                   (bk->spec.grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE || p->sync);
     if (reduces) {
       if (!bk->complete) break;

@@ -75,7 +75,7 @@ mfsdp_status pl_reduce_across_replicas(mfsdp_pipeline* p, bucket* bk) {
   if (!has_outer(p)) return MFSDP_OK;
   /* the used-parameter flags in its tail are every rank's only once they crossed the replicas
    * ([Note: used-flag tail] in reduce.c) */
-  bk->flags_local = bk->defer_outer_reduce || !syncing;
+  bk->flags_local = bk->outer_hold || !syncing;
   return bk->flags_local ? MFSDP_OK : launch_outer(p, bk);
 }
 

@@ -62,7 +62,7 @@ mfsdp_status mfsdp_pipeline_release_grads(mfsdp_pipeline* p, const int32_t* ids,
     if (!bk->has_grads) continue;
     if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(pl_complete_until(p, ids[i]));
     if (bk->outer_work != NULL && !bk->outer_gathering) MFSDP_CHECK(pl_complete_outer_of(p, bk));
-    if (bk->gstate == MFSDP_G_DIRTY || bk->holds_unscaled_sums)
+    if (bk->gstate == MFSDP_G_DIRTY || bk->held_grads)
       return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d holds local gradients not yet reduced", ids[i]);
     pl_drop_grad_buffers(p, bk);
   }

@@ -93,7 +93,7 @@ mfsdp_status pl_wire_check(const mfsdp_pipeline_config* cfg, const mfsdp_backend
 
 /* Which of the bucket's wires carry quantized pieces: those requested that really cross a wire
  * (a bucket that is never gathered, or reduces on one rank, communicates nothing), for floating
- * weights (integer buffers travel as they are). After set_geometry. */
+ * weights (integer buffers travel as they are). After pl_set_geometry. */
 void pl_wire_setup(const mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
   const mfsdp_wire_spec* w = &s->wire;

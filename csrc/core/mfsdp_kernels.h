@@ -60,6 +60,7 @@ typedef struct mfsdp_kernel_ops {
   mfsdp_status (*fill)(void* ctx, void* x, int dtype, int64_t n, double value);
 } mfsdp_kernel_ops;
 
+/* The CPU table (cpu_table.c): the kernels below and the quantized ones of mfsdp_quant.h. */
 extern const mfsdp_kernel_ops mfsdp_cpu_kernels;
 
 mfsdp_status mfsdp_cpu_copy(void* dst, int dst_dtype, const void* src, int src_dtype, int64_t n, double alpha);

@@ -1,4 +1,4 @@
-/* mfsdp_nccl.h: the native NCCL transport (csrc/cuda/nccl_transport.c).
+/* mfsdp_nccl.h: the native NCCL transport (csrc/cuda/nccl_transport.c, with the map of its files).
  *
  * Lifetime: mfsdp_nccl_create (collective: every rank joins), then collectives through
  * mfsdp_nccl_ops, then mfsdp_nccl_close (collective, at a point every rank reaches) and

@@ -4,6 +4,7 @@
 #include <math.h>
 
 _Atomic int test_failures = 0;
+_Atomic long test_checks = 0;
 
 double load_as_double(const void* p, int dtype, int64_t i) {
   switch (dtype) {

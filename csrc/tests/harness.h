@@ -19,9 +19,11 @@
 #include "../core/mfsdp_layout.h"
 
 extern _Atomic int test_failures; /* checks fail on several rank threads */
+extern _Atomic long test_checks;  /* checks run: a split or a refactor must not lose any */
 
 #define CHECK(cond, ...)                                                  \
   do {                                                                    \
+    test_checks++;                                                        \
     if (!(cond)) {                                                        \
       test_failures++;                                                    \
       fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);     \
