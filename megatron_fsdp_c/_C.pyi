@@ -151,6 +151,8 @@ QUANT_MODES: dict[str, int]
 """Quantized wire mode name -> code: int8, fp8_e4m3, int4."""
 QUANT_DEFAULT_BLOCK: int
 """Elements per quantization block when a spec's wire_block is 0."""
+FLAG_TAIL: int
+"""Elements per item of a bucket's flag tail (MFSDP_FLAG_TAIL): the planner's flag_tail."""
 
 # A bucket spec's grad_mode (csrc/comm/mfsdp_pipeline.h).
 GRAD_NONE: int  # frozen bucket: no gradient memory at all
@@ -271,9 +273,10 @@ class Engine:
         """The bucket's gradient state."""
     def stats(self, bucket: int = -1, /) -> dict[str, int]:
         """Collective counts and bytes ("<kind>s", "<kind>_bytes"); bucket -1: the total."""
-    def flag_tail(self, bucket: int, /) -> tuple[int, int, bool] | None:
-        """(offset, n, every_rank): the reduced used-parameter flags, 3 * n elements of GRAD_SHARD
-        from offset ([Note: used-flag tail]); None: the bucket carries none."""
+    def read_flags(self, bucket: int, /) -> tuple[bytes, bytes] | None:
+        """(used, split), decoded: used[i] 1 where some rank used item i since its gradient was
+        last zeroed, split[i] 1 where ranks disagreed on whether it trains ([Note: used-flag
+        tail]); None: the bucket carries none. One synchronous copy to the host."""
     def count_nonfinite_grad(self, bucket: int, item: int, /) -> int:
         """NaN/Inf count in this rank's main gradient of the item."""
     @property

@@ -184,22 +184,18 @@ class EngineOwner:
         by_bucket = {}
         for r in records:
             by_bucket.setdefault(r.bucket, []).append(r)
-        tails = {b: engine.flag_tail(b) for b in by_bucket}
-        if any(t is None for t in tails.values()):
-            return None
-        # every bucket's tail, one copy to the host (one synchronisation on a GPU)
-        flags = torch.cat([engine.tensor(b, _C.BUF_GRAD_SHARD).narrow(0, tails[b][0], 3 * tails[b][1]) > 0
-                           for b in by_bucket]).cpu().tolist()
+        flags = {}
+        for b in by_bucket:
+            flags[b] = engine.read_flags(b)  # (used, split), decoded by the engine
+            if flags[b] is None:
+                return None
         used = bytearray(len(self._used))
-        split = []
-        start = 0
+        split = False
         for b, recs in by_bucket.items():
-            n = tails[b][1]
+            bucket_used, bucket_split = flags[b]
             for r in recs:
-                used[r.index] = flags[start + r.item]
-                if tails[b][2] and flags[start + n + r.item] and flags[start + 2 * n + r.item]:
-                    split.append(r)
-            start += 3 * n
+                used[r.index] = bucket_used[r.item]
+                split = split or bool(bucket_split[r.item])
         if split:
             self._trainable_tracker.disagreement()
         return bytes(used)

@@ -37,10 +37,6 @@ from ._tensor_parallel import spmd_layout
 __all__ = ["ParamRecord", "ParamBuffer", "collect_params"]  # the records re-exported from _param_record.py
 
 ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
-# Elements per item reserved at the end of every shard for the used-parameter flags and the
-# trainable check ([Note: flag tail] in csrc/core/mfsdp_layout.h, [Note: used-flag tail] in
-# csrc/comm/reduce.c, [Note: unused parameters] in _owner.py).
-FLAG_TAIL = 3
 
 def wire_fields(quant: Optional[QuantizedCommPolicy]) -> dict:
     """A bucket's quantized-wire fields of the engine's spec (mfsdp_wire_spec): 0 for a plain
@@ -105,8 +101,10 @@ class ParamBuffer:
         # quantized gradients: the flag tail on their blocks' boundaries ([Note: used-flag tail])
         quants = [quant_policy] if units is None else [c.quant for c in units]
         blocks = {q.block for q in quants if q is not None and q.grads}
+        # _C.FLAG_TAIL elements per item at the end of every shard: the used-parameter flags and the
+        # trainable check, laid out and read by the engine ([Note: used-flag tail] in csrc/comm/reduce.c)
         self.plan = _C.plan(plan_input, shard_world, ctx.piece_rank if shard_world > 1 else 0, bucket_cap,
-                            ALIGN_BYTES, FLAG_TAIL, math.lcm(*blocks) if blocks else 0)
+                            ALIGN_BYTES, _C.FLAG_TAIL, math.lcm(*blocks) if blocks else 0)
         dtype_of = {code: dt for dt, code in codes.items()}
         specs = []
         max_grad_bytes = 0

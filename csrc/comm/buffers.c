@@ -187,7 +187,7 @@ mfsdp_status pl_create_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype, 0));
   else
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
-  if (bk->flags) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_FLAGS, 3 * (int64_t)s->layout.n_items, MFSDP_F32, 0));
+  if (bk->flags) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_FLAGS, MFSDP_FLAG_TAIL * (int64_t)s->layout.n_items, MFSDP_F32, 0));
   MFSDP_CHECK(pl_create_comm_buffers(p, bk));
   bk->has_grads = 1;
   bk->gstate = MFSDP_G_CLEAN;

@@ -58,6 +58,10 @@
 extern "C" {
 #endif
 
+/* Elements per item of a bucket's flag tail, the planner's tail_per_item ([Note: used-flag tail]
+ * in reduce.c: used, trains, frozen). */
+#define MFSDP_FLAG_TAIL 3
+
 typedef enum mfsdp_buf_kind {
   MFSDP_BUF_WEIGHT = 0,
   MFSDP_BUF_GATHER,
@@ -291,6 +295,11 @@ mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p);
  * did not cross them (the flags are this replica's). Valid after end_backward / sync_grads. */
 mfsdp_status mfsdp_pipeline_flag_tail(const mfsdp_pipeline* p, int32_t bucket, int64_t* offset, int32_t* n,
                                       int32_t* every_rank);
+/* The same flags read and decoded (one synchronous copy to the host): used[i] = 1 iff item i
+ * was used on some rank; split[i] = 1 iff ranks disagreed on whether it trains, in a reduction
+ * that crossed every rank. `used` and `split` hold the bucket's items; *n as flag_tail's (0: the
+ * bucket carries no flags, nothing written). */
+mfsdp_status mfsdp_pipeline_read_flags(mfsdp_pipeline* p, int32_t bucket, uint8_t* used, uint8_t* split, int32_t* n);
 /* Number of NaN/Inf elements in item `item`'s main gradient shard. */
 mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t bucket, int32_t item,
                                                  int64_t* count);

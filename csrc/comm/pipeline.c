@@ -126,7 +126,7 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
      * coarse block could round to 0) */
     int quant_ok = bk->q_grads < 0 || (specs[i].grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE &&
                                        l->tail_offset % bk->q_block == 0 && bk->sub_size % bk->q_block == 0);
-    bk->flags = (int8_t)(items > 0 && specs[i].grad_mode != MFSDP_GRAD_NONE && l->tail >= 3 * (int64_t)items &&
+    bk->flags = (int8_t)(items > 0 && specs[i].grad_mode != MFSDP_GRAD_NONE && l->tail >= MFSDP_FLAG_TAIL * (int64_t)items &&
                          quant_ok);
     if (specs[i].grad_mode != MFSDP_GRAD_NONE && !specs[i].frozen) { /* [Note: requires_grad changes] */
       memset(bk->trainable, 1, (size_t)items);
@@ -248,6 +248,46 @@ mfsdp_status mfsdp_pipeline_flag_tail(const mfsdp_pipeline* p, int32_t b, int64_
   *offset = carries ? bk->sub_start + pl_tail_of(bk) : 0;
   *n = carries ? bk->spec.layout.n_items : 0;
   return MFSDP_OK;
+}
+
+/* x[i] > 0 for a float of `dtype` (sign clear, not zero; the flags are never NaN). */
+static int positive(const uint8_t* x, int dtype, int64_t i) {
+  switch (dtype) {
+    case MFSDP_F32: {
+      uint32_t v;
+      memcpy(&v, x + 4 * i, 4);
+      return !(v >> 31) && (v & 0x7fffffffu) != 0;
+    }
+    case MFSDP_F64: {
+      uint64_t v;
+      memcpy(&v, x + 8 * i, 8);
+      return !(v >> 63) && (v & 0x7fffffffffffffffull) != 0;
+    }
+    default: { /* bf16, f16 */
+      uint16_t v;
+      memcpy(&v, x + 2 * i, 2);
+      return !(v >> 15) && (v & 0x7fffu) != 0;
+    }
+  }
+}
+
+mfsdp_status mfsdp_pipeline_read_flags(mfsdp_pipeline* p, int32_t b, uint8_t* used, uint8_t* split, int32_t* n) {
+  int64_t offset;
+  int32_t every_rank;
+  MFSDP_CHECK(pl_check_bucket(p, b));
+  MFSDP_CHECK(mfsdp_pipeline_flag_tail(p, b, &offset, n, &every_rank));
+  if (*n == 0) return MFSDP_OK;
+  const mfsdp_buffer* g = &p->b[b].buf[MFSDP_BUF_GRAD_SHARD];
+  int64_t size = mfsdp_dtype_size(g->dtype), count = MFSDP_FLAG_TAIL * (int64_t)*n;
+  uint8_t* host = malloc((size_t)(count * size));
+  if (!host) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "%lld bytes for bucket %d's flags", (long long)(count * size), b);
+  mfsdp_status st = p->be.kernels->to_host(p->be.kernels_ctx, host, pl_at(g, offset), count * size);
+  for (int32_t i = 0; st == MFSDP_OK && i < *n; ++i) {
+    used[i] = (uint8_t)positive(host, g->dtype, i);
+    split[i] = (uint8_t)(every_rank && positive(host, g->dtype, *n + i) && positive(host, g->dtype, 2 * *n + i));
+  }
+  free(host);
+  return st;
 }
 
 mfsdp_status mfsdp_pipeline_count_nonfinite_grad(mfsdp_pipeline* p, int32_t b, int32_t item, int64_t* count) {

@@ -129,7 +129,7 @@ static mfsdp_status write_flags(mfsdp_pipeline* p, bucket* bk) {
   void* kc = p->be.kernels_ctx;
   int32_t n = bk->spec.layout.n_items;
   const mfsdp_buffer* f = &bk->buf[MFSDP_BUF_FLAGS];
-  MFSDP_CHECK(k->fill_zero(kc, f->data, MFSDP_F32, 3 * (int64_t)n));
+  MFSDP_CHECK(k->fill_zero(kc, f->data, MFSDP_F32, MFSDP_FLAG_TAIL * (int64_t)n));
   for (int third = 0; third < 3; ++third) /* runs of ones: few launches, whatever n */
     for (int32_t j = 0; j < n;) {
       int one = third == 0 ? bk->used[j] : third == 1 ? bk->trainable[j] : !bk->trainable[j];

@@ -3,6 +3,8 @@
  * quant_cpu.c, each entry the kernel without the context argument (host memory needs none). */
 #include "mfsdp_kernels.h"
 
+#include <string.h>
+
 static mfsdp_status op_copy(void* ctx, void* dst, int dt, const void* src, int st, int64_t n, double a) {
   (void)ctx;
   return mfsdp_cpu_copy(dst, dt, src, st, n, a);
@@ -53,5 +55,14 @@ static mfsdp_status op_dequantize_pack(void* ctx, void* dst, int dt, const mfsdp
   return mfsdp_cpu_dequantize_pack(dst, dt, items, n_items, mode, block, piece_n, alpha, accumulate);
 }
 
+static mfsdp_status op_to_host(void* ctx, void* host_dst, const void* src, int64_t bytes) {
+  (void)ctx;
+  if (bytes > 0 && (!host_dst || !src)) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "null buffer for %lld bytes",
+                                                          (long long)bytes);
+  if (bytes > 0) memcpy(host_dst, src, (size_t)bytes);
+  return MFSDP_OK;
+}
+
 const mfsdp_kernel_ops mfsdp_cpu_kernels = {op_copy,     op_accumulate, op_scale,      op_fill_zero,      op_count_nonfinite,
-                                            op_pack,     op_quantize,   op_dequantize, op_dequantize_pack, op_fill};
+                                            op_pack,     op_quantize,   op_dequantize, op_dequantize_pack, op_fill,
+                                            op_to_host};

@@ -58,6 +58,10 @@ typedef struct mfsdp_kernel_ops {
   /* x[i] = value, stored as `copy` stores a float64 source (the pipeline's only way to put a
    * constant in device memory: the used-parameter flags, [Note: flag tail] in mfsdp_layout.h). */
   mfsdp_status (*fill)(void* ctx, void* x, int dtype, int64_t n, double value);
+  /* `bytes` of device memory into host memory, synchronous: after everything queued before it
+   * (one device-to-host copy on a GPU; the pipeline's only read of device memory: the used-
+   * parameter flags it decodes, mfsdp_pipeline_read_flags). */
+  mfsdp_status (*to_host)(void* ctx, void* host_dst, const void* src, int64_t bytes);
 } mfsdp_kernel_ops;
 
 /* The CPU table (cpu_table.c): the kernels below and the quantized ones of mfsdp_quant.h. */

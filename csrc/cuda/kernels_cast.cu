@@ -237,6 +237,18 @@ mfsdp_status op_count_nonfinite(void* ctx, const void* x, int dt, int64_t n, int
   return MFSDP_OK;
 }
 
+/* A small synchronous read, in stream order (mfsdp_kernel_ops.to_host): the used-parameter flags. */
+mfsdp_status op_to_host(void* ctx, void* host_dst, const void* src, int64_t bytes) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  MFSDP_CHECK(check(host_dst, src, bytes));
+  if (bytes == 0) return MFSDP_OK;
+  DeviceGuard guard(c);
+  MFSDP_CHECK(guard.enter());
+  CUDA_CHECK(cudaMemcpyAsync(host_dst, src, (size_t)bytes, cudaMemcpyDeviceToHost, c->stream));
+  CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  return MFSDP_OK;
+}
+
 /* A bucket's gradients: one launch per run of one source dtype (see [Note: pack table]). */
 mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items, int32_t n, double alpha,
                      int accumulate) {

@@ -183,6 +183,7 @@ int mfsdp_register_bucket_spec(PyObject* module, module_state* st) {
   int added = modes != NULL && PyModule_AddObjectRef(module, "QUANT_MODES", modes) == 0;
   Py_XDECREF(modes);
   if (!added || PyModule_AddIntConstant(module, "QUANT_DEFAULT_BLOCK", MFSDP_QUANT_DEFAULT_BLOCK) < 0 ||
+      PyModule_AddIntConstant(module, "FLAG_TAIL", MFSDP_FLAG_TAIL) < 0 ||
       PyModule_AddFunctions(module, bucket_spec_methods) < 0)
     return -1;
   if (PyModule_AddIntConstant(module, "GRAD_NONE", MFSDP_GRAD_NONE) < 0 ||

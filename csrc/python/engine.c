@@ -492,7 +492,7 @@ static PyObject* engine_grad_state(PyObject* self, PyObject* arg) {
   return PyUnicode_FromString(names[mfsdp_pipeline_grad_state(e->pipeline, (int32_t)b)]);
 }
 
-static PyObject* engine_flag_tail(PyObject* self, PyObject* arg) {
+static PyObject* engine_read_flags(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
   long b = PyLong_AsLong(arg);
   if (PyErr_Occurred() || !ready(e)) return NULL;
@@ -502,7 +502,18 @@ static PyObject* engine_flag_tail(PyObject* self, PyObject* arg) {
   mfsdp_status st = mfsdp_pipeline_flag_tail(e->pipeline, (int32_t)b, &offset, &n, &every_rank);
   if (st != MFSDP_OK) return fail(self, st);
   if (n == 0) Py_RETURN_NONE;
-  return Py_BuildValue("(LiO)", (long long)offset, (int)n, every_rank ? Py_True : Py_False);
+  /* filled before anyone else sees them */
+  PyObject* used = PyBytes_FromStringAndSize(NULL, n);
+  PyObject* split = used ? PyBytes_FromStringAndSize(NULL, n) : NULL;
+  if (split) {
+    st = ENGINE_CALL(e, mfsdp_pipeline_read_flags(e->pipeline, (int32_t)b, (uint8_t*)PyBytes_AS_STRING(used),
+                                                  (uint8_t*)PyBytes_AS_STRING(split), &n));
+    if (st == MFSDP_OK) return Py_BuildValue("(NN)", used, split);
+    fail(self, st);
+  }
+  Py_XDECREF(used);
+  Py_XDECREF(split);
+  return NULL;
 }
 
 static PyObject* engine_stats(PyObject* self, PyObject* args) {
@@ -611,10 +622,11 @@ static PyMethodDef engine_methods[] = {
     {"weight_state", engine_weight_state, METH_O, "weight_state(bucket) -> 'empty'|'gathering'|'ready'|'stale'."},
     {"grad_state", engine_grad_state, METH_O, "grad_state(bucket) -> 'clean'|'dirty'|'reducing'|'reduced'."},
     {"stats", engine_stats, METH_VARARGS, "stats(bucket=-1) -> collective counts and bytes."},
-    {"flag_tail", engine_flag_tail, METH_O,
-     "flag_tail(bucket) -> (offset, n, every_rank) or None: the reduced used-parameter flags, 3 * n elements of\n"
-     "GRAD_SHARD from offset ([Note: used-flag tail] in csrc/comm/reduce.c); every_rank False: its last reduction\n"
-     "did not cross the replicas; None: the bucket carries none."},
+    {"read_flags", engine_read_flags, METH_O,
+     "read_flags(bucket) -> (used, split) or None: the bucket's reduced used-parameter flags, decoded ([Note:\n"
+     "used-flag tail] in csrc/comm/reduce.c): used[i] 1 where some rank used item i since its gradient was last\n"
+     "zeroed, split[i] 1 where ranks disagreed on whether it trains (a reduction across every rank); bytes of\n"
+     "the bucket's items each. None: the bucket carries none. One synchronous copy to the host."},
     {"count_nonfinite_grad", engine_count_nonfinite_grad, METH_VARARGS,
      "count_nonfinite_grad(bucket, item) -> NaN/Inf count in this rank's main gradient of the item."},
     {"close", engine_close, METH_NOARGS, "close(): free every buffer now."},

@@ -2,6 +2,7 @@
 #include "pipeline_cases.h"
 
 #include <math.h>
+#include <string.h>
 
 /* ---- the loop rig: heap memory, thread transport, CPU kernels ---- */
 
@@ -66,6 +67,20 @@ static const int64_t SHAPES[][2] = {{12, 4}, {5, 1}, {6, 2}, {3, 1}, {8, 8}};
 static const int64_t BLOCKED[N_ITEMS][3] = {{24, 2, 3}, {5, 1, 1}, {36, 3, 2}, {8, 1, 8}, {8, 8, 1}};
 
 /* Rank r's piece of item i as runs ([Note: chunked layout]); its element count. */
+/* The engine's decoded flags (mfsdp_pipeline_read_flags: one copy to the host through the
+ * kernels' to_host, on the emulated device too) agree with the tail: every item used, none split. */
+static void check_read_flags(mfsdp_pipeline* p, int32_t n, const char* name, int r) {
+  uint8_t used[64], split[64];
+  int32_t m = -1;
+  memset(used, 7, sizeof used);
+  memset(split, 7, sizeof split);
+  CHECK(n <= 64, "%s: %d items", name, n);
+  CHECK_OK(mfsdp_pipeline_read_flags(p, 0, used, split, &m));
+  CHECK(m == n, "%s rank %d: read_flags says %d items, flag_tail %d", name, r, m, n);
+  for (int i = 0; i < n && i < 64; ++i)
+    CHECK(used[i] == 1 && split[i] == 0, "%s rank %d item %d: decoded used %d split %d", name, r, i, used[i], split[i]);
+}
+
 static int64_t piece_runs(const mfsdp_bucket_layout* L, int i, int r, mfsdp_runs* ru) {
   mfsdp_piece_runs(L->numels[i], L->pieces[i], mfsdp_layout_outer(L, i), r, ru);
   return ru->count * ru->len;
@@ -228,6 +243,7 @@ static void* pipe_worker(void* arg) {
                 load_as_double(gs->data, c->grad_dtype, off + 2 * n + i) == 0,
             "%s rank %d item %d: flags %g %g %g", c->name, r, i, load_as_double(gs->data, c->grad_dtype, off + i),
             load_as_double(gs->data, c->grad_dtype, off + n + i), load_as_double(gs->data, c->grad_dtype, off + 2 * n + i));
+    check_read_flags(p, n, c->name, r);
   }
 
   /* optimizer step: main += 1 on this rank's rows, install, gather: everyone sees +1 */
@@ -573,6 +589,7 @@ static void* quant_worker(void* arg) {
                 load_as_double(gs->data, c->grad_dtype, off + 2 * n + i) == 0,
             "%s world %d rank %d item %d: flags %g %g %g", c->name, W, r, i, load_as_double(gs->data, c->grad_dtype, off + i),
             load_as_double(gs->data, c->grad_dtype, off + n + i), load_as_double(gs->data, c->grad_dtype, off + 2 * n + i));
+    check_read_flags(p, n, c->name, r);
   }
   /* the reference of this rank's reduced slice (grad dtype), then as the optimizer sees it */
   int gdt = c->grad_dtype;

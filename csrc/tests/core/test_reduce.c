@@ -105,6 +105,17 @@ static void* divergent_worker(void* arg) {
       CHECK(trains > 0 && (frozen > 0) == split, "mode %d rank %d unit %d item %d: trains %g frozen %g (split %d)",
             t->grad_mode, r, u, q, trains, frozen, split);
     }
+    /* the same, as the engine decodes them (mfsdp_pipeline_read_flags) */
+    uint8_t used_b[16], split_b[16];
+    int32_t m = -1;
+    CHECK_OK(mfsdp_pipeline_read_flags(p, u, used_b, split_b, &m));
+    CHECK(m == n && n <= 16, "bucket %d: read_flags %d items, flag_tail %d", u, m, n);
+    for (int q = 0; q < m && q < 16; ++q) {
+      int slot = plan.buckets[u].params[q], i = slot % 2, anywhere = 0;
+      for (int k = 0; k < W; ++k) anywhere |= div_used(k, u, i) && !(t->disagree && k == 1 && slot == 5);
+      CHECK(used_b[q] == anywhere && split_b[q] == (t->disagree && slot == 5),
+            "mode %d rank %d unit %d item %d: decoded used %d split %d", t->grad_mode, r, u, q, used_b[q], split_b[q]);
+    }
   }
   /* zeroed gradients take their used flags along (unit 2: used by rank 0 at least) */
   int32_t first = 0;
