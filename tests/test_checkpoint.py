@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-import rank_grid
+from support import rank_grid
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
 GLOBAL_BATCH = 4
@@ -111,7 +111,7 @@ def reshard_leg(rank, world, load_from, save_to, first_step, steps):
 
 # Steps 0-2 at world 4, 3-4 at 2, 5 at 1, 6 back at 4. The first leg has a spawn of its own (group
 # "reshard"), the others run in the shared spawns, which then run in the order 2, 1, 4 (see
-# [Note: one spawn per world size] in rank_grid.py).
+# [Note: one spawn per world size] in support/rank_grid.py).
 RESHARD_LEGS = [(4, "reshard", None, "a", 0, 3), (2, "shared", "a", "b", 3, 2), (1, "shared", "b", "c", 5, 1),
                 (4, "shared", "c", None, 6, 1)]
 for _i, (_world, _group, _load, _save, _first, _steps) in enumerate(RESHARD_LEGS):

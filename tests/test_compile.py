@@ -13,8 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-import rank_grid
-from train_both import TrainBoth
+
+from support import rank_grid
+from support.train_both import TrainBoth
 
 CFG = GPTConfig(vocab=64, seq=8, d=32, heads=4, layers=3)
 MAX_BREAKS = {0: 0, 1: 1, 2: 1, 3: 1}  # measured: FSDP2 has 0 on the same model

@@ -14,7 +14,7 @@ from megatron_fsdp_c._nccl import check_one_nccl, divmod_version
 from megatron_fsdp_c.fully_shard import _check_params
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-import rank_grid
+from support import rank_grid
 
 CELLS = rank_grid.Cells(__name__)
 

@@ -27,9 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-import rank_grid
-from checks import to_full
-from train_both import TrainBoth
+
+from support import rank_grid
+from support.checks import to_full
+from support.train_both import TrainBoth
 
 STRATEGIES = [0, 1, 2, 3]
 MODELS = ["gpt", "llama"]

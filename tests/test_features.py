@@ -12,8 +12,8 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.testing import GPT, Block, batch
 
-import rank_grid
-from train_both import CFG, assert_match, train_pair
+from support import rank_grid
+from support.train_both import CFG, assert_match, train_pair
 
 FEATURES = {
     "tied_weights": dict(cfg=dataclasses.replace(CFG, tied=True)),

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
+from support import rank_grid
 
 CELLS = rank_grid.Cells(__name__)
 RTOL = 1e-9

@@ -23,9 +23,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-import rank_grid
+
+from support import rank_grid
+from support.train_both import train_pair
 from test_mixed_precision import LOSS_RTOL, _reference_losses, _sharded_losses
-from train_both import train_pair
 
 CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=2)
 MESHES = [(2, 2), (1, 4), (4, 1)]  # (dp_outer, dp_shard)
@@ -44,7 +45,7 @@ def shard_hybrid(model, opt, mesh, strategy, **kw):
 
 
 def train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype, **kw):
-    """tests/train_both.py's train_pair on a hybrid mesh (no_sync on all but the last microbatch),
+    """tests/support/train_both.py's train_pair on a hybrid mesh (no_sync on all but the last microbatch),
     with what the hybrid checks need: counters per step, placements, memory."""
     r = train_pair(rank, world, strategy, "adamw", micro, cfg=CFG, steps=STEPS, dtype=dtype,
                    mesh=hybrid_mesh(*mesh_shape), dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",

@@ -32,7 +32,7 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-import rank_grid
+from support import rank_grid
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 LOSS_RTOL = 2.0 ** -8  # see [Note: bf16 tolerance]

@@ -1,7 +1,7 @@
 """Mixture-of-experts with expert parallelism: a mesh per group ([Note: a mesh per group] in
-megatron_fsdp_c/per_module/_root.py) on the MoE of tests/moe_model.py (top-2 router, all-to-all
+megatron_fsdp_c/per_module/_root.py) on the MoE of tests/support/moe_model.py (top-2 router, all-to-all
 dispatch over the ep group, local experts). The cells run in the shared spawns ([Note: one spawn
-per world size] in rank_grid.py).
+per world size] in support/rank_grid.py).
 
 World 4, ep 2: the ep groups are {0,1} and {2,3}; the experts are sharded over the ranks that hold
 the same experts (dp_mod_ep: {0,2} and {1,3}), the dense part over all four (or HSDP 2 x 2). The
@@ -52,10 +52,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 import megatron_fsdp_c as mfsdp
-import rank_grid
-from checks import raised_by, recorder_cells, reraise, strip, verify
 from megatron_fsdp_c.per_module import fully_shard
-from moe_model import MoEBlock, global_batch, moe_batch, moe_model
+
+from support import rank_grid
+from support.checks import raised_by, recorder_cells, reraise, strip, verify
+from support.moe_model import MoEBlock, global_batch, moe_batch, moe_model
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS, tests=["test_moe"])

@@ -12,8 +12,8 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.testing import VLM, Block, GPTConfig, TowerBlock, batch, image_batch
 
-import rank_grid
-from train_both import TrainBoth
+from support import rank_grid
+from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
 

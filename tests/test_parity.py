@@ -22,8 +22,8 @@ import itertools
 import pytest
 import torch
 
-import rank_grid
-from train_both import assert_match, train_pair
+from support import rank_grid
+from support.train_both import assert_match, train_pair
 
 STRATEGIES = [0, 1, 2, 3]
 OPTIMIZERS = ["adamw", "sgd"]

@@ -24,8 +24,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import rank_grid
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+
+from support import rank_grid
 
 CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=3)
 STEPS = 3

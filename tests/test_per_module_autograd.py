@@ -1,7 +1,7 @@
 """Autograd corner cases with megatron_fsdp_c.per_module.fully_shard, tested after torch's own
 FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_autograd.py) through public APIs
 only, against a single-process reference on the global batch, float64 to rtol 1e-9 at world 2.
-The cells run in the shared spawns (see [Note: one spawn per world size] in rank_grid.py).
+The cells run in the shared spawns (see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - an unused forward output: unused_output; a sharded module unused in forward: unused_module;
@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
-from checks import recorder_cells, verify
-from data import global_batch, local_batch
 from megatron_fsdp_c.per_module import fully_shard
-from train_both import TrainBoth
+
+from support import rank_grid
+from support.checks import recorder_cells, verify
+from support.data import global_batch, local_batch
+from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)

@@ -3,7 +3,7 @@ megatron_fsdp_c.per_module.fully_shard, tested after torch's own FSDP2 suite
 (test/distributed/_composable/fsdp/test_fully_shard_training.py) through public APIs only,
 against a plain replica whose gradients are averaged over the ranks, float64 to rtol 1e-9 at
 world 2. The cells run in the shared spawns (see [Note: one spawn per world size] in
-rank_grid.py).
+support/rank_grid.py).
 
 Behaviours (cell names):
 - a chunked loss: the model runs without its head, then the head (a member of a list group, or its
@@ -22,11 +22,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import rank_grid
-from checks import full, recorder_cells, verify
-from data import local_batch, tokens
 from megatron_fsdp_c.per_module import fully_shard
-from train_both import TrainBoth, average_grads
+
+from support import rank_grid
+from support.checks import full, recorder_cells, verify
+from support.data import local_batch, tokens
+from support.train_both import TrainBoth, average_grads
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)

@@ -1,7 +1,7 @@
 """How megatron_fsdp_c.per_module.fully_shard communicates under gradient accumulation, tested
 after torch's test_fully_shard_training.py::TestFullyShardGradientAccumulation through public
 APIs only (torch's CommDebugMode, the engine's comm_stats). The cells run in the shared spawns
-(see [Note: one spawn per world size] in rank_grid.py).
+(see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - a backward with gradient sync off issues no collective after its gathers: no reduce-scatter,
@@ -27,10 +27,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
-from checks import recorder_cells, verify
-from data import local_batch
 from megatron_fsdp_c.per_module import fully_shard
+
+from support import rank_grid
+from support.checks import recorder_cells, verify
+from support.data import local_batch
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)

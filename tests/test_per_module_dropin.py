@@ -14,8 +14,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from megatron_fsdp_c.per_module import FSDPModule, UnshardHandle
-from checks import outcome
-import rank_grid
+
+from support import rank_grid
+from support.checks import outcome
 
 RTOL = 1e-9
 

@@ -2,7 +2,7 @@
 suite (test/distributed/_composable/fsdp/test_fully_shard_frozen.py) through public APIs only,
 against DDP or a plain replica whose gradients are averaged over the ranks, float64 to rtol 1e-9
 at world 2. The cells run in the shared spawns (see [Note: one spawn per world size] in
-rank_grid.py).
+support/rank_grid.py).
 
 Behaviours (cell names):
 - frozen parameters within a group (BitFit), frozen before or after fully_shard, with
@@ -17,12 +17,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
-from checks import full, recorder_cells, verify
-from data import local_batch
 from megatron_fsdp_c.per_module import fully_shard
-from tiny_models import mlp_stack
-from train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
+
+from support import rank_grid
+from support.checks import full, recorder_cells, verify
+from support.data import local_batch
+from support.tiny_models import mlp_stack
+from support.train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)

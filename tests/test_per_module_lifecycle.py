@@ -2,7 +2,7 @@
 does them (torch's test_fully_shard_training.py TestFullyShardRegisteredParams,
 test_fully_shard_autograd.py's post-accumulate-grad hook tests, test_fully_shard_init.py's lazy
 init tests), through public APIs only, against a plain replica on the same data, float64 to rtol
-1e-9. The cells run in the shared spawns (see [Note: one spawn per world size] in rank_grid.py).
+1e-9. The cells run in the shared spawns (see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - after a forward without its backward, each group's modules hold its sharded DTensors when it
@@ -30,12 +30,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import rank_grid
-from checks import full, outcome, recorder_cells, verify
-from data import local_batch
 from megatron_fsdp_c.per_module import FSDPModule, fully_shard
-from tiny_models import MLP, MLPStack, mlp_stack
-from train_both import against_ddp, average_grads
+
+from support import rank_grid
+from support.checks import full, outcome, recorder_cells, verify
+from support.data import local_batch
+from support.tiny_models import MLP, MLPStack, mlp_stack
+from support.train_both import against_ddp, average_grads
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)

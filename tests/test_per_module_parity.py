@@ -2,7 +2,7 @@
 own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_training.py) through public
 APIs only, against DDP or a single-process reference on the same data, float64 to rtol 1e-9, at
 world 2 (and 4 where uneven or empty shards add coverage). The cells run in the shared spawns
-(see [Note: one spawn per world size] in rank_grid.py).
+(see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - DDP parity, one group holding the whole model, uneven and empty Shard(0) rows: single_group_parity
@@ -30,12 +30,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-import rank_grid
-from checks import full, recorder_cells, verify
-from data import local_batch, tokens
 from megatron_fsdp_c.per_module import FSDPModule, fully_shard
-from tiny_models import MLP, gpt, gpt_data, gpt_loss, mlp_stack, shard_blocks
-from train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
+
+from support import rank_grid
+from support.checks import full, recorder_cells, verify
+from support.data import local_batch, tokens
+from support.tiny_models import MLP, gpt, gpt_data, gpt_loss, mlp_stack, shard_blocks
+from support.train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)

@@ -1,7 +1,7 @@
 """Mixed precision and gradient clipping of megatron_fsdp_c.per_module.fully_shard, tested after
 torch's own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py,
 test_fully_shard_clip_grad_norm_.py) through public APIs only. The cells run in the shared
-spawns (see [Note: one spawn per world size] in rank_grid.py).
+spawns (see [Note: one spawn per world size] in support/rank_grid.py).
 
 torch's MixedPrecisionPolicy semantics, as documented by FSDP2 (and our one difference):
 - param_dtype: the compute dtype; the sharded parameters, their gradients and the optimizer stay
@@ -57,12 +57,13 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as MP
 from torch.distributed.tensor import DTensor
 
-import rank_grid
 from megatron_fsdp_c.per_module import fully_shard
 from megatron_fsdp_c.testing import GPT, GPTConfig, batch
-from checks import cached_alias, full, raised_by, recorder_cells, verify
-from data import local_batch
-from train_both import TrainBoth
+
+from support import rank_grid
+from support.checks import cached_alias, full, raised_by, recorder_cells, verify
+from support.data import local_batch
+from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)

@@ -2,7 +2,7 @@
 megatron_fsdp_c.per_module.fully_shard, tested after torch's own FSDP2 suite
 (test/distributed/_composable/fsdp/test_fully_shard_state_dict.py, _ignore_params.py) and issue
 15's list of bad input, through public APIs only. The cells run in the shared spawns
-(see [Note: one spawn per world size] in rank_grid.py).
+(see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - state_dict(): DTensor values under the parameters' names, aliasing the parameters' local
@@ -34,12 +34,13 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
-import rank_grid
 from megatron_fsdp_c.per_module import fully_shard
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-from checks import cached_alias, full, raised_by, recorder_cells, reraise, verify
-from data import local_batch
-from train_both import average_grads
+
+from support import rank_grid
+from support.checks import cached_alias, full, raised_by, recorder_cells, reraise, verify
+from support.data import local_batch
+from support.train_both import average_grads
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS, tests=["test_state_behaviour"])

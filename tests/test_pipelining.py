@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
+from support import rank_grid
 
 STEPS, MICRO, D = 2, 4, 8
 CELLS = rank_grid.Cells(__name__)

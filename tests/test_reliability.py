@@ -17,7 +17,7 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.testing import GPT, VLM, Block, GPTConfig, batch, image_batch, run_on_ranks
 
-import rank_grid
+from support import rank_grid
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,7 @@ follows, a replicated (fsdp_no_shard) embedding, a rank that disagrees is named,
 outside the optimizer joins with add_param_group, DCP resume after unfreezing, mixed precision,
 quantized communication; against FSDP2: SPMD compute parameters (dp_mesh_dims) and tensor
 parallelism (dp 2 x tp 2). The cells run in the shared spawns ([Note: one spawn per world size]
-in rank_grid.py).
+in support/rank_grid.py).
 """
 import contextlib
 import functools
@@ -33,7 +33,8 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.per_module import fully_shard as fully_shard_per_module
 from megatron_fsdp_c.testing import GPT, TPGPT, Block, GPTConfig, batch, parallelize_tp
-import rank_grid
+
+from support import rank_grid
 
 CFG = GPTConfig(vocab=32, seq=8, d=16, heads=2, layers=3)
 STEPS, MICRO = 4, 2
@@ -417,7 +418,7 @@ def tensor_parallel(rank, world):
 
 # ------------------------------------------------------------------------------------------
 # the cells (one spawn per world size, shared with the other test files: [Note: one spawn per
-# world size] in rank_grid.py)
+# world size] in support/rank_grid.py)
 
 CELLS = rank_grid.Cells(__name__)
 PARITY = {f"megatron s{s}": (megatron_api, dict(strategy=s), (2, 4)) for s in range(4)}

@@ -39,8 +39,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_fsdp_c.testing import GPTConfig, TPBlock, TPGPT, batch, parallelize_tp
-from checks import outcome
-import rank_grid
+
+from support import rank_grid
+from support.checks import outcome
 
 CFG = GPTConfig(vocab=67, seq=8, d=32, heads=4, layers=2)
 LLAMA_VOCAB = 61

@@ -15,7 +15,7 @@ same seed and per-rank data, for every strategy at world sizes 2 and 4, in float
 
 The cells run in the shared spawn of their world size; a rank that dies (gloo aborts the process
 when collectives of different sizes meet) fails its own cell only: see [Note: crash-tolerant
-grids] in rank_grid.py.
+grids] in support/rank_grid.py.
 """
 import io
 
@@ -28,11 +28,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 
-import rank_grid
-from checks import assert_named, check_params, check_values, strip, to_full
-from data import next_token_batch
-from schedulers import build_scheduler
-from tiny_models import BATCH, D, SEQ, VOCAB, TinyBlock, tiny_lm
+from support import rank_grid
+from support.checks import assert_named, check_params, check_values, strip, to_full
+from support.data import next_token_batch
+from support.schedulers import build_scheduler
+from support.tiny_models import BATCH, D, SEQ, VOCAB, TinyBlock, tiny_lm
 
 STRATEGIES = [0, 1, 2, 3]
 WORLDS = [2, 4]
