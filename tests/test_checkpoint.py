@@ -11,6 +11,8 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
 from support import rank_grid
+from support.checks import RTOL
+from support.data import rank_share
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
 GLOBAL_BATCH = 4
@@ -41,9 +43,7 @@ def train(model, opt, rank, world, steps, first_step=0):
     global mean loss per step (the same numbers at any world size, up to rounding)."""
     losses = []
     for step in range(first_step, first_step + steps):
-        x, y = batch(CFG, GLOBAL_BATCH, seed=step)
-        share = GLOBAL_BATCH // world
-        loss = model(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])
+        loss = model(*rank_share(batch(CFG, GLOBAL_BATCH, seed=step), rank, world))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -129,7 +129,7 @@ def test_reshard_4_2_1_4(strategy):
     print(f"\nstrategy {strategy}: resharded {continued}\n            straight  {straight[strategy]}")
     # The global batch is the same at every world size; only the order of the sums differs.
     torch.testing.assert_close(torch.tensor(continued, dtype=torch.float64),
-                               torch.tensor(straight[strategy], dtype=torch.float64), rtol=1e-9, atol=0)
+                               torch.tensor(straight[strategy], dtype=torch.float64), rtol=RTOL, atol=0)
 
 
 # -- interop with plain models -------------------------------------------------------------------

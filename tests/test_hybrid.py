@@ -25,6 +25,7 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
 from support import rank_grid
+from support.checks import ATOL, RTOL
 from support.train_both import train_pair
 from test_mixed_precision import LOSS_RTOL, _reference_losses, _sharded_losses
 
@@ -126,9 +127,9 @@ def _cell(key, world=4):
 def test_hsdp_matches_ddp_float64(mesh_shape, strategy, micro):
     for r in _cell((mesh_shape, strategy, micro, "torch.float64")):
         torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
-                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=1e-9, atol=1e-12)
+                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=RTOL, atol=ATOL)
         for name, ref in r["ref_params"].items():
-            torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=name)
+            torch.testing.assert_close(r["params"][name], ref, rtol=RTOL, atol=ATOL, msg=name)
 
 
 def _assert_bit_identical(r):
@@ -178,9 +179,9 @@ def test_placements_and_memory_at_2x2():
 
 def _assert_float64_parity(r):
     torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
-                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=1e-9, atol=1e-12)
+                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=RTOL, atol=ATOL)
     for name, ref in r["ref_params"].items():
-        torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(r["params"][name], ref, rtol=RTOL, atol=ATOL, msg=name)
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -429,8 +430,8 @@ def test_per_module_hsdp_matches_ddp_and_fsdp2_float64(case):
     mesh_shape, strategy, micro, skip = case
     for r in _cell(("per-module",) + case):
         for name, ref in r["ref"].items():
-            torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=f"vs DDP: {name}")
-            torch.testing.assert_close(r["params"][name], r["peer"][name], rtol=1e-9, atol=1e-12,
+            torch.testing.assert_close(r["params"][name], ref, rtol=RTOL, atol=ATOL, msg=f"vs DDP: {name}")
+            torch.testing.assert_close(r["params"][name], r["peer"][name], rtol=RTOL, atol=ATOL,
                                        msg=f"vs FSDP2: {name}")
         assert r["placements"] <= {"(Replicate(), Shard(dim=0))", "(Replicate(), Replicate())"}, r["placements"]
         # the all-reduce across replicas: once per step per gradient bucket, whatever the microbatches

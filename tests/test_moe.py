@@ -56,7 +56,8 @@ from megatron_fsdp_c.per_module import fully_shard
 
 from support import rank_grid
 from support.checks import raised_by, recorder_cells, reraise, strip, verify
-from support.moe_model import MoEBlock, global_batch, moe_batch, moe_model
+from support.data import global_batch
+from support.moe_model import MoEBlock, moe_batch, moe_model
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS, tests=["test_moe"])
@@ -111,7 +112,7 @@ def train_both(ck, rank, world, model, ref, steps=STEPS, first=0, dead=None, opt
     for step in range(first, first + steps):
         loss = model(*moe_batch(step, rank))
         loss.backward()
-        rloss = ref(*global_batch(step, world))
+        rloss = ref(*global_batch(moe_batch, step, world))
         rloss.backward()
         if dead is not None:
             for (name, p), (_, r) in zip(_expert_params(model, dead), _expert_params(ref, dead)):
@@ -231,7 +232,7 @@ def dcp_load_world4(rank, world, ck):
     ref = moe_model()
     ropt = adamw(ref)
     for step in range(RELOAD_STEPS):
-        ref(*global_batch(step, 2)).backward()
+        ref(*global_batch(moe_batch, step, 2)).backward()
         ropt.step()
         ropt.zero_grad()
     model = sharded_moe(world)
@@ -308,7 +309,7 @@ def megatron_clip(rank, world, ck):
     for step in range(2):
         loss = model(*moe_batch(step, rank))
         loss.backward()
-        ref(*global_batch(step, world)).backward()
+        ref(*global_batch(moe_batch, step, world)).backward()
         ours, theirs = model.clip_grad_norm_(0.05), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         ck.close(f"step {step}: total gradient norm", [ours.item()], [theirs.item()])
         ck.true(f"step {step}: the norm is above the bound (clipping happens)", theirs.item() > 0.05)

@@ -20,7 +20,7 @@ from megatron_fsdp_c.per_module import FSDPModule, fully_shard
 
 from support import rank_grid
 from support.checks import recorder_cells, verify
-from support.data import local_batch
+from support.data import normal_batch
 from support.tiny_models import MLP, gpt, gpt_data, gpt_loss, shard_blocks
 from support.train_both import TrainBoth
 
@@ -56,7 +56,7 @@ def accumulation(rank, world, ck, mode, reshard, reshard_after_backward):
                     mlp.set_reshard_after_backward(is_last)
     pair = TrainBoth(rank, world, model, ref, reference="mean", ck=ck)
     # set_to_none=False on odd steps: the next step accumulates onto zeroed gradients
-    pair.run(3, lambda step, mb: local_batch(10 * step + mb, rank, (2, 8)), micro=3, before_micro=flags,
+    pair.run(3, lambda step, mb: normal_batch(10 * step + mb, rank, (2, 8)), micro=3, before_micro=flags,
              set_to_none=lambda step: step % 2 == 1)
     pair.check_params()
 

@@ -19,7 +19,7 @@ from megatron_fsdp_c.per_module import fully_shard
 
 from support import rank_grid
 from support.checks import recorder_cells, verify
-from support.data import global_batch, local_batch
+from support.data import global_batch, normal_batch
 from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
@@ -43,8 +43,8 @@ def global_reference_loop(ck, rank, world, model, ref, loss_fn, steps=6, dim=8):
     """Each rank trains on its slice of a global batch; the reference trains on all of it, its
     gradients divided by the world size (the mean of the ranks' sums)."""
     pair = TrainBoth(rank, world, model, ref, reference="global", ck=ck)
-    pair.run(steps, lambda step, mb: (local_batch(step, rank, (2, dim)), step),
-             ref_data=lambda step, mb: (global_batch(step, world, (2, dim)), step),
+    pair.run(steps, lambda step, mb: (normal_batch(step, rank, (2, dim)), step),
+             ref_data=lambda step, mb: (global_batch(normal_batch, step, world, (2, dim)), step),
              loss=lambda m, batch: loss_fn(m, *batch), set_to_none=lambda step: step % 2 == 1, check_grads=False,
              params_every_step=True)
 

@@ -26,7 +26,7 @@ from megatron_fsdp_c.per_module import fully_shard
 
 from support import rank_grid
 from support.checks import full, recorder_cells, verify
-from support.data import local_batch, tokens
+from support.data import normal_batch, tokens
 from support.train_both import TrainBoth, average_grads
 
 CELLS = rank_grid.Cells(__name__)
@@ -189,7 +189,7 @@ def two_partial_forwards(rank, world, ck):
     fully_shard([model.norm, model.head])
     fully_shard(model)
     t1, t2 = tokens(1, rank, (2, SEQ), VOCAB), tokens(2, rank, (2, SEQ), VOCAB)
-    w1, w2 = local_batch(3, 0, (2, SEQ, 16)), local_batch(4, 0, (2, SEQ, 16))
+    w1, w2 = normal_batch(3, 0, (2, SEQ, 16)), normal_batch(4, 0, (2, SEQ, 16))
     for m in (model, ref):
         h1 = m(t1, skip_head=True)
         h2 = m(t2, skip_head=True)

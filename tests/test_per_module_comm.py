@@ -31,7 +31,7 @@ from megatron_fsdp_c.per_module import fully_shard
 
 from support import rank_grid
 from support.checks import recorder_cells, verify
-from support.data import local_batch
+from support.data import normal_batch
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -56,7 +56,7 @@ def no_sync_backward(rank, world, ck):
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
         shard(model[1])
         shard(model)
-        x = local_batch(0, rank, (2, 8)).float()
+        x = normal_batch(0, rank, (2, 8)).float()
         model(x).sum().backward()  # the first step (ours: its lazy init) is not counted
         for sync in (False, True):
             model.set_requires_gradient_sync(sync)
@@ -86,7 +86,7 @@ def first_step_gathers(rank, world, ck):
             for m in model[1:]:
                 shard(m, **kw)
             shard(model, **kw)
-            x = local_batch(0, rank, (2, 8)).float()
+            x = normal_batch(0, rank, (2, 8)).float()
 
             def step():
                 loss = model(x).sum()
@@ -114,7 +114,7 @@ def flags_carried_to_sync(rank, world, ck):
     torch.manual_seed(0)
     model = Branches().double()
     fully_shard(model)
-    x = local_batch(0, rank, (2, 8))
+    x = normal_batch(0, rank, (2, 8))
     model.set_requires_gradient_sync(False)
     model(x, use=rank == 0).sum().backward()  # rank 0 alone uses `sometimes`, without sync
     model.set_requires_gradient_sync(True)
@@ -139,7 +139,7 @@ def synced_backward_collectives(rank, world, ck):
     import torch.distributed as dist
     import megatron_fsdp_c as mf
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    x = local_batch(0, rank, (2, 8)).float()
+    x = normal_batch(0, rank, (2, 8)).float()
     meshes = [("1-D", rank_grid.device_mesh("cpu", (world,)))]
     if world == 4:
         meshes.append(("HSDP 2x2", rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))))

@@ -16,9 +16,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from megatron_fsdp_c.per_module import FSDPModule, UnshardHandle
 
 from support import rank_grid
-from support.checks import outcome
-
-RTOL = 1e-9
+from support.checks import RTOL, outcome
 
 # Each public method of torch's FSDPModule and what ours does with it (README: the per-method list).
 NO_EFFECT = ["set_is_last_backward", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params",

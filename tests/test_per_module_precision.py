@@ -62,7 +62,7 @@ from megatron_fsdp_c.testing import GPT, GPTConfig, batch
 
 from support import rank_grid
 from support.checks import cached_alias, full, raised_by, recorder_cells, verify
-from support.data import local_batch
+from support.data import normal_batch
 from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
@@ -165,7 +165,7 @@ def _stack(dtype=FP32):
 
 
 def _data(step, rank):
-    return local_batch(step, rank, (4, 16), FP32)
+    return normal_batch(step, rank, (4, 16), FP32)
 
 
 @cell("mp_training[bf16-fp32_reduce-reshard]", param_dtype=BF16, reduce_dtype=FP32, reshard=True)
@@ -371,7 +371,7 @@ def grouped_cast_forward_inputs(rank, world, ck):
     mp = MP(param_dtype=BF16, cast_forward_inputs=True)
     fully_shard([model.a, model.b], mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    out = model(local_batch(0, rank, (2, 16), FP32))
+    out = model(normal_batch(0, rank, (2, 16), FP32))
     ck.true("output in bf16", out.dtype == BF16, str(out.dtype))
     out.sum().backward()
     for name, p in model.named_parameters():
@@ -418,7 +418,7 @@ def bf16_on_one_submodule(rank, world, ck, case):
         fully_shard(model.c1, mp_policy=MP(param_dtype=BF16, output_dtype=FP32))
         expected = (FP32, BF16, FP32)
     fully_shard(model)
-    model(local_batch(0, rank, (2, 16), FP32)).sum().backward()
+    model(normal_batch(0, rank, (2, 16), FP32)).sum().backward()
     seen = (model.seen[0], model.c1.seen[0], model.c2.seen[0])
     ck.true("input dtypes of the root, c1, c2", seen == expected, f"{seen} != {expected}")
     for name, p in model.named_parameters():
@@ -456,7 +456,7 @@ def external_inputs(rank, world, ck, submodule_casts):
     model = MakesAnInput()
     fully_shard(model.l2, mp_policy=MP(param_dtype=BF16, cast_forward_inputs=submodule_casts))
     fully_shard(model, mp_policy=MP(param_dtype=BF16))
-    model(local_batch(0, rank, (2, 16), FP32)).sum().backward()
+    model(normal_batch(0, rank, (2, 16), FP32)).sum().backward()
     ck.true("the root's input cast to bf16", model.seen == BF16, str(model.seen))
     expected = (BF16, BF16 if submodule_casts else FP32)
     ck.true("l2's inputs", model.l2.seen == expected, f"{model.l2.seen} != {expected}")

@@ -39,7 +39,7 @@ from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
 from support import rank_grid
 from support.checks import cached_alias, full, raised_by, recorder_cells, reraise, verify
-from support.data import local_batch
+from support.data import normal_batch
 from support.train_both import average_grads
 
 CELLS = rank_grid.Cells(__name__)
@@ -97,7 +97,7 @@ def state_dict_roundtrip(rank, world, ck, dim, reshard):
     for k, v in sd.items():
         ck.true(f"{k}: a DTensor aliasing the parameter's local shard", isinstance(v, DTensor)
                 and (v.to_local().numel() == 0 or v.to_local().data_ptr() == ptrs[k]))
-    x = local_batch(0, rank, (2, dim))
+    x = normal_batch(0, rank, (2, dim))
     for when, seed in (("before the first forward", 1), ("after a forward", 2)):
         values = random_values(model, seed)
         # through the state dict: after a forward that keeps the weights (reshard False) the modules
@@ -143,7 +143,7 @@ def cached_state_dict(rank, world, ck, dim):
         if step == 3:
             model.double()  # (already float64: only the engine's release and re-initialisation)
         opt.zero_grad()
-        model(local_batch(step, rank, (dim, dim))).sum().backward()
+        model(normal_batch(step, rank, (dim, dim))).sum().backward()
         opt.step()
         cached_alias(ck, f"step {step}: the cached state dict", sd["weight"], model.weight)
 
@@ -318,7 +318,7 @@ def ignored_params_with_ddp(rank, world, ck):
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     opt = torch.optim.Adam(test.parameters(), lr=1e-2)
     for step in range(3):
-        x = local_batch(step, rank, (8, 8))  # the batch is as wide as subtrahend (torch: inp (dim, dim))
+        x = normal_batch(step, rank, (8, 8))  # the batch is as wide as subtrahend (torch: inp (dim, dim))
         ref_loss, loss = ref(x), test(x)
         ck.close(f"step {step}: loss", loss, ref_loss)
         ref_loss.backward()
@@ -341,7 +341,7 @@ def ignored_params_stay_local(rank, world, ck):
     for name in ("addend", "module_b.module_c.lin_c.weight"):
         p = model.get_parameter(name)
         ck.true(f"{name}: a plain Parameter", isinstance(p, nn.Parameter) and not isinstance(p, DTensor))
-    x = local_batch(0, rank, (8, 8))
+    x = normal_batch(0, rank, (8, 8))
     model(x).backward()
     ref(x).backward()
     local = {n: p.grad.clone() for n, p in ref.named_parameters()}
@@ -468,7 +468,7 @@ def bad_input(rank, world, ck):
     ref = copy.deepcopy(model)
     fully_shard(model[0])
     fully_shard(model)
-    x = local_batch(0, rank, (2, 4))
+    x = normal_batch(0, rank, (2, 4))
     model(x).sum().backward()
     ref(x).sum().backward()
     average_grads(ref, world)

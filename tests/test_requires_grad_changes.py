@@ -35,13 +35,13 @@ from megatron_fsdp_c.per_module import fully_shard as fully_shard_per_module
 from megatron_fsdp_c.testing import GPT, TPGPT, Block, GPTConfig, batch, parallelize_tp
 
 from support import rank_grid
+from support.checks import ATOL, RTOL
 
 CFG = GPTConfig(vocab=32, seq=8, d=16, heads=2, layers=3)
 STEPS, MICRO = 4, 2
 FROZEN_AT_START = ("tok.", "blocks.0.")
 FROZEN_AT_2 = ("blocks.1.", "ln.weight")
 FROZEN_BEFORE_LAST_STEP = ("head.",)
-RTOL, ATOL = 1e-9, 1e-12
 
 
 def matching(named, prefixes):

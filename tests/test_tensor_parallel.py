@@ -41,14 +41,14 @@ import torch.nn.functional as F
 from megatron_fsdp_c.testing import GPTConfig, TPBlock, TPGPT, batch, parallelize_tp
 
 from support import rank_grid
-from support.checks import outcome
+from support.checks import RTOL, outcome, to_full
+from support.data import global_batch, rank_share
 
 CFG = GPTConfig(vocab=67, seq=8, d=32, heads=4, layers=2)
 LLAMA_VOCAB = 61
 STEPS = 3
 CLIP = 0.5      # small enough that clip_grad_norm_ scales every step
-RTOL = 1e-9
-GLOBAL_BATCH = 4  # two dp ranks' batches of 2
+DATA_RANKS = 2  # the global batch: 2 x token_batch, 4 sequences
 
 
 # -- models and data ----------------------------------------------------------------------------
@@ -92,33 +92,24 @@ def loss_of(kind, model, x, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def global_batch(kind, step):
+def token_batch(step, dp_rank, kind):
+    """One of the DATA_RANKS batches of 2 sequences whose concatenation is every run's global
+    batch; a run at another dp size takes its rank_share of it."""
     cfg = CFG if kind == "gpt" else GPTConfig(vocab=LLAMA_VOCAB, seq=8)
-    xs, ys = zip(*(batch(cfg, 2, seed=1000 * step + d) for d in range(2)))
-    return torch.cat(xs), torch.cat(ys)
-
-
-def local_batch(kind, step, dp_rank, dp_size):
-    x, y = global_batch(kind, step)
-    n = GLOBAL_BATCH // dp_size
-    return x[n * dp_rank:n * (dp_rank + 1)], y[n * dp_rank:n * (dp_rank + 1)]
-
-
-def full(t):
-    return t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+    return batch(cfg, 2, seed=1000 * step + dp_rank)
 
 
 def snapshot(named, opt):
     """Full tensors of the parameters, their gradients and Adam states (collective)."""
     params, grads, states = {}, {}, {}
     for n, p in named:
-        params[n] = full(p)
+        params[n] = to_full(p)
         if p.grad is not None:
-            grads[n] = full(p.grad)
+            grads[n] = to_full(p.grad)
         st = opt.state.get(p, {})
         for k in ("exp_avg", "exp_avg_sq"):
             if k in st:
-                states[f"{n}.{k}"] = full(st[k])
+                states[f"{n}.{k}"] = to_full(st[k])
         if "step" in st:
             states[f"{n}.step"] = torch.as_tensor(st["step"]).detach().clone().double()
     return dict(params=params, grads=grads, states=states)
@@ -130,11 +121,11 @@ def train_steps(kind, model, named, opt, dp_group, steps, first_step=0, clip=Tru
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     out = dict(losses=[], norms=[], snaps={})
     for step in range(first_step, first_step + steps):
-        x, y = local_batch(kind, step, dp_rank, dp_size)
+        x, y = rank_share(global_batch(token_batch, step, DATA_RANKS, kind), dp_rank, dp_size)
         loss = loss_of(kind, model, x, y)
         loss.backward()
         if clip:
-            out["norms"].append(full(torch.nn.utils.clip_grad_norm_([p for _, p in named()], CLIP)).item())
+            out["norms"].append(to_full(torch.nn.utils.clip_grad_norm_([p for _, p in named()], CLIP)).item())
         opt.step()
         if step == first_step + steps - 1:
             out["snaps"][step] = snapshot(named(), opt)
@@ -151,7 +142,7 @@ def reference(kind, steps=STEPS):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out = dict(losses=[], norms=[], snaps={})
     for step in range(steps):
-        x, y = global_batch(kind, step)
+        x, y = global_batch(token_batch, step, DATA_RANKS, kind)
         loss = loss_of(kind, model, x, y)
         loss.backward()
         if kind == "gpt":
