@@ -108,7 +108,7 @@ def ddp_run(rank, name):
 
 
 def prepare(keys):
-    """Imports the model code before the cells start (see rank_grid._grid_worker)."""
+    """Imports the model code before the cells start (see support/spawns.py's _grid_worker)."""
     for name, _ in keys:
         MODELS[name]()
     import transformers.optimization  # noqa: F401

@@ -597,7 +597,7 @@ for _name in SCENARIOS:
 
 
 def prepare(keys):
-    """Imports what these cells import, before they start (see rank_grid._grid_worker)."""
+    """Imports what these cells import, before they start (see support/spawns.py's _grid_worker)."""
     if any(key[0] == "warmup_cosine_after_shard" for key in keys):
         try:
             import transformers.optimization  # noqa: F401
