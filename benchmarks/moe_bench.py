@@ -1,5 +1,5 @@
 """The MoE benchmark (benchmarks/run.py's `moe` part), under torchrun at 4 CPU ranks: the
-expert-parallel MoE of tests/moe_model.py at a benchmark size, ep 2, the experts sharded over
+expert-parallel MoE of tests/support/moe_model.py at a benchmark size, ep 2, the experts sharded over
 dp_mod_ep (2 ranks), the dense part over all 4, with megatron_fsdp_c's per-module fully_shard,
 with torch's FSDP2 on the same meshes and script, and with megatron_fsdp_c's Megatron-style
 fully_shard(expt_device_mesh=...) on the same rank sets (experts marked allreduce=False, ZeRO-3,
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from moe_model import MoEBlock, MoEModel, moe_batch  # noqa: E402
+from support.moe_model import MoEBlock, MoEModel, moe_batch  # noqa: E402
 
 CONFIG = dict(vocab=2048, d=256, hidden=512, n_experts=8, k=2, layers=4)
 ROWS, SEQ, EP = 8, 64, 2

@@ -1,7 +1,7 @@
 """pytest set-up: the multi-rank grids learn which cells this session reads (see [Note: one
-spawn per world size] in rank_grid.py)."""
+spawn per world size] in support/rank_grid.py)."""
 
-import rank_grid
+from support import rank_grid
 
 
 def pytest_collection_finish(session):

@@ -9,8 +9,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, batch
 
-import rank_grid
-from train_both import CFG, TrainBoth
+from support import rank_grid
+from support.train_both import CFG, TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
 

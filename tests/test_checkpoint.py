@@ -10,7 +10,9 @@ import torch.distributed.checkpoint as dcp
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-import rank_grid
+from support import rank_grid
+from support.checks import RTOL
+from support.data import rank_share
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
 GLOBAL_BATCH = 4
@@ -41,9 +43,7 @@ def train(model, opt, rank, world, steps, first_step=0):
     global mean loss per step (the same numbers at any world size, up to rounding)."""
     losses = []
     for step in range(first_step, first_step + steps):
-        x, y = batch(CFG, GLOBAL_BATCH, seed=step)
-        share = GLOBAL_BATCH // world
-        loss = model(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])
+        loss = model(*rank_share(batch(CFG, GLOBAL_BATCH, seed=step), rank, world))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -111,7 +111,7 @@ def reshard_leg(rank, world, load_from, save_to, first_step, steps):
 
 # Steps 0-2 at world 4, 3-4 at 2, 5 at 1, 6 back at 4. The first leg has a spawn of its own (group
 # "reshard"), the others run in the shared spawns, which then run in the order 2, 1, 4 (see
-# [Note: one spawn per world size] in rank_grid.py).
+# [Note: one spawn per world size] in support/rank_grid.py).
 RESHARD_LEGS = [(4, "reshard", None, "a", 0, 3), (2, "shared", "a", "b", 3, 2), (1, "shared", "b", "c", 5, 1),
                 (4, "shared", "c", None, 6, 1)]
 for _i, (_world, _group, _load, _save, _first, _steps) in enumerate(RESHARD_LEGS):
@@ -129,7 +129,7 @@ def test_reshard_4_2_1_4(strategy):
     print(f"\nstrategy {strategy}: resharded {continued}\n            straight  {straight[strategy]}")
     # The global batch is the same at every world size; only the order of the sums differs.
     torch.testing.assert_close(torch.tensor(continued, dtype=torch.float64),
-                               torch.tensor(straight[strategy], dtype=torch.float64), rtol=1e-9, atol=0)
+                               torch.tensor(straight[strategy], dtype=torch.float64), rtol=RTOL, atol=0)
 
 
 # -- interop with plain models -------------------------------------------------------------------

@@ -14,7 +14,7 @@ from megatron_fsdp_c._nccl import check_one_nccl, divmod_version
 from megatron_fsdp_c.fully_shard import _check_params
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-import rank_grid
+from support import rank_grid, spawns
 
 CELLS = rank_grid.Cells(__name__)
 
@@ -90,7 +90,7 @@ CELLS.add("group timeout", _group_timeout, worlds=(1,), tests=["test_no_collecti
 def test_no_collective_timeout_means_the_process_group_timeout():
     own, world = CELLS.result("group timeout", 1)[0]
     assert own == datetime.timedelta(seconds=77)
-    assert world == datetime.timedelta(seconds=rank_grid.GROUP_TIMEOUT_S)  # the grid's default group timeout
+    assert world == datetime.timedelta(seconds=spawns.GROUP_TIMEOUT_S)  # the grid's default group timeout
 
 
 def test_one_nccl_in_the_process():

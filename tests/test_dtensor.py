@@ -27,9 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-import rank_grid
-from checks import to_full
-from train_both import TrainBoth
+
+from support import rank_grid
+from support.checks import ATOL, RTOL, to_full
+from support.train_both import TrainBoth
 
 STRATEGIES = [0, 1, 2, 3]
 MODELS = ["gpt", "llama"]
@@ -201,7 +202,7 @@ def check_cell(world, kind, strategy):
             assert set(r["placements"].values()) <= {"(Shard(dim=0),)", "(Replicate(),)"}, r["placements"]
         assert {t.dtype for t in r["params"].values()} == {dtype_at(world)}
         if world > 2:  # float64: the algorithm, whatever the order of the sums
-            tol = dict(rtol=1e-9, atol=1e-12)
+            tol = dict(rtol=RTOL, atol=ATOL)
             tol_state = tol_param = tol
         else:
             tol, tol_state, tol_param = dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-5, atol=1e-7), dict(rtol=1e-5, atol=1e-6)

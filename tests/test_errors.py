@@ -8,7 +8,7 @@ import torch.nn as nn
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-import rank_grid
+from support import rank_grid
 
 CELLS = rank_grid.Cells(__name__)
 

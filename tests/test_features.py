@@ -12,8 +12,9 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.testing import GPT, Block, batch
 
-import rank_grid
-from train_both import CFG, assert_match, train_pair
+from support import rank_grid
+from support.checks import ATOL, RTOL
+from support.train_both import CFG, assert_match, train_pair
 
 FEATURES = {
     "tied_weights": dict(cfg=dataclasses.replace(CFG, tied=True)),
@@ -79,7 +80,7 @@ def test_feature_matches_ddp(name, strategy):
             assert_match(result, exact=True)
         else:
             assert result["params"]["tok.weight"].dtype == torch.float64
-            assert_match(result, rtol=1e-9, atol=1e-12)
+            assert_match(result, rtol=RTOL, atol=ATOL)
         if name == "tied_weights":
             assert facts == {"shared": True, "records": 1}
         if name == "frozen_parameters":

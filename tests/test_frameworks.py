@@ -2,7 +2,9 @@
 give torch's numbers on the same script (issue 24): accelerate 1.15.0 (FullyShardedDataParallelPlugin
 (fsdp_version=2), gradient accumulation through its no_sync), Lightning 2.6.6 (Fabric's
 no_backward_sync, the Trainer's accumulate_grad_batches). Each cell trains the same tiny model with
-torch's FSDP2 and with ours in the same process and returns both; the tests compare losses, gradient
+torch's FSDP2 and with ours in the same process and returns both: for Lightning, the scripts
+examples/dropin_lightning_fabric.py and dropin_lightning_trainer.py themselves (their run(impl));
+accelerate has no example, its script is here. The tests compare losses, gradient
 norms and final parameters, and our reduce-scatter counts (a skipped gradient sync is skipped here
 too). accelerate runs in float64 (rtol 1e-9); Lightning's ModelParallelStrategy refuses 64-true, so
 it runs in float32, compared bit for bit: at world 2 each reduced gradient element is the sum of
@@ -17,17 +19,21 @@ module's cells should see. A framework that is not installed skips its test with
 """
 import contextlib
 import importlib
+import importlib.util
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
+from support import rank_grid
+from support.checks import RTOL
 
 CELLS = rank_grid.Cells(__name__)
-RTOL = 1e-9
 GROUP = "frameworks"
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 IMPLS = ("torch", "ours")
 
 
@@ -64,14 +70,6 @@ def torchs_fully_shard_is(impl):
         tfsdp.fully_shard = orig
 
 
-def fully_shard_of(impl):
-    if impl == "torch":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        from megatron_fsdp_c.per_module import fully_shard
-    return fully_shard
-
-
 @contextlib.contextmanager
 def launcher_env(rank, world):
     """The variables torchrun sets, which accelerate and Lightning read to see that the processes
@@ -94,10 +92,6 @@ def batches(rank, n, dtype=torch.float64, dim=8, out=2):
     g = torch.Generator().manual_seed(rank)
     return [(torch.randn(4, dim, generator=g, dtype=dtype), torch.randn(4, out, generator=g, dtype=dtype))
             for _ in range(n)]
-
-
-def grad_norm(model) -> float:
-    return torch.sqrt(sum(p.grad.full_tensor().square().sum() for p in model.parameters())).item()
 
 
 def reduce_scatters(model, impl):
@@ -149,90 +143,26 @@ def accelerate_cell(rank, world):
         return {impl: accelerate_run(rank, world, impl) for impl in IMPLS}
 
 
-# -- Lightning -------------------------------------------------------------------------------------
+# -- Lightning: the examples themselves ------------------------------------------------------------
 
-def fabric_run(rank, world, impl, steps=2, accum=2):
-    """Fabric's ModelParallelStrategy; gradient accumulation through fabric.no_backward_sync, which
-    Fabric gates on isinstance of torch's FSDPModule."""
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import ModelParallelStrategy
-    fully_shard = fully_shard_of(impl)
-
-    def parallelize(model, mesh):
-        dp = mesh["data_parallel"]
-        fully_shard(model[0], mesh=dp)
-        fully_shard(model[2], mesh=dp)
-        fully_shard(model, mesh=dp)
-        return model
-
-    fabric = Fabric(accelerator="cpu", devices=world, precision="32-true",  # its only full precision
-                    strategy=ModelParallelStrategy(parallelize, data_parallel_size=world, tensor_parallel_size=1))
-    fabric.launch()
-    torch.manual_seed(0)
-    with fabric.init_module(empty_init=False):
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    model = fabric.setup_module(model)
-    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-    losses, norms = [], []
-    data = batches(rank, steps * accum, torch.float32)
-    for step in range(steps):
-        for micro in range(accum):
-            x, y = data[step * accum + micro]
-            with fabric.no_backward_sync(model, enabled=micro < accum - 1):
-                loss = (model(x) - y).square().mean() / accum
-                fabric.backward(loss)
-            losses.append(loss.item())
-        norms.append(grad_norm(model))
-        opt.step()
-        opt.zero_grad()
-    inner = model.module
-    return dict(losses=losses, norms=norms, params={n: p.full_tensor() for n, p in inner.named_parameters()},
-                reduce_scatters=reduce_scatters(inner, impl))
+def example(name: str):
+    """examples/<name>.py as a module (once per process; its __main__ part does not run)."""
+    module_name = f"example_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
+        sys.modules[module_name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[module_name])
+    return sys.modules[module_name]
 
 
-def trainer_run(rank, world, impl, steps=2, accum=2):
-    """The Trainer's ModelParallelStrategy with accumulate_grad_batches (it blocks backward sync for
-    DDP only, so both reduce every microbatch)."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
-    fully_shard = fully_shard_of(impl)
-
-    class Tiny(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-            self.losses, self.norms = [], []
-
-        def configure_model(self):
-            mesh = self.device_mesh["data_parallel"]
-            fully_shard(self.net[0], mesh=mesh)
-            fully_shard(self.net, mesh=mesh)
-
-        def training_step(self, batch, i):
-            x, y = batch
-            loss = (self.net(x) - y).square().mean()
-            self.losses.append(loss.item())
-            return loss
-
-        def on_before_optimizer_step(self, opt):
-            self.norms.append(grad_norm(self))
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    data = batches(rank, steps * accum, torch.float32)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat([x for x, _ in data]),
-                                                                        torch.cat([y for _, y in data])), batch_size=4)
-    module = Tiny()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, precision="32-true",
-                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-                         max_steps=steps, accumulate_grad_batches=accum, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(module, loader)
-    return dict(losses=module.losses, norms=module.norms,
-                params={n: p.full_tensor() for n, p in module.net.named_parameters()},
-                reduce_scatters=reduce_scatters(module.net, impl))
+def example_run(name: str, impl: str):
+    """The example's run(impl) on this rank, with what the tests compare beside its losses and
+    gradient norms: the full parameters and our reduce-scatters."""
+    out = example(name).run(impl)
+    model = out["model"]
+    return dict(losses=out["losses"], norms=out["norms"],
+                params={n: p.full_tensor() for n, p in model.named_parameters()},
+                reduce_scatters=reduce_scatters(model, impl))
 
 
 @CELLS.cell("lightning", group=GROUP, tests=["test_lightning_fabric", "test_lightning_trainer"])
@@ -240,8 +170,8 @@ def lightning_cell(rank, world):
     if missing("lightning"):
         return {"missing": missing("lightning")}
     with launcher_env(rank, world):
-        return {"fabric": {impl: fabric_run(rank, world, impl) for impl in IMPLS},
-                "trainer": {impl: trainer_run(rank, world, impl) for impl in IMPLS}}
+        return {kind: {impl: example_run(f"dropin_lightning_{kind}", impl) for impl in IMPLS}
+                for kind in ("fabric", "trainer")}
 
 
 # -- the tests -------------------------------------------------------------------------------------
@@ -273,7 +203,7 @@ def test_lightning_fabric():
     torch's FSDPModule): one reduce-scatter per group and step."""
     for rank, runs in enumerate(results("lightning")):
         same_run(runs["fabric"]["torch"], runs["fabric"]["ours"], rank, rtol=0)
-        assert runs["fabric"]["ours"]["reduce_scatters"] == 2 * 2  # 2 steps x the 2 Linear groups
+        assert runs["fabric"]["ours"]["reduce_scatters"] == 2 * 2  # 2 steps x 2 groups (model[0], the root)
 
 
 def test_lightning_trainer():

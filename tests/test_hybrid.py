@@ -23,9 +23,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-import rank_grid
+
+from support import rank_grid
+from support.checks import ATOL, RTOL
+from support.train_both import train_pair
 from test_mixed_precision import LOSS_RTOL, _reference_losses, _sharded_losses
-from train_both import train_pair
 
 CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=2)
 MESHES = [(2, 2), (1, 4), (4, 1)]  # (dp_outer, dp_shard)
@@ -44,7 +46,7 @@ def shard_hybrid(model, opt, mesh, strategy, **kw):
 
 
 def train_vs_ddp(rank, world, mesh_shape, strategy, micro, dtype, **kw):
-    """tests/train_both.py's train_pair on a hybrid mesh (no_sync on all but the last microbatch),
+    """tests/support/train_both.py's train_pair on a hybrid mesh (no_sync on all but the last microbatch),
     with what the hybrid checks need: counters per step, placements, memory."""
     r = train_pair(rank, world, strategy, "adamw", micro, cfg=CFG, steps=STEPS, dtype=dtype,
                    mesh=hybrid_mesh(*mesh_shape), dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
@@ -125,9 +127,9 @@ def _cell(key, world=4):
 def test_hsdp_matches_ddp_float64(mesh_shape, strategy, micro):
     for r in _cell((mesh_shape, strategy, micro, "torch.float64")):
         torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
-                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=1e-9, atol=1e-12)
+                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=RTOL, atol=ATOL)
         for name, ref in r["ref_params"].items():
-            torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=name)
+            torch.testing.assert_close(r["params"][name], ref, rtol=RTOL, atol=ATOL, msg=name)
 
 
 def _assert_bit_identical(r):
@@ -177,9 +179,9 @@ def test_placements_and_memory_at_2x2():
 
 def _assert_float64_parity(r):
     torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
-                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=1e-9, atol=1e-12)
+                                   torch.tensor(r["ref_losses"], dtype=torch.float64), rtol=RTOL, atol=ATOL)
     for name, ref in r["ref_params"].items():
-        torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(r["params"][name], ref, rtol=RTOL, atol=ATOL, msg=name)
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -428,8 +430,8 @@ def test_per_module_hsdp_matches_ddp_and_fsdp2_float64(case):
     mesh_shape, strategy, micro, skip = case
     for r in _cell(("per-module",) + case):
         for name, ref in r["ref"].items():
-            torch.testing.assert_close(r["params"][name], ref, rtol=1e-9, atol=1e-12, msg=f"vs DDP: {name}")
-            torch.testing.assert_close(r["params"][name], r["peer"][name], rtol=1e-9, atol=1e-12,
+            torch.testing.assert_close(r["params"][name], ref, rtol=RTOL, atol=ATOL, msg=f"vs DDP: {name}")
+            torch.testing.assert_close(r["params"][name], r["peer"][name], rtol=RTOL, atol=ATOL,
                                        msg=f"vs FSDP2: {name}")
         assert r["placements"] <= {"(Replicate(), Shard(dim=0))", "(Replicate(), Replicate())"}, r["placements"]
         # the all-reduce across replicas: once per step per gradient bucket, whatever the microbatches

@@ -6,7 +6,7 @@ import torch
 import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-import rank_grid
+from support import rank_grid
 
 CFG = GPTConfig(vocab=512, seq=32, d=96, heads=4, layers=6)
 CELLS = rank_grid.Cells(__name__)

@@ -32,7 +32,8 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
-import rank_grid
+from support import rank_grid
+from support.checks import ATOL, RTOL
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 LOSS_RTOL = 2.0 ** -8  # see [Note: bf16 tolerance]
@@ -238,7 +239,7 @@ def test_three_microbatches_count_each_gradient_once(key):
     grads = CELLS.result(("microbatches",) + key, 2)[0]
     for name, (ours, expected) in grads.items():
         assert ours.dtype == torch.float64
-        torch.testing.assert_close(ours, expected, rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(ours, expected, rtol=RTOL, atol=ATOL, msg=name)
 
 
 # -- NaN report, policy switch, bad input -------------------------------------------------------

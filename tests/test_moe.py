@@ -1,7 +1,7 @@
 """Mixture-of-experts with expert parallelism: a mesh per group ([Note: a mesh per group] in
-megatron_fsdp_c/per_module/_root.py) on the MoE of tests/moe_model.py (top-2 router, all-to-all
+megatron_fsdp_c/per_module/_root.py) on the MoE of tests/support/moe_model.py (top-2 router, all-to-all
 dispatch over the ep group, local experts). The cells run in the shared spawns ([Note: one spawn
-per world size] in rank_grid.py).
+per world size] in support/rank_grid.py).
 
 World 4, ep 2: the ep groups are {0,1} and {2,3}; the experts are sharded over the ranks that hold
 the same experts (dp_mod_ep: {0,2} and {1,3}), the dense part over all four (or HSDP 2 x 2). The
@@ -52,10 +52,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 import megatron_fsdp_c as mfsdp
-import rank_grid
-from checks import raised_by, recorder_cells, reraise, strip, verify
 from megatron_fsdp_c.per_module import fully_shard
-from moe_model import MoEBlock, global_batch, moe_batch, moe_model
+
+from support import rank_grid
+from support.checks import raised_by, recorder_cells, reraise, strip, verify
+from support.data import global_batch
+from support.moe_model import MoEBlock, moe_batch, moe_model
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS, tests=["test_moe"])
@@ -110,7 +112,7 @@ def train_both(ck, rank, world, model, ref, steps=STEPS, first=0, dead=None, opt
     for step in range(first, first + steps):
         loss = model(*moe_batch(step, rank))
         loss.backward()
-        rloss = ref(*global_batch(step, world))
+        rloss = ref(*global_batch(moe_batch, step, world))
         rloss.backward()
         if dead is not None:
             for (name, p), (_, r) in zip(_expert_params(model, dead), _expert_params(ref, dead)):
@@ -230,7 +232,7 @@ def dcp_load_world4(rank, world, ck):
     ref = moe_model()
     ropt = adamw(ref)
     for step in range(RELOAD_STEPS):
-        ref(*global_batch(step, 2)).backward()
+        ref(*global_batch(moe_batch, step, 2)).backward()
         ropt.step()
         ropt.zero_grad()
     model = sharded_moe(world)
@@ -307,7 +309,7 @@ def megatron_clip(rank, world, ck):
     for step in range(2):
         loss = model(*moe_batch(step, rank))
         loss.backward()
-        ref(*global_batch(step, world)).backward()
+        ref(*global_batch(moe_batch, step, world)).backward()
         ours, theirs = model.clip_grad_norm_(0.05), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         ck.close(f"step {step}: total gradient norm", [ours.item()], [theirs.item()])
         ck.true(f"step {step}: the norm is above the bound (clipping happens)", theirs.item() > 0.05)

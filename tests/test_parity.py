@@ -22,8 +22,9 @@ import itertools
 import pytest
 import torch
 
-import rank_grid
-from train_both import assert_match, train_pair
+from support import rank_grid
+from support.checks import ATOL, RTOL
+from support.train_both import assert_match, train_pair
 
 STRATEGIES = [0, 1, 2, 3]
 OPTIMIZERS = ["adamw", "sgd"]
@@ -57,4 +58,4 @@ def test_parity_with_ddp(world, strategy, optim, micro):
             assert_match(result, exact=True)
         else:
             assert result["params"]["tok.weight"].dtype == torch.float64
-            assert_match(result, rtol=1e-9, atol=1e-12)
+            assert_match(result, rtol=RTOL, atol=ATOL)

@@ -24,8 +24,10 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import rank_grid
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+
+from support import rank_grid
+from support.checks import ATOL, RTOL
 
 CFG = GPTConfig(vocab=67, seq=8, d=36, heads=4, layers=3)
 STEPS = 3
@@ -208,7 +210,7 @@ def test_megatron_strategies_in_the_fsdp2_script(world, kind, case):
     if case == "no_shard" and no_shard_order_differs(world):
         for ours, again, ours64, theirs64 in _cells(world, (kind, case, "ours"), (kind, case, "ours", "again"),
                                                    (kind, case, "ours", "float64"), (kind, "float64", "torch")):
-            _float64_close(ours64, theirs64, 1e-9, 1e-12, "float64 params")
+            _float64_close(ours64, theirs64, RTOL, ATOL, "float64 params")
             _same(again, ours, "fp32 run to run")
     else:
         for theirs, ours in _cells(world, (kind, "fp32", "torch"), (kind, case, "ours")):

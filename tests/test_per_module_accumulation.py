@@ -2,7 +2,7 @@
 after torch's own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_training.py)
 through public APIs only, against a plain replica whose gradients are averaged over the ranks,
 float64 to rtol 1e-9 at world 2 (and 4). The cells run in the shared spawns (see [Note: one spawn
-per world size] in rank_grid.py).
+per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - gradient accumulation with sync off for all groups, the root group only (recurse=False) or some
@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
-from checks import recorder_cells, verify
-from data import local_batch
 from megatron_fsdp_c.per_module import FSDPModule, fully_shard
-from tiny_models import MLP, gpt, gpt_data, gpt_loss, shard_blocks
-from train_both import TrainBoth
+
+from support import rank_grid
+from support.checks import recorder_cells, verify
+from support.data import normal_batch
+from support.tiny_models import MLP, gpt, gpt_data, gpt_loss, shard_blocks
+from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -55,7 +56,7 @@ def accumulation(rank, world, ck, mode, reshard, reshard_after_backward):
                     mlp.set_reshard_after_backward(is_last)
     pair = TrainBoth(rank, world, model, ref, reference="mean", ck=ck)
     # set_to_none=False on odd steps: the next step accumulates onto zeroed gradients
-    pair.run(3, lambda step, mb: local_batch(10 * step + mb, rank, (2, 8)), micro=3, before_micro=flags,
+    pair.run(3, lambda step, mb: normal_batch(10 * step + mb, rank, (2, 8)), micro=3, before_micro=flags,
              set_to_none=lambda step: step % 2 == 1)
     pair.check_params()
 

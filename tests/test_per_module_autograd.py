@@ -1,7 +1,7 @@
 """Autograd corner cases with megatron_fsdp_c.per_module.fully_shard, tested after torch's own
 FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_autograd.py) through public APIs
 only, against a single-process reference on the global batch, float64 to rtol 1e-9 at world 2.
-The cells run in the shared spawns (see [Note: one spawn per world size] in rank_grid.py).
+The cells run in the shared spawns (see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - an unused forward output: unused_output; a sharded module unused in forward: unused_module;
@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
-from checks import recorder_cells, verify
-from data import global_batch, local_batch
 from megatron_fsdp_c.per_module import fully_shard
-from train_both import TrainBoth
+
+from support import rank_grid
+from support.checks import recorder_cells, verify
+from support.data import global_batch, normal_batch
+from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -42,8 +43,8 @@ def global_reference_loop(ck, rank, world, model, ref, loss_fn, steps=6, dim=8):
     """Each rank trains on its slice of a global batch; the reference trains on all of it, its
     gradients divided by the world size (the mean of the ranks' sums)."""
     pair = TrainBoth(rank, world, model, ref, reference="global", ck=ck)
-    pair.run(steps, lambda step, mb: (local_batch(step, rank, (2, dim)), step),
-             ref_data=lambda step, mb: (global_batch(step, world, (2, dim)), step),
+    pair.run(steps, lambda step, mb: (normal_batch(step, rank, (2, dim)), step),
+             ref_data=lambda step, mb: (global_batch(normal_batch, step, world, (2, dim)), step),
              loss=lambda m, batch: loss_fn(m, *batch), set_to_none=lambda step: step % 2 == 1, check_grads=False,
              params_every_step=True)
 

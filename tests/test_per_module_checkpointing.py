@@ -2,7 +2,7 @@
 megatron_fsdp_c.per_module.fully_shard, tested after torch's own FSDP2 suite
 (test/distributed/_composable/fsdp/test_fully_shard_training.py) through public APIs only,
 against DDP or a plain replica on the same data, float64 to rtol 1e-9 at world 2. The cells run
-in the shared spawns (see [Note: one spawn per world size] in rank_grid.py).
+in the shared spawns (see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - activation checkpointing (torch.utils.checkpoint, checkpoint_wrapper, composable checkpoint) with
@@ -13,12 +13,13 @@ import copy
 
 import pytest
 
-import rank_grid
-from checks import recorder_cells, verify
 from megatron_fsdp_c.per_module import fully_shard
 from megatron_fsdp_c.testing import Block
-from tiny_models import gpt, gpt_data, gpt_loss
-from train_both import TrainBoth, shard_against_ddp
+
+from support import rank_grid
+from support.checks import recorder_cells, verify
+from support.tiny_models import gpt, gpt_data, gpt_loss
+from support.train_both import TrainBoth, shard_against_ddp
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)

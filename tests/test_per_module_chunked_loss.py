@@ -3,7 +3,7 @@ megatron_fsdp_c.per_module.fully_shard, tested after torch's own FSDP2 suite
 (test/distributed/_composable/fsdp/test_fully_shard_training.py) through public APIs only,
 against a plain replica whose gradients are averaged over the ranks, float64 to rtol 1e-9 at
 world 2. The cells run in the shared spawns (see [Note: one spawn per world size] in
-rank_grid.py).
+support/rank_grid.py).
 
 Behaviours (cell names):
 - a chunked loss: the model runs without its head, then the head (a member of a list group, or its
@@ -22,11 +22,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import rank_grid
-from checks import full, recorder_cells, verify
-from data import local_batch, tokens
 from megatron_fsdp_c.per_module import fully_shard
-from train_both import TrainBoth, average_grads
+
+from support import rank_grid
+from support.checks import full, recorder_cells, verify
+from support.data import normal_batch, tokens
+from support.train_both import TrainBoth, average_grads
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -188,7 +189,7 @@ def two_partial_forwards(rank, world, ck):
     fully_shard([model.norm, model.head])
     fully_shard(model)
     t1, t2 = tokens(1, rank, (2, SEQ), VOCAB), tokens(2, rank, (2, SEQ), VOCAB)
-    w1, w2 = local_batch(3, 0, (2, SEQ, 16)), local_batch(4, 0, (2, SEQ, 16))
+    w1, w2 = normal_batch(3, 0, (2, SEQ, 16)), normal_batch(4, 0, (2, SEQ, 16))
     for m in (model, ref):
         h1 = m(t1, skip_head=True)
         h2 = m(t2, skip_head=True)

@@ -1,7 +1,7 @@
 """How megatron_fsdp_c.per_module.fully_shard communicates under gradient accumulation, tested
 after torch's test_fully_shard_training.py::TestFullyShardGradientAccumulation through public
 APIs only (torch's CommDebugMode, the engine's comm_stats). The cells run in the shared spawns
-(see [Note: one spawn per world size] in rank_grid.py).
+(see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - a backward with gradient sync off issues no collective after its gathers: no reduce-scatter,
@@ -27,10 +27,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
-from checks import recorder_cells, verify
-from data import local_batch
 from megatron_fsdp_c.per_module import fully_shard
+
+from support import rank_grid
+from support.checks import recorder_cells, verify
+from support.data import normal_batch
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -55,7 +56,7 @@ def no_sync_backward(rank, world, ck):
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
         shard(model[1])
         shard(model)
-        x = local_batch(0, rank, (2, 8)).float()
+        x = normal_batch(0, rank, (2, 8)).float()
         model(x).sum().backward()  # the first step (ours: its lazy init) is not counted
         for sync in (False, True):
             model.set_requires_gradient_sync(sync)
@@ -85,7 +86,7 @@ def first_step_gathers(rank, world, ck):
             for m in model[1:]:
                 shard(m, **kw)
             shard(model, **kw)
-            x = local_batch(0, rank, (2, 8)).float()
+            x = normal_batch(0, rank, (2, 8)).float()
 
             def step():
                 loss = model(x).sum()
@@ -113,7 +114,7 @@ def flags_carried_to_sync(rank, world, ck):
     torch.manual_seed(0)
     model = Branches().double()
     fully_shard(model)
-    x = local_batch(0, rank, (2, 8))
+    x = normal_batch(0, rank, (2, 8))
     model.set_requires_gradient_sync(False)
     model(x, use=rank == 0).sum().backward()  # rank 0 alone uses `sometimes`, without sync
     model.set_requires_gradient_sync(True)
@@ -138,7 +139,7 @@ def synced_backward_collectives(rank, world, ck):
     import torch.distributed as dist
     import megatron_fsdp_c as mf
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    x = local_batch(0, rank, (2, 8)).float()
+    x = normal_batch(0, rank, (2, 8)).float()
     meshes = [("1-D", rank_grid.device_mesh("cpu", (world,)))]
     if world == 4:
         meshes.append(("HSDP 2x2", rank_grid.device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))))

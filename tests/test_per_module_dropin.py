@@ -1,7 +1,7 @@
 """The per-module API as frameworks see torch's FSDP2: our sharded modules are instances of torch's
 FSDPModule (the gate torchtitan, Lightning, accelerate and torch.distributed.pipelining use), with
 every public method of it; torch's own register_fsdp_forward_method and fully_shard.state() reach
-our state; torch 2.13's fully_shard signature (reshard_after_forward=None, dp_mesh_dims).
+our state (torch 2.13's fully_shard signature: test_per_module_signature.py).
 
 Cells at world 2 (rank_grid), float64 against torch's FSDP2 on the same script (rtol 1e-9), or
 against a single-process reference with averaged gradients.
@@ -14,10 +14,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from megatron_fsdp_c.per_module import FSDPModule, UnshardHandle
-from checks import outcome
-import rank_grid
 
-RTOL = 1e-9
+from support import rank_grid
+from support.checks import RTOL
 
 # Each public method of torch's FSDPModule and what ours does with it (README: the per-method list).
 NO_EFFECT = ["set_is_last_backward", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params",
@@ -160,78 +159,6 @@ def forward_method(rank, world, impl, register):
     return out
 
 
-def reshard_default(rank, world):
-    """reshard_after_forward=None is FSDP2's default: the root keeps its parameters gathered from
-    forward to backward (one all-gather fewer a step than True), the blocks reshard."""
-    counts = {}
-    for label, kw in (("none", {}), ("true", {"reshard_after_forward": True})):
-        model = shard(mlp(), "ours", **kw)
-        model(data(0, rank)).sum().backward()  # lazy init and a first step
-        before = model.comm_stats()["all_gathers"]
-        model(data(1, rank)).sum().backward()
-        counts[label] = model.comm_stats()["all_gathers"] - before
-    return counts
-
-
-def dp_mesh_dims(rank, world, impl, dims):
-    """torch's dp_mesh_dims (2.12+; ours on every torch): a named SPMD mesh whose dims are all
-    data-parallel, parameters DTensors replicated over it (as torch requires); float64 against
-    torch's FSDP2 on the same script: both compute with DTensors on the SPMD mesh, the batch
-    sharded over it ([Note: SPMD compute parameters] in megatron_fsdp_c/per_module/_root.py).
-    Two microbatches a step, the first with gradient sync off (their DTensor gradients' local
-    tensors are held, then summed). On torch 2.11, whose fully_shard has no dp_mesh_dims, torch's
-    side is what the argument stands for: FSDP2 on the data-parallel mesh itself (the 1-D shard
-    dim, or the 2-D (replicate, shard) HSDP mesh), plain parameters and batches."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    if impl == "ours":
-        from megatron_fsdp_c.per_module import DataParallelMeshDims
-    else:
-        DataParallelMeshDims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
-    if dims == "fsdp":
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        spec = DataParallelMeshDims and DataParallelMeshDims(shard="dp_shard")
-    else:  # hsdp: 1 x world
-        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_replicate", "dp_shard"))
-        spec = DataParallelMeshDims and DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
-    model = mlp()
-    if spec is not None:
-        for mod in model.modules():
-            for name, p in list(mod._parameters.items()):
-                mod._parameters[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()] * mesh.ndim))
-        shard(model, impl, mesh=mesh, dp_mesh_dims=spec)
-    else:
-        shard(model, impl, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(3):
-        for micro in range(2):
-            model.set_requires_gradient_sync(micro == 1)
-            x = data(10 * step + micro, rank)
-            if spec is not None:
-                x = DTensor.from_local(x, mesh, [Shard(0)] * mesh.ndim)
-            out = model(x)
-            if spec is not None:
-                assert isinstance(out, DTensor) and all(isinstance(p, DTensor) for p in model.parameters())
-                out = out.to_local()
-            loss = out.square().mean()
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return dict(losses=losses, params=full_params(model))
-
-
-def dp_mesh_dims_errors(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from megatron_fsdp_c.per_module import DataParallelMeshDims, fully_shard
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
-    return {label: outcome(fn) for label, fn in {
-        "tensor parallel dim": lambda: fully_shard(mlp(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")),
-        "unknown dim": lambda: fully_shard(mlp(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")),
-    }.items()}
-
-
 def all_reduce_hook(rank, world, impl, with_stream=False):
     """set_all_reduce_hook on every sharded module: the hook doubles the reduced gradient shard in
     place; .grad follows, as in torch's FSDP2 (one syncing backward per step). with_stream: the
@@ -346,17 +273,12 @@ def _register():
     add = CELLS.add
     add("gate", isinstance_gate, tests=["test_isinstance_gate"])
     add("lookup", state_lookup, tests=["test_torch_state_lookup_finds_ours"])
-    add("reshard_default", reshard_default, tests=["test_reshard_after_forward_none_keeps_the_root_gathered"])
-    add("dims_errors", dp_mesh_dims_errors, tests=["test_dp_mesh_dims_with_tensor_parallel_dims_is_a_clear_error"])
     add("accepted", accepted_and_refused, tests=["test_methods_without_effect_and_refused_ones"])
     add("reset", reset_iter_state, tests=["test_reset_iter_state_after_a_failed_forward_or_backward"])
     for impl in ("torch", "ours"):
         add(("summed", impl), summed_loss, impl, tests=["test_summed_loss_gets_fsdp2s_gradients"])
         add(("hook", impl), all_reduce_hook, impl, tests=["test_all_reduce_hook_matches_fsdp2"])
         add(("hook_stream", impl), all_reduce_hook, impl, True, tests=["test_all_reduce_hook_on_a_given_stream"])
-        for dims in ("fsdp", "hsdp"):
-            add(("dims", dims, impl), dp_mesh_dims, impl, dims, tests=["test_dp_mesh_dims_matches_fsdp2"],
-                match={"dims": dims})
         for register in ("torch", "ours"):
             if impl == "ours" or register == "torch":
                 # torch's run is every `register` parameter's reference
@@ -372,7 +294,7 @@ def _cell(key):
     return CELLS.result(key, 2)
 
 
-def _close(a, b, what, rtol=RTOL):
+def close_dicts(a, b, what, rtol=RTOL):
     assert set(a) == set(b), what
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=0, msg=lambda m: f"{what} {k}: {m}")
@@ -388,7 +310,7 @@ def test_summed_loss_gets_fsdp2s_gradients():
     """torchtitan's set_gradient_divide_factor(1.0) through the isinstance gate reaches us."""
     for theirs, ours in zip(_cell(("summed", "torch")), _cell(("summed", "ours"))):
         for step in theirs:
-            _close(ours[step], theirs[step], f"step {step} grads")
+            close_dicts(ours[step], theirs[step], f"step {step} grads")
 
 
 def test_torch_state_lookup_finds_ours():
@@ -402,39 +324,20 @@ def test_torch_state_lookup_finds_ours():
 @pytest.mark.parametrize("register", ["torch", "ours"])
 def test_forward_method_like_generate(register):
     for theirs, ours in zip(_cell(("method", "torch", "torch")), _cell(("method", "ours", register))):
-        _close({k: v for k, v in ours.items() if k != "params"}, {k: v for k, v in theirs.items() if k != "params"},
+        close_dicts({k: v for k, v in ours.items() if k != "params"}, {k: v for k, v in theirs.items() if k != "params"},
                "outputs")
-        _close(ours["params"], theirs["params"], "params")
-
-
-def test_reshard_after_forward_none_keeps_the_root_gathered():
-    for r in _cell("reshard_default"):
-        assert r["true"] == r["none"] + 1, r  # the root's one bucket, gathered again in backward with True
-
-
-@pytest.mark.parametrize("dims", ["fsdp", "hsdp"])
-def test_dp_mesh_dims_matches_fsdp2(dims):
-    for theirs, ours in zip(_cell(("dims", dims, "torch")), _cell(("dims", dims, "ours"))):
-        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=RTOL, atol=0)
-        _close(ours["params"], theirs["params"], "params")
-
-
-def test_dp_mesh_dims_with_tensor_parallel_dims_is_a_clear_error():
-    for r in _cell("dims_errors"):
-        assert r["tensor parallel dim"].startswith("NotImplementedError") and "['tp']" in r["tensor parallel dim"] \
-            and "fully_shard(module, mesh=mesh['dp'])" in r["tensor parallel dim"], r
-        assert r["unknown dim"].startswith("ValueError") and "'fsdp' not found" in r["unknown dim"], r
+        close_dicts(ours["params"], theirs["params"], "params")
 
 
 def test_all_reduce_hook_matches_fsdp2():
     for theirs, ours in zip(_cell(("hook", "torch")), _cell(("hook", "ours"))):
-        _close(ours["grads"], theirs["grads"], "grads")
+        close_dicts(ours["grads"], theirs["grads"], "grads")
         assert ours["calls"] == theirs["calls"] == 4, (ours["calls"], theirs["calls"])
 
 
 def test_all_reduce_hook_on_a_given_stream():
     for theirs, ours in zip(_cell(("hook_stream", "torch")), _cell(("hook_stream", "ours"))):
-        _close(ours["grads"], theirs["grads"], "grads")
+        close_dicts(ours["grads"], theirs["grads"], "grads")
         assert ours["calls"] == theirs["calls"] == 4, (ours["calls"], theirs["calls"])
         assert ours["on_stream"] and theirs["on_stream"], (ours["on_stream"], theirs["on_stream"])
 
@@ -450,4 +353,4 @@ def test_reset_iter_state_after_a_failed_forward_or_backward():
     for r in _cell("reset"):
         assert r["forward"] == "forward failed" and r["backward"] == "backward failed", r
         assert "must be called on the root" in r["non_root"], r
-        _close(r["grads"], r["clean"], "grads after reset")
+        close_dicts(r["grads"], r["clean"], "grads after reset")

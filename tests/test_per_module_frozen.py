@@ -2,7 +2,7 @@
 suite (test/distributed/_composable/fsdp/test_fully_shard_frozen.py) through public APIs only,
 against DDP or a plain replica whose gradients are averaged over the ranks, float64 to rtol 1e-9
 at world 2. The cells run in the shared spawns (see [Note: one spawn per world size] in
-rank_grid.py).
+support/rank_grid.py).
 
 Behaviours (cell names):
 - frozen parameters within a group (BitFit), frozen before or after fully_shard, with
@@ -17,12 +17,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
-from checks import full, recorder_cells, verify
-from data import local_batch
 from megatron_fsdp_c.per_module import fully_shard
-from tiny_models import mlp_stack
-from train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
+
+from support import rank_grid
+from support.checks import full, recorder_cells, verify
+from support.data import normal_batch
+from support.tiny_models import mlp_stack
+from support.train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -53,7 +54,7 @@ def frozen_within_group(rank, world, ck, reshard, ckpt, when):
     fully_shard(model, reshard_after_forward=reshard)
     if when == "after":
         freeze_all_but_biases(model)
-    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (8, 16)))
+    against_ddp(ck, rank, world, model, ref, lambda s, r: normal_batch(s, r, (8, 16)))
 
 
 def _interleaved_linears():
@@ -85,10 +86,10 @@ def frozen_across_groups(rank, world, ck, reshard, unfreeze):
     pair = TrainBoth(rank, world, model, ref, reference="mean", ck=ck)
 
     def train(step):
-        pair.run(1, lambda s, mb: local_batch(s, rank, (8, 16)), first=step, set_to_none=lambda s: s % 2 == 0)
+        pair.run(1, lambda s, mb: normal_batch(s, rank, (8, 16)), first=step, set_to_none=lambda s: s % 2 == 0)
     train(0)
     with torch.no_grad():
-        x = local_batch(1, rank, (8, 16))
+        x = normal_batch(1, rank, (8, 16))
         ck.close("no_grad step: loss", model(x).sum(), ref(x).sum())
     if unfreeze:
         _set_requires_grad(model, True)
@@ -125,7 +126,7 @@ def frozen_multi_forward(rank, world, ck, reshard):
             if isinstance(mod, nn.Linear):
                 fully_shard(mod, reshard_after_forward=reshard)
         fully_shard(m, reshard_after_forward=reshard)
-    shard_against_ddp(ck, rank, world, model, shard, lambda s, r: local_batch(s, r, (8, 5)))
+    shard_against_ddp(ck, rank, world, model, shard, lambda s, r: normal_batch(s, r, (8, 5)))
 
 
 class WithIntegerParameter(nn.Module):
@@ -142,7 +143,7 @@ class WithIntegerParameter(nn.Module):
 def integer_parameter(rank, world, ck):
     torch.manual_seed(42)
     model = WithIntegerParameter().double()
-    shard_against_ddp(ck, rank, world, model, fully_shard, lambda s, r: local_batch(s, r, (4, 16)))
+    shard_against_ddp(ck, rank, world, model, fully_shard, lambda s, r: normal_batch(s, r, (4, 16)))
     ck.equal("the integer parameter is unchanged", full(model.non_float), torch.arange(16, dtype=torch.int64))
 
 
@@ -154,7 +155,7 @@ def unfreeze_after_first_forward(rank, world, ck):
     ref = copy.deepcopy(model)
     fully_shard(model)
     model.requires_grad_(False)
-    x = local_batch(0, rank, (4, 16))
+    x = normal_batch(0, rank, (4, 16))
     with torch.no_grad():
         model(x)
     model.layers.requires_grad_(True)

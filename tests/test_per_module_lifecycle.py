@@ -2,7 +2,7 @@
 does them (torch's test_fully_shard_training.py TestFullyShardRegisteredParams,
 test_fully_shard_autograd.py's post-accumulate-grad hook tests, test_fully_shard_init.py's lazy
 init tests), through public APIs only, against a plain replica on the same data, float64 to rtol
-1e-9. The cells run in the shared spawns (see [Note: one spawn per world size] in rank_grid.py).
+1e-9. The cells run in the shared spawns (see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - after a forward without its backward, each group's modules hold its sharded DTensors when it
@@ -30,12 +30,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import rank_grid
-from checks import full, outcome, recorder_cells, verify
-from data import local_batch
 from megatron_fsdp_c.per_module import FSDPModule, fully_shard
-from tiny_models import MLP, MLPStack, mlp_stack
-from train_both import against_ddp, average_grads
+
+from support import rank_grid
+from support.checks import full, outcome, recorder_cells, verify
+from support.data import normal_batch
+from support.tiny_models import MLP, MLPStack, mlp_stack
+from support.train_both import against_ddp, average_grads
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -55,7 +56,7 @@ def after_forward_registration(rank, world, ck, reshard):
     ref = copy.deepcopy(model)
     _shard_stack(model, reshard_after_forward=reshard)
     for grad in (False, True):  # an eval-style forward, then one whose backward comes later
-        x = local_batch(int(grad), rank, (4, 8))
+        x = normal_batch(int(grad), rank, (4, 8))
         with torch.set_grad_enabled(grad):
             out = model(x)
         kinds = {n: type(p).__name__ for n, p in model.named_parameters()}
@@ -96,7 +97,7 @@ def post_acc_grad_hook_runs(rank, world, ck):
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(
             lambda p, name=name: seen.__setitem__(name, isinstance(p, DTensor) and p.grad is not None))
-    x = local_batch(0, rank, (4, 8))
+    x = normal_batch(0, rank, (4, 8))
     model(x).sum().backward()
     ck.equal("each hook once after the first backward", sorted(calls.items()), [(n, 1) for n in names])
     ck.true("each hook got its DTensor parameter with its .grad set", sorted(seen) == names and all(seen.values()),
@@ -129,7 +130,7 @@ def post_acc_grad_hook_optim_parity(rank, world, ck):
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_optim, step_size=2)
     for step in range(4):
-        x = local_batch(step, rank, (4, 8))
+        x = normal_batch(step, rank, (4, 8))
         ref_loss = ref(x).sum()
         ref_loss.backward()
         average_grads(ref, world)
@@ -152,7 +153,7 @@ def child_first(rank, world, ck, how):
     model = mlp_stack()
     ref = copy.deepcopy(model)
     _shard_stack(model)
-    x = local_batch(9, rank, (4, 8))
+    x = normal_batch(9, rank, (4, 8))
     if how == "forward":
         with torch.no_grad():
             ck.close("the child's first forward", model[1](x), ref[1](x))
@@ -165,7 +166,7 @@ def child_first(rank, world, ck, how):
         ck.true("a group not unsharded keeps its DTensors", isinstance(model[0].up.weight, DTensor))
         model[1].reshard()
         ck.true("reshard() registers the DTensor again", isinstance(model[1].up.weight, DTensor))
-    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)))
+    against_ddp(ck, rank, world, model, ref, lambda s, r: normal_batch(s, r, (4, 8)))
 
 
 class WeightNorm(nn.Module):
@@ -211,7 +212,7 @@ def reset_param_in_lazy_init(rank, world, ck):
             p.copy_(distribute_tensor(values[name], p.device_mesh, p.placements))
     model.init_weight_norm()
     ref.init_weight_norm()
-    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (3, 3)), loss=lambda m, x: m(x))
+    against_ddp(ck, rank, world, model, ref, lambda s, r: normal_batch(s, r, (3, 3)), loss=lambda m, x: m(x))
 
 
 class TiedStack(nn.Module):
@@ -262,12 +263,12 @@ def load_assign_on_meta(rank, world, ck, tied):
             all(p is sharded[n] for n, p in model.named_parameters()))
     if tied:  # the first forward ties them again
         with torch.no_grad():
-            model(local_batch(9, rank, (4, 8)))
+            model(normal_batch(9, rank, (4, 8)))
         ck.true("the tied weight is one parameter again", model.out.weight is model.inp.weight)
         ck.equal("the names of the parameters, as the reference's", [n for n, _ in model.named_parameters()],
                  [n for n, _ in ref.named_parameters()])
         _reshard_all(model)
-    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)))
+    against_ddp(ck, rank, world, model, ref, lambda s, r: normal_batch(s, r, (4, 8)))
     if not tied:
         ck.true("still the assigned DTensors after training",
                 all(p is sharded[n] for n, p in model.named_parameters()))
@@ -283,14 +284,14 @@ def to_after_first_forward(rank, world, ck):
     ref = copy.deepcopy(model).double()
     _shard_stack(model)
     with torch.no_grad():
-        model(local_batch(0, rank, (4, 8), torch.float32))
+        model(normal_batch(0, rank, (4, 8), torch.float32))
     before = list(model.parameters())
     model.to(torch.float64)
     ck.true("the same DTensor parameters, now float64 with float64 shards",
             all(p is q for p, q in zip(model.parameters(), before))
             and all(isinstance(p, DTensor) and p.dtype == torch.float64 and p.to_local().dtype == torch.float64
                     for p in model.parameters()))
-    data = lambda s, r: local_batch(s, r, (4, 8))  # noqa: E731
+    data = lambda s, r: normal_batch(s, r, (4, 8))  # noqa: E731
     pair = against_ddp(ck, rank, world, model, ref, data, steps=2)  # its zero_grad comes at a step's start
     # .to() with the last step's gradients attached (FSDP2's .grad is a DTensor Module._apply
     # converts): they are carried into the new engine, and the next backward accumulates onto them
@@ -305,7 +306,7 @@ def to_after_first_forward(rank, world, ck):
     pair.check_params("after .to() between steps, gradients attached")
     # a dtype change converts the attached gradients too, as under FSDP2
     for m in (model, pair.ref_run):
-        m(local_batch(4, rank, (4, 8))).sum().backward()
+        m(normal_batch(4, rank, (4, 8))).sum().backward()
     model.float()
     ck.true("after .float(), the gradients are float32 DTensors",
             all(isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32 for p in model.parameters()))
@@ -335,13 +336,13 @@ def to_with_replicated_grad(rank, world, ck):
     model = _Scaled().double()
     ref = copy.deepcopy(model)
     fully_shard(model)
-    model(local_batch(0, rank, (4, 8))).sum().backward()
+    model(normal_batch(0, rank, (4, 8))).sum().backward()
     said = outcome(lambda: model.to(torch.float64))
     ck.true(".to() with a replicated gradient attached raises at the call, naming zero_grad",
             said.startswith("RuntimeError") and "zero_grad(set_to_none=True)" in said and "scale" in said, said)
     model.zero_grad(set_to_none=True)
     model.to(torch.float64)
-    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)), steps=2)
+    against_ddp(ck, rank, world, model, ref, lambda s, r: normal_batch(s, r, (4, 8)), steps=2)
 
 
 @cell("no_warmup_jvp[keep]", worlds=(2,), reshard=False)
@@ -357,7 +358,7 @@ def no_warmup_jvp(rank, world, ck, reshard):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(distribute_tensor(ref.get_parameter(name).detach(), p.device_mesh, p.placements))
-    x, t = local_batch(0, rank, (4, 8)), local_batch(1, rank, (4, 8))
+    x, t = normal_batch(0, rank, (4, 8)), normal_batch(1, rank, (4, 8))
     out, tangent = torch.func.jvp(lambda inp: model(inp), (x,), (t,))
     ref_out, ref_tangent = torch.func.jvp(lambda inp: ref(inp), (x,), (t,))
     ck.close("jvp: the output", out, ref_out)
@@ -366,7 +367,7 @@ def no_warmup_jvp(rank, world, ck, reshard):
     ck.true("after the jvp, the groups kept gathered hold their full parameters, the others their DTensors",
             all(kept) if not reshard else not any(kept), str(kept))
     _reshard_all(model)
-    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)), steps=2)
+    against_ddp(ck, rank, world, model, ref, lambda s, r: normal_batch(s, r, (4, 8)), steps=2)
 
 
 @cell("compiled[reshard]", worlds=(2,), reshard=True)
@@ -384,7 +385,7 @@ def compiled(rank, world, ck, reshard):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     for step in range(3):
-        x = local_batch(step, rank, (4, 8))
+        x = normal_batch(step, rank, (4, 8))
         loss, ref_loss = run(x).sum(), ref(x).sum()
         loss.backward()
         ref_loss.backward()

@@ -2,7 +2,7 @@
 own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_training.py) through public
 APIs only, against DDP or a single-process reference on the same data, float64 to rtol 1e-9, at
 world 2 (and 4 where uneven or empty shards add coverage). The cells run in the shared spawns
-(see [Note: one spawn per world size] in rank_grid.py).
+(see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - DDP parity, one group holding the whole model, uneven and empty Shard(0) rows: single_group_parity
@@ -30,12 +30,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-import rank_grid
-from checks import full, recorder_cells, verify
-from data import local_batch, tokens
 from megatron_fsdp_c.per_module import FSDPModule, fully_shard
-from tiny_models import MLP, gpt, gpt_data, gpt_loss, mlp_stack, shard_blocks
-from train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
+
+from support import rank_grid
+from support.checks import full, recorder_cells, verify
+from support.data import normal_batch, tokens
+from support.tiny_models import MLP, gpt, gpt_data, gpt_loss, mlp_stack, shard_blocks
+from support.train_both import TrainBoth, against_ddp, average_grads, shard_against_ddp
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -46,7 +47,7 @@ SHAPES = {"16x15-15x8": ((16, 15), (15, 8)), "7x15-15x3": ((7, 15), (15, 3)), "1
 def single_group_parity(rank, world, ck, shapes):
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(*shapes[0]), nn.Tanh(), nn.Linear(*shapes[1])).double()
-    shard_against_ddp(ck, rank, world, model, fully_shard, lambda s, r: local_batch(s, r, (4, shapes[0][0])))
+    shard_against_ddp(ck, rank, world, model, fully_shard, lambda s, r: normal_batch(s, r, (4, shapes[0][0])))
 
 
 for _key, _shapes in SHAPES.items():
@@ -67,7 +68,7 @@ def non_root_forward_backward(rank, world, ck):
     for m in model:
         fully_shard(m)
     fully_shard(model)
-    x = local_batch(0, rank, (4, 8))
+    x = normal_batch(0, rank, (4, 8))
     through = [lambda m: m, lambda m: m[0]]  # step 0 through the root, step 1 through model[0] alone
     pair = TrainBoth(rank, world, model, ref, reference="mean", ck=ck)
     pair.run(2, lambda step, mb: (step, x), loss=lambda m, b: through[b[0]](m)(b[1]).sum())
@@ -95,7 +96,7 @@ def module_called_twice(rank, world, ck, reshard):
     def shard(m):
         fully_shard(m.inner, reshard_after_forward=reshard)
         fully_shard(m, reshard_after_forward=reshard)
-    shard_against_ddp(ck, rank, world, model, shard, lambda s, r: local_batch(s, r, (8, 4)))
+    shard_against_ddp(ck, rank, world, model, shard, lambda s, r: normal_batch(s, r, (8, 4)))
 
 
 @cell("explicit_prefetch")
@@ -131,8 +132,8 @@ def shard_placement_fn(rank, world, ck):
         for mlp in m:
             mlp.register_forward_pre_hook(contiguous_in_forward)
     model = mlp_stack()
-    shard_against_ddp(ck, rank, world, model, shard, lambda s, r: local_batch(s, r, (4, 8)))
-    model(local_batch(9, rank, (4, 8))).sum().backward()
+    shard_against_ddp(ck, rank, world, model, shard, lambda s, r: normal_batch(s, r, (4, 8)))
+    model(normal_batch(9, rank, (4, 8))).sum().backward()
     for name, p in model.named_parameters():
         ck.true(f"{name}: parameter, local shard, gradient and its local shard contiguous",
                 p.is_contiguous() and p.to_local().is_contiguous() and p.grad.is_contiguous()
@@ -212,7 +213,7 @@ def layer_by_layer(rank, world, ck):
         fully_shard(block)
         gc.collect()  # freed parameters' ids may be reused by the next block's
     fully_shard(model)
-    x = local_batch(0, rank, (2, 4, 16))
+    x = normal_batch(0, rank, (2, 4, 16))
     for m in (model, ref):
         (m(x) * x).sum().backward()
     average_grads(ref, world)
@@ -254,7 +255,7 @@ def unshard_child_first(rank, world, ck):
     model[0].unshard()
     ck.close("model[0] while unsharded", full(model[0].up.weight), ref[0].up.weight)
     model[0].reshard()
-    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)))
+    against_ddp(ck, rank, world, model, ref, lambda s, r: normal_batch(s, r, (4, 8)))
 
 
 @cell("cast_after_fully_shard")
@@ -269,7 +270,7 @@ def cast_after_fully_shard(rank, world, ck):
         ck.true(f"{name}: float64 DTensor with a float64 local shard after .to()",
                 isinstance(p, DTensor) and p.dtype == torch.float64 and p.to_local().dtype == torch.float64,
                 f"{type(p).__name__} {p.dtype}")
-    against_ddp(ck, rank, world, model, ref, lambda s, r: local_batch(s, r, (4, 8)))
+    against_ddp(ck, rank, world, model, ref, lambda s, r: normal_batch(s, r, (4, 8)))
     for name, p in model.named_parameters():
         ck.true(f"{name}: float64 gradient", p.grad is not None and p.grad.dtype == torch.float64
                 and p.grad.to_local().dtype == torch.float64)
@@ -308,7 +309,7 @@ def gradient_divide_factor(rank, world, ck):
     fully_shard(model)
     for step, factor in enumerate((1.0, 3.0)):
         model.set_gradient_divide_factor(factor)
-        x = local_batch(step, rank, (4, 8))
+        x = normal_batch(step, rank, (4, 8))
         model(x).sum().backward()
         ref(x).sum().backward()
         average_grads(ref, world)

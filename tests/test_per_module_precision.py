@@ -1,7 +1,7 @@
 """Mixed precision and gradient clipping of megatron_fsdp_c.per_module.fully_shard, tested after
 torch's own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py,
 test_fully_shard_clip_grad_norm_.py) through public APIs only. The cells run in the shared
-spawns (see [Note: one spawn per world size] in rank_grid.py).
+spawns (see [Note: one spawn per world size] in support/rank_grid.py).
 
 torch's MixedPrecisionPolicy semantics, as documented by FSDP2 (and our one difference):
 - param_dtype: the compute dtype; the sharded parameters, their gradients and the optimizer stay
@@ -28,15 +28,7 @@ Behaviours (cell names):
 - torch 2.15's per-parameter policy (param_dtype_override_fn; grad_dtype=None), bit for bit with
   FSDP2 (registered where torch has it): torch_policy_per_parameter
 - gradient accumulation with sync off under bf16 compute and fp32 reduction: mp_accumulation
-- dataclass / nested dataclass / namedtuple activations between groups under bf16: structured_io
-- cast_forward_inputs on every module of a list group: grouped_cast_forward_inputs
-- bf16 on one submodule only (cast by the library, by the user, or by output_dtype of the one
-  before): bf16_on_one_submodule; an input made inside the root reaching a bf16 group:
-  external_inputs
-- casts re-applied in activation recomputation (inputs and outputs): recompute_casts
-- LayerNorm / BatchNorm1d / BatchNorm2d groups under bf16 (BatchNorm's fp32 running statistics
-  refused next to bf16 weights as under FSDP2, and trained once cast down by hand), BatchNorm with
-  output_dtype only, each beside torch's FSDP2: norm_modules
+- where the inputs and outputs are cast: test_per_module_casts.py
 - megatron_fsdp_c's own MixedPrecisionPolicy with a bf16 wire, summed wide or (sum_in_comm_dtype)
   in bf16: our_policy_bf16_wire
 - megatron_fsdp_c's own MixedPrecisionPolicy (bf16 model, fp32 main weights): our_policy; its
@@ -47,8 +39,6 @@ Behaviours (cell names):
   Shard(0) gradients mixed): clip_grad_norm_mixed_strategies
 """
 import copy
-import dataclasses
-import typing
 
 import pytest
 import torch
@@ -57,12 +47,13 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as MP
 from torch.distributed.tensor import DTensor
 
-import rank_grid
 from megatron_fsdp_c.per_module import fully_shard
 from megatron_fsdp_c.testing import GPT, GPTConfig, batch
-from checks import cached_alias, full, raised_by, recorder_cells, verify
-from data import local_batch
-from train_both import TrainBoth
+
+from support import rank_grid
+from support.checks import cached_alias, full, raised_by, recorder_cells, verify
+from support.data import normal_batch
+from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -163,8 +154,8 @@ def _stack(dtype=FP32):
     return nn.Sequential(MLP(), MLP(), MLP()).to(dtype)
 
 
-def _data(step, rank):
-    return local_batch(step, rank, (4, 16), FP32)
+def mp_data(step, rank):
+    return normal_batch(step, rank, (4, 16), FP32)
 
 
 @cell("mp_training[bf16-fp32_reduce-reshard]", param_dtype=BF16, reduce_dtype=FP32, reshard=True)
@@ -176,7 +167,7 @@ def _data(step, rank):
 @cell("mp_training[bf16-default_reduce-reshard]", param_dtype=BF16, reduce_dtype=None, reshard=True)
 @cell("mp_training[fp32-bf16_reduce-reshard]", param_dtype=None, reduce_dtype=BF16, reshard=True)
 def mp_training(rank, world, ck, param_dtype, reduce_dtype, reshard, master=FP32):
-    mp_loop(ck, rank, world, _stack(master), MP(param_dtype=param_dtype, reduce_dtype=reduce_dtype), _data,
+    mp_loop(ck, rank, world, _stack(master), MP(param_dtype=param_dtype, reduce_dtype=reduce_dtype), mp_data,
             reshard=reshard)
 
 
@@ -199,7 +190,7 @@ def torch_policy_sums_like_fsdp2(rank, world, ck, param_dtype, reduce_dtype):
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses = []
         for step in range(4):
-            loss = model(_data(step, rank)).sum()
+            loss = model(mp_data(step, rank)).sum()
             loss.backward()
             optim.step()
             optim.zero_grad()
@@ -257,7 +248,7 @@ if TORCH_PER_PARAMETER:
             optim = torch.optim.Adam(model.parameters(), lr=1e-2)
             losses = []
             for step in range(3):
-                loss = model(_data(step, rank)).float().sum()
+                loss = model(mp_data(step, rank)).float().sum()
                 loss.backward()
                 optim.step()
                 optim.zero_grad()
@@ -269,299 +260,15 @@ if TORCH_PER_PARAMETER:
         ck.true("parameters equal FSDP2's", worst == 0.0, f"max |diff| {worst:.3g}")
         if variant == "grad_dtype_none":
             refused = build(fully_shard, None)
-            ck.raised("grad_dtype=None without reduce_dtype", lambda: refused(_data(0, rank)))
+            ck.raised("grad_dtype=None without reduce_dtype", lambda: refused(mp_data(0, rank)))
             # every rank raised in its lazy init, before any collective: the group is still usable
 
 
 @cell("mp_accumulation[reshard]", reshard=True)
 @cell("mp_accumulation[keep]", reshard=False)
 def mp_accumulation(rank, world, ck, reshard):
-    mp_loop(ck, rank, world, _stack(), MP(param_dtype=BF16, reduce_dtype=FP32), _data, steps=2, accumulate=4,
+    mp_loop(ck, rank, world, _stack(), MP(param_dtype=BF16, reduce_dtype=FP32), mp_data, steps=2, accumulate=4,
             reshard=reshard)
-
-
-@dataclasses.dataclass
-class Flat:
-    x: torch.Tensor
-    y: torch.Tensor
-
-
-@dataclasses.dataclass
-class Inner:
-    x: torch.Tensor
-    y: torch.Tensor
-
-
-@dataclasses.dataclass
-class Nested:
-    inner: Inner
-    z: torch.Tensor
-
-
-class Named(typing.NamedTuple):
-    x: torch.Tensor
-    y: torch.Tensor
-
-
-class ToStruct(nn.Module):
-    def __init__(self, kind):
-        super().__init__()
-        self.kind = kind
-
-    def forward(self, x):
-        if self.kind == "dataclass":
-            return Flat(x, x.clone())
-        if self.kind == "nested_dataclass":
-            return Nested(Inner(x, x.clone()), x.clone())
-        return Named(x, x.clone())
-
-
-class StructLinear(nn.Module):
-    """One Linear applied to every tensor of the structure."""
-
-    def __init__(self, kind, dim=16):
-        super().__init__()
-        self.kind = kind
-        self.lin = nn.Linear(dim, dim)
-
-    def forward(self, s):
-        f = lambda t: torch.tanh(self.lin(t))  # noqa: E731
-        if self.kind == "dataclass":
-            return Flat(f(s.x), f(s.y))
-        if self.kind == "nested_dataclass":
-            return Nested(Inner(f(s.inner.x), f(s.inner.y)), f(s.z))
-        return Named(f(s.x), f(s.y))
-
-
-class FromStruct(nn.Module):
-    def __init__(self, kind):
-        super().__init__()
-        self.kind = kind
-
-    def forward(self, s):
-        if self.kind == "nested_dataclass":
-            return s.inner.x + 2 * s.inner.y + 3 * s.z
-        return s.x + 2 * s.y
-
-
-@cell("structured_io[dataclass]", kind="dataclass")
-@cell("structured_io[nested_dataclass]", kind="nested_dataclass")
-@cell("structured_io[namedtuple]", kind="namedtuple")
-def structured_io(rank, world, ck, kind):
-    torch.manual_seed(42)
-    model = nn.Sequential(ToStruct(kind), StructLinear(kind), StructLinear(kind), FromStruct(kind))
-    mp_loop(ck, rank, world, model, MP(param_dtype=BF16, reduce_dtype=FP32), _data, steps=3)
-
-
-class AB(nn.Module):
-    def __init__(self, dim=16):
-        super().__init__()
-        self.a = nn.Linear(dim, dim, bias=False)
-        self.b = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x):
-        return self.b(self.a(x).float())  # an fp32 intermediate: b must cast its input itself
-
-
-@cell("grouped_cast_forward_inputs")
-def grouped_cast_forward_inputs(rank, world, ck):
-    torch.manual_seed(42)
-    model = AB()
-    mp = MP(param_dtype=BF16, cast_forward_inputs=True)
-    fully_shard([model.a, model.b], mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    out = model(local_batch(0, rank, (2, 16), FP32))
-    ck.true("output in bf16", out.dtype == BF16, str(out.dtype))
-    out.sum().backward()
-    for name, p in model.named_parameters():
-        ck.true(f"{name}: an fp32 gradient", p.grad is not None and p.grad.dtype == FP32)
-
-
-class Recording(nn.Module):
-    def __init__(self, user_cast: bool, dim=16):
-        super().__init__()
-        self.l = nn.Linear(dim, dim)
-        self.user_cast = user_cast
-        self.seen = []
-
-    def forward(self, x):
-        self.seen.append(x.dtype)
-        return self.l(x.to(self.l.weight.dtype) if self.user_cast else x)
-
-
-class TwoRecording(nn.Module):
-    def __init__(self, user_cast: bool):
-        super().__init__()
-        self.c1 = Recording(user_cast)
-        self.c2 = Recording(user_cast)
-        self.seen = []
-
-    def forward(self, x):
-        self.seen.append(x.dtype)
-        return self.c2(self.c1(x))
-
-
-@cell("bf16_on_one_submodule[library_casts]", case="library_casts")
-@cell("bf16_on_one_submodule[user_casts]", case="user_casts")
-@cell("bf16_on_one_submodule[output_dtype]", case="output_dtype")
-def bf16_on_one_submodule(rank, world, ck, case):
-    torch.manual_seed(42)
-    model = TwoRecording(user_cast=case == "user_casts")
-    if case == "library_casts":
-        fully_shard(model.c2, mp_policy=MP(param_dtype=BF16))
-        expected = (FP32, FP32, BF16)
-    elif case == "user_casts":
-        fully_shard(model.c2, mp_policy=MP(param_dtype=BF16, cast_forward_inputs=False))
-        expected = (FP32, FP32, FP32)
-    else:
-        fully_shard(model.c1, mp_policy=MP(param_dtype=BF16, output_dtype=FP32))
-        expected = (FP32, BF16, FP32)
-    fully_shard(model)
-    model(local_batch(0, rank, (2, 16), FP32)).sum().backward()
-    seen = (model.seen[0], model.c1.seen[0], model.c2.seen[0])
-    ck.true("input dtypes of the root, c1, c2", seen == expected, f"{seen} != {expected}")
-    for name, p in model.named_parameters():
-        ck.true(f"{name}: fp32 gradient", p.grad is not None and p.grad.dtype == FP32)
-
-
-class TakesTwo(nn.Module):
-    def __init__(self, dim=16):
-        super().__init__()
-        self.l = nn.Linear(dim, dim)
-        self.seen = None
-
-    def forward(self, x, y):
-        self.seen = (x.dtype, y.dtype)
-        return self.l(x)
-
-
-class MakesAnInput(nn.Module):
-    def __init__(self, dim=16):
-        super().__init__()
-        self.l1 = nn.Linear(dim, dim)
-        self.l2 = TakesTwo(dim)
-        self.seen = None
-
-    def forward(self, x):
-        self.seen = x.dtype
-        y = torch.ones(2, 16, dtype=FP32)  # made here: an input the root never saw
-        return self.l2(self.l1(x), y)
-
-
-@cell("external_inputs[cast]", submodule_casts=True)
-@cell("external_inputs[no_cast]", submodule_casts=False)
-def external_inputs(rank, world, ck, submodule_casts):
-    torch.manual_seed(42)
-    model = MakesAnInput()
-    fully_shard(model.l2, mp_policy=MP(param_dtype=BF16, cast_forward_inputs=submodule_casts))
-    fully_shard(model, mp_policy=MP(param_dtype=BF16))
-    model(local_batch(0, rank, (2, 16), FP32)).sum().backward()
-    ck.true("the root's input cast to bf16", model.seen == BF16, str(model.seen))
-    expected = (BF16, BF16 if submodule_casts else FP32)
-    ck.true("l2's inputs", model.l2.seen == expected, f"{model.l2.seen} != {expected}")
-
-
-class RecordingLinear(nn.Linear):
-    def __init__(self):
-        super().__init__(4, 4)
-        self.input_dtypes = []
-
-    def forward(self, x):
-        self.input_dtypes.append(x.dtype)
-        return super().forward(x)
-
-
-class Recomputed(nn.Module):
-    def __init__(self, checkpoint_input_dtype):
-        super().__init__()
-        self.linear1 = RecordingLinear()
-        self.checkpoint_input_dtype = checkpoint_input_dtype
-        self.output_dtypes = []
-
-    def run(self, x):
-        x = self.linear1(x)
-        self.output_dtypes.append(x.dtype)
-        return x
-
-    def forward(self, x):
-        x = x.to(self.checkpoint_input_dtype)
-        x = torch.utils.checkpoint.checkpoint(self.run, x, use_reentrant=False, early_stop=False)
-        return x.float().sum()
-
-
-@cell("recompute_casts[inputs]", which="inputs")
-@cell("recompute_casts[outputs]", which="outputs")
-def recompute_casts(rank, world, ck, which):
-    torch.manual_seed(42)
-    if which == "inputs":
-        model = Recomputed(FP32)
-        mp = MP(param_dtype=BF16, reduce_dtype=BF16)
-    else:
-        model = Recomputed(BF16)
-        mp = MP(param_dtype=BF16, reduce_dtype=BF16, output_dtype=FP32, cast_forward_inputs=False)
-    fully_shard(model.linear1, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    model(torch.randn(8, 4)).backward()
-    if which == "inputs":
-        ck.true("linear1's inputs in forward and recomputation", model.linear1.input_dtypes == [BF16, BF16],
-                str(model.linear1.input_dtypes))
-    else:
-        ck.true("linear1's outputs in forward and recomputation", model.output_dtypes == [FP32, FP32],
-                str(model.output_dtypes))
-
-
-@cell("norm_modules[layernorm]", kind="layernorm")
-@cell("norm_modules[batchnorm1d]", kind="batchnorm1d")
-@cell("norm_modules[batchnorm2d]", kind="batchnorm2d")
-@cell("norm_modules[batchnorm1d_buffers_cast]", kind="batchnorm1d", cast_buffers=True)
-@cell("norm_modules[batchnorm2d_buffers_cast]", kind="batchnorm2d", cast_buffers=True)
-@cell("norm_modules[batchnorm_output_dtype_only]", kind="batchnorm_output_dtype_only")
-def norm_modules(rank, world, ck, kind, cast_buffers=False):
-    """Norm modules under param_dtype=bf16, run with torch's FSDP2 and with ours side by side.
-    FSDP2 casts parameters only: BatchNorm's running statistics stay fp32 buffers, which CPU batch
-    norm refuses next to bf16 weights ("expected scalar type BFloat16 but found Float"; on CUDA,
-    BatchNorm2d's backward refuses them), and torch's test casts the buffers down by hand to train
-    it. The same happens here, with the same error; with the buffers cast, both train, with the same
-    outputs (bit for bit: the same bf16 computation on the same weights)."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    mp = MP(param_dtype=BF16)
-    runs = {}
-    for impl, shard in (("torch", torch_fully_shard), ("ours", fully_shard)):
-        torch.manual_seed(42)
-        if kind == "layernorm":
-            model, x = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32)), torch.randn(4, 32)
-        elif kind == "batchnorm2d":
-            model, x = nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3)), torch.randn(3, 1, 9, 9)
-        else:
-            model, x = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 32)), torch.randn(4, 32)
-        if kind == "batchnorm_output_dtype_only":
-            shard(model[1], mp_policy=MP(output_dtype=BF16))
-            for m in (model[0], model[2], model):
-                shard(m, mp_policy=mp)
-        else:
-            for m in (model[0], model[1], model[2], model):
-                shard(m, mp_policy=mp)
-        if cast_buffers:  # what torch's test_norm_modules_bf16 does to train BatchNorm2d
-            model[1].running_mean = model[1].running_mean.to(BF16)
-            model[1].running_var = model[1].running_var.to(BF16)
-        try:
-            z = model(x)
-            z.sum().backward()
-            runs[impl] = ("ran", z.detach().clone(),
-                          {n: (p.grad.dtype if p.grad is not None else None) for n, p in model.named_parameters()},
-                          {n: b.dtype for n, b in model.named_buffers()})
-        except RuntimeError as e:
-            runs[impl] = ("raised", str(e).splitlines()[0])
-    def outcome(run):  # ("ran",) or ("raised", message)
-        return run[:2] if run[0] == "raised" else run[:1]
-    ck.equal(f"{kind}: what FSDP2 does (ran, or raised and its message)", outcome(runs["ours"]), outcome(runs["torch"]))
-    if runs["ours"][0] == runs["torch"][0] == "ran":
-        ck.equal("output (bf16, bit for bit)", runs["ours"][1], runs["torch"][1])
-        ck.equal("gradient dtypes", sorted(runs["ours"][2].items()), sorted(runs["torch"][2].items()))
-        ck.equal("buffer dtypes", sorted(runs["ours"][3].items()), sorted(runs["torch"][3].items()))
-    expect_error = kind.startswith("batchnorm") and kind != "batchnorm_output_dtype_only" and not cast_buffers
-    ck.true("BatchNorm under param_dtype raises unless its buffers are cast (FSDP2 on CPU does)",
-            (runs["torch"][0] == "raised") == expect_error, str(runs["torch"][:2]))
 
 
 @cell("our_policy_bf16_wire[wide_sums]", narrow=False)
@@ -573,7 +280,7 @@ def our_policy_bf16_wire(rank, world, ck, narrow):
     from megatron_fsdp_c import MixedPrecisionPolicy as OurPolicy
     policy = OurPolicy(main_params_dtype=FP32, main_grads_dtype=FP32, grad_comm_dtype=BF16,
                        sum_in_comm_dtype=narrow)
-    mp_loop(ck, rank, world, _stack(), policy, _data, steps=2, wire=BF16, narrow=narrow)
+    mp_loop(ck, rank, world, _stack(), policy, mp_data, steps=2, wire=BF16, narrow=narrow)
 
 
 @cell("our_policy")
@@ -591,7 +298,7 @@ def our_policy(rank, world, ck):
             ck.true(f"{name}: a DTensor whose dtype is its local shard's", p.dtype == p.to_local().dtype,
                     f"{p.dtype} vs {p.to_local().dtype}")
     # the wire is fp32: world 2 sums like DDP
-    mp_loop(ck, rank, world, _stack().to(BF16), policy, lambda step, r: _data(step, r).to(BF16), steps=2,
+    mp_loop(ck, rank, world, _stack().to(BF16), policy, lambda step, r: mp_data(step, r).to(BF16), steps=2,
             shard=shard, master=FP32, wire=FP32)
 
 
@@ -613,7 +320,7 @@ def our_policy_main_weights(rank, world, ck):
             str({k: v.dtype for k, v in sd.items()}))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
-        out = model(_data(step, rank).to(BF16))
+        out = model(mp_data(step, rank).to(BF16))
         ck.true(f"step {step}: computes in bf16", out.dtype == BF16, str(out.dtype))
         out.float().sum().backward()
         ck.true(f"step {step}: float32 gradients", all(p.grad.dtype == FP32 for p in model.parameters()))

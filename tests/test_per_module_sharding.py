@@ -2,7 +2,7 @@
 any dim, as torch's FSDP2 allows (Muon/Dion-style optimizers shard along a chosen dim), tested
 after torch's own suite (test_fully_shard_init.py's TestFullyShardShardPlacementFn,
 test_fully_shard_training.py's shard_largest_dim tests) through public APIs only. The cells run
-in the shared spawns (see [Note: one spawn per world size] in rank_grid.py).
+in the shared spawns (see [Note: one spawn per world size] in support/rank_grid.py).
 
 The engine lays a Shard(d) parameter out in blocks ([Note: chunked layout] in
 csrc/core/mfsdp_layout.h): each rank's piece is torch.chunk(w, world, dim=d)[rank] made
@@ -34,11 +34,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict)
 from torch.distributed.tensor import DTensor, Shard
 
-import rank_grid
-from checks import full, raised_by, recorder_cells, reraise, verify
 from megatron_fsdp_c.per_module import fully_shard
-from tiny_models import gpt, gpt_data, gpt_loss, shard_blocks
-from train_both import shard_against_ddp
+
+from support import rank_grid
+from support.checks import full, raised_by, recorder_cells, reraise, verify
+from support.tiny_models import gpt, gpt_data, gpt_loss, shard_blocks
+from support.train_both import shard_against_ddp
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS, tests=["test_sharding_behaviour"])

@@ -1,8 +1,7 @@
-"""State dicts, checkpoints, ignored parameters and bad input of
-megatron_fsdp_c.per_module.fully_shard, tested after torch's own FSDP2 suite
-(test/distributed/_composable/fsdp/test_fully_shard_state_dict.py, _ignore_params.py) and issue
-15's list of bad input, through public APIs only. The cells run in the shared spawns
-(see [Note: one spawn per world size] in rank_grid.py).
+"""State dicts, checkpoints and ignored parameters of megatron_fsdp_c.per_module.fully_shard,
+tested after torch's own FSDP2 suite (test/distributed/_composable/fsdp/test_fully_shard_state_dict.py,
+_ignore_params.py), through public APIs only (bad input: test_per_module_bad_input.py). The cells
+run in the shared spawns (see [Note: one spawn per world size] in support/rank_grid.py).
 
 Behaviours (cell names):
 - state_dict(): DTensor values under the parameters' names, aliasing the parameters' local
@@ -17,7 +16,6 @@ Behaviours (cell names):
   saved at world 2, loaded at world 4: dcp_save_for_world_4 / dcp_load_from_world_2
 - ignored_params stay plain, replicated and unreduced, composed with DDP for them:
   ignored_params_with_ddp; their gradient is the rank's own: ignored_params_stay_local
-- bad input (issue 15) gets an error naming the fix: bad_input
 """
 import copy
 import os
@@ -28,18 +26,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import megatron_fsdp_c as mf
-import rank_grid
 from megatron_fsdp_c.per_module import fully_shard
-from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-from checks import cached_alias, full, raised_by, recorder_cells, reraise, verify
-from data import local_batch
-from train_both import average_grads
+from megatron_fsdp_c.testing import GPT, GPTConfig, batch
+
+from support import rank_grid
+from support.checks import cached_alias, full, recorder_cells, verify
+from support.data import normal_batch
+from support.train_both import average_grads
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS, tests=["test_state_behaviour"])
@@ -48,6 +45,8 @@ cell = recorder_cells(CELLS, tests=["test_state_behaviour"])
 def checkpoints(name: str) -> str:
     """A path for this session's checkpoints (spawns of every world size see it)."""
     return os.path.join(rank_grid.session_dir(), "per_module_state", name)
+
+
 CFG = GPTConfig(vocab=32, seq=8, d=16, heads=2, layers=3)
 
 
@@ -96,7 +95,7 @@ def state_dict_roundtrip(rank, world, ck, dim, reshard):
     for k, v in sd.items():
         ck.true(f"{k}: a DTensor aliasing the parameter's local shard", isinstance(v, DTensor)
                 and (v.to_local().numel() == 0 or v.to_local().data_ptr() == ptrs[k]))
-    x = local_batch(0, rank, (2, dim))
+    x = normal_batch(0, rank, (2, dim))
     for when, seed in (("before the first forward", 1), ("after a forward", 2)):
         values = random_values(model, seed)
         # through the state dict: after a forward that keeps the weights (reshard False) the modules
@@ -142,7 +141,7 @@ def cached_state_dict(rank, world, ck, dim):
         if step == 3:
             model.double()  # (already float64: only the engine's release and re-initialisation)
         opt.zero_grad()
-        model(local_batch(step, rank, (dim, dim))).sum().backward()
+        model(normal_batch(step, rank, (dim, dim))).sum().backward()
         opt.step()
         cached_alias(ck, f"step {step}: the cached state dict", sd["weight"], model.weight)
 
@@ -317,7 +316,7 @@ def ignored_params_with_ddp(rank, world, ck):
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     opt = torch.optim.Adam(test.parameters(), lr=1e-2)
     for step in range(3):
-        x = local_batch(step, rank, (8, 8))  # the batch is as wide as subtrahend (torch: inp (dim, dim))
+        x = normal_batch(step, rank, (8, 8))  # the batch is as wide as subtrahend (torch: inp (dim, dim))
         ref_loss, loss = ref(x), test(x)
         ck.close(f"step {step}: loss", loss, ref_loss)
         ref_loss.backward()
@@ -340,7 +339,7 @@ def ignored_params_stay_local(rank, world, ck):
     for name in ("addend", "module_b.module_c.lin_c.weight"):
         p = model.get_parameter(name)
         ck.true(f"{name}: a plain Parameter", isinstance(p, nn.Parameter) and not isinstance(p, DTensor))
-    x = local_batch(0, rank, (8, 8))
+    x = normal_batch(0, rank, (8, 8))
     model(x).backward()
     ref(x).backward()
     local = {n: p.grad.clone() for n, p in ref.named_parameters()}
@@ -352,143 +351,10 @@ def ignored_params_stay_local(rank, world, ck):
 
 
 # ------------------------------------------------------------------------------------------
-# bad input (issue 15)
-
-class Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok = nn.Embedding(10, 4)
-        self.out = nn.Linear(4, 10, bias=False)
-        self.out.weight = self.tok.weight
-
-    def forward(self, ids):
-        return self.out(self.tok(ids))
-
-
-def _twice():
-    m = nn.Linear(4, 4)
-    fully_shard(m)
-    fully_shard(m)
-
-
-def _shared_across_groups():
-    """FSDP2 refuses it at the lazy init (test_shared_params_separate_fsdp_groups_error)."""
-    m = Tied()
-    fully_shard(m.tok)
-    fully_shard(m.out)
-    fully_shard(m)
-    m(torch.randint(0, 10, (2, 3)))
-
-
-def _child_first(rank):
-    """A child's first forward initialises the model through its root (unshard_child_first,
-    first_forward_through_child); one run before its parent was sharded made it a root of its own."""
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    fully_shard(m[0])
-    m[0](torch.randn(2, 4))
-    fully_shard(m)
-    m(torch.randn(2, 4))
-
-
-def _two_meshes(world):
-    """Groups on two meshes are supported (tests/test_moe.py); one parameter in both is not."""
-    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    m[1].weight = m[0].weight
-    fully_shard(m[0], mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("a",)))
-    fully_shard(m, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("b",)))
-    m(torch.randn(2, 4))
-
-
-def _dtensor_parameter(world):
-    m = nn.Linear(4, 4)
-    mesh = init_device_mesh("cpu", (world,))
-    m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Replicate()]))
-    fully_shard(m)
-
-
-def _v1_sharded():
-    m = GPT(GPTConfig(vocab=16, seq=4, d=8, heads=2, layers=1))
-    mf.fully_shard(m, fsdp_unit_modules=[Block])
-    fully_shard(m)
-
-
-BAD_INPUT = {
-    "already sharded": (RuntimeError, r"already applied.*apply it once per module"),
-    "a parameter shared across two groups": (ValueError, r"Parameter 'out.weight' is shared with a parameter already "
-                                                         r"managed by another FSDP group.*fully_shard\(\[module_a, "
-                                                         r"module_b\]\).*common parent.*or untie"),
-    "a mesh on the wrong device type": (ValueError, r"mesh is on 'cuda' but the parameters are on 'cpu'.*"
-                                                    r"init_device_mesh\('cpu'"),
-    "shard_placement_fn returning Replicate()": (ValueError, r"Replicate\(\).*takes None or Shard\(dim\)"),
-    "offload_policy=CPUOffloadPolicy()": (NotImplementedError, r"CPUOffloadPolicy\(\) is not yet supported.*"
-                                                               r"OffloadPolicy\(\) or None"),
-    "a parameter in groups on two meshes": (ValueError, r"in groups on two different meshes.*one fully_shard call"),
-    "a 3-D mesh": (ValueError, r"fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh.*takes a 1-D mesh "
-                               r"\(FSDP\) or a 2-D \(replicate, shard\) mesh \(HSDP\)"),
-    "a 2-D mesh without dim names": (AssertionError, r"Please init the 2D mesh for HSDP with mesh_dim_names specified"),
-    "reshard_after_forward=3, not a factor of the group's size": (ValueError, r"should be a factor of 2, but got 3"),
-    "reshard_after_forward as a string": (ValueError, r"should be a bool or an int .* not 'yes'"),
-    "a child's forward ran first as its own root": (RuntimeError, r"already been lazily initialized for 0\nFSDP "
-                                                                  r"requires running forward through the root.*"
-                                                                  r"outermost sharded module"),
-    "a DTensor parameter": (ValueError, r"already a DTensor"),
-    "mp_policy of another type": (TypeError, r"torch.distributed.fsdp.MixedPrecisionPolicy"),
-    "a model sharded by the Megatron-FSDP API": (RuntimeError, r"one API per model"),
-}
-
-
-@cell("bad_input", tests=["test_bad_input_names_the_fix"])
-def bad_input(rank, world, ck):
-    from torch.distributed.fsdp import CPUOffloadPolicy
-    lin = lambda: nn.Linear(4, 4)  # noqa: E731
-    cases = {
-        "already sharded": _twice,
-        "a parameter shared across two groups": _shared_across_groups,
-        "a mesh on the wrong device type": lambda: fully_shard(lin(), mesh=DeviceMesh("cuda", torch.arange(world))),
-        "shard_placement_fn returning Replicate()": lambda: fully_shard(lin(), shard_placement_fn=lambda p: Replicate()),
-        "offload_policy=CPUOffloadPolicy()": lambda: fully_shard(lin(), offload_policy=CPUOffloadPolicy()),
-        "a parameter in groups on two meshes": lambda: _two_meshes(world),
-        "a 3-D mesh": lambda: fully_shard(lin(), mesh=init_device_mesh("cpu", (1, 1, world),
-                                                                       mesh_dim_names=("p", "r", "s"))),
-        "a 2-D mesh without dim names": lambda: fully_shard(lin(), mesh=init_device_mesh("cpu", (1, world))),
-        "reshard_after_forward=3, not a factor of the group's size": lambda: fully_shard(lin(), reshard_after_forward=3),
-        "reshard_after_forward as a string": lambda: fully_shard(lin(), reshard_after_forward="yes"),
-        "a child's forward ran first as its own root": lambda: _child_first(rank),
-        "a DTensor parameter": lambda: _dtensor_parameter(world),
-        "mp_policy of another type": lambda: fully_shard(lin(), mp_policy={"param_dtype": torch.bfloat16}),
-        "a model sharded by the Megatron-FSDP API": _v1_sharded,
-    }
-    for label, fn in cases.items():
-        ck.raised(label, fn)
-    # afterwards these processes still shard and train
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).double()
-    ref = copy.deepcopy(model)
-    fully_shard(model[0])
-    fully_shard(model)
-    x = local_batch(0, rank, (2, 4))
-    model(x).sum().backward()
-    ref(x).sum().backward()
-    average_grads(ref, world)
-    ck.grads("a model sharded afterwards", model, ref)
-
-
-# ------------------------------------------------------------------------------------------
 
 KNOWN_GAPS = {}  # cell -> how megatron_fsdp_c differs from FSDP2 there (strict xfails)
 
 
-@pytest.mark.parametrize("name,world", rank_grid.params(CELLS, [k for k in CELLS.keys() if k != "bad_input"],
-                                                        KNOWN_GAPS))
+@pytest.mark.parametrize("name,world", rank_grid.params(CELLS, CELLS.keys(), KNOWN_GAPS))
 def test_state_behaviour(name, world):
     verify(CELLS, name, world)
-
-
-@pytest.mark.parametrize("label", list(BAD_INPUT))
-def test_bad_input_names_the_fix(label):
-    expected, pattern = BAD_INPUT[label]
-    verify(CELLS, "bad_input", 2)
-    for kind, message in raised_by(CELLS.result("bad_input", 2), label):
-        with pytest.raises(expected, match=pattern):
-            reraise(kind, message)

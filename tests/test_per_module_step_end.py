@@ -14,8 +14,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import rank_grid
-from checks import RTOL, outcome
+from support import rank_grid
+from support.checks import RTOL, outcome
 
 CELLS = rank_grid.Cells(__name__)
 D, STEPS, MICRO = 8, 3, 3

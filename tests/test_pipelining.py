@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import rank_grid
+from support import rank_grid
+from support.checks import RTOL
 
 STEPS, MICRO, D = 2, 4, 8
 CELLS = rank_grid.Cells(__name__)
@@ -65,9 +66,9 @@ def test_pipeline_schedules_match_fsdp2(schedule):
                                               CELLS.result(("ours", schedule), 4))):
         assert len(ours["losses"]) == (STEPS * MICRO if rank >= 2 else 0)
         torch.testing.assert_close(torch.tensor(ours["losses"], dtype=torch.float64),
-                                   torch.tensor(theirs["losses"], dtype=torch.float64), rtol=1e-9, atol=0)
+                                   torch.tensor(theirs["losses"], dtype=torch.float64), rtol=RTOL, atol=0)
         for name, p in theirs["params"].items():
-            torch.testing.assert_close(ours["params"][name], p, rtol=1e-9, atol=0, msg=name)
+            torch.testing.assert_close(ours["params"][name], p, rtol=RTOL, atol=0, msg=name)
         # the last step: one reduce-scatter per gradient bucket (the two blocks'; the stage root has
         # no parameters of its own), not one per microbatch
         assert ours["reductions"][-1] - ours["reductions"][-2] == 2, ours["reductions"]

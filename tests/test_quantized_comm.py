@@ -34,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import megatron_fsdp_c as mf
 from megatron_fsdp_c import _C
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
-import rank_grid
+
+from support import rank_grid
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
 STEPS = 3

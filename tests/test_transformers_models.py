@@ -23,10 +23,10 @@ import megatron_fsdp_c as mf
 
 pytest.importorskip("transformers")
 
-import rank_grid
-from checks import assert_named, check_params, check_values, to_full
-from data import next_token_batch
-from schedulers import build_scheduler
+from support import rank_grid
+from support.checks import assert_named, check_params, check_values, to_full
+from support.data import next_token_batch
+from support.schedulers import build_scheduler
 from test_user_loops import COLLECTIVE_TIMEOUT, STRATEGIES, WORLDS, ref_params
 
 STEPS = 4
@@ -108,7 +108,7 @@ def ddp_run(rank, name):
 
 
 def prepare(keys):
-    """Imports the model code before the cells start (see rank_grid._grid_worker)."""
+    """Imports the model code before the cells start (see support/spawns.py's _grid_worker)."""
     for name, _ in keys:
         MODELS[name]()
     import transformers.optimization  # noqa: F401

@@ -16,8 +16,9 @@ import torch.distributed.device_mesh
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checks import ATOL, RTOL
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
+
+from .checks import ATOL, RTOL
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=3)
 STEPS = 5
@@ -219,7 +220,7 @@ def train_pair(rank, world, strategy, optim="adamw", micro=1, *, cfg=CFG, steps=
     use_no_sync: microbatches before the last run inside no_sync() on both sides (else every
     backward syncs on both). freeze: parameter-name prefixes frozen in both models."""
     import megatron_fsdp_c as mf
-    import rank_grid
+    from . import rank_grid
     setting = (dataclasses.astuple(cfg), dtype, optim, micro, steps, use_no_sync, tuple(freeze), alternate_set_to_none)
     ref = rank_grid.once(("train_pair DDP",) + setting, _pair_side, rank, world, None, setting)
     return dict(_pair_side(rank, world, lambda model, opt: mf.fully_shard(

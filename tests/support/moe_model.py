@@ -166,8 +166,3 @@ def moe_batch(step: int, rank: int, rows: int = 2, seq: int = 6, vocab: int = VO
     idx = torch.randint(0, vocab, (rows, seq), generator=g)
     targets = torch.randint(0, vocab, (rows, seq), generator=g)
     return idx, targets, torch.full((rows,), rank, dtype=torch.long)
-
-
-def global_batch(step: int, world: int, **kw):
-    parts = [moe_batch(step, r, **kw) for r in range(world)]
-    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
