@@ -36,7 +36,8 @@ and the same optimizer update to the same values. As in torch, this is the TP pl
 that feeds a TP-duplicated parameter different activations on different tp ranks without saying
 so (a Replicate() DTensor whose gradient comes back Replicate(), or a plain parameter not flagged
 sequence_parallel) diverges across tp, as it would under FSDP2 or Megatron-LM.
-tests/test_tensor_parallel.py checks bit-identity across tp after training, under both.
+tests/test_tensor_parallel.py (torch TP) and tests/test_tensor_parallel_megatron.py (Megatron-core style)
+check bit-identity across tp after training.
 """
 from __future__ import annotations
 

@@ -306,7 +306,7 @@ def hfsdp_run(rank, world):
     """HFSDP 2x2 with every wire quantized, the replicas' gather too: the compute weights are
     quantized twice (across replicas, then inside the replica), so only the invariants and the
     end-to-end deviation from DDP are checked here; the exact values are checked in C
-    (test_hfsdp_quantized in csrc/tests/test_core.c)."""
+    (test_hfsdp_quantized in csrc/tests/core/test_replicas.c)."""
     torch.manual_seed(0)
     model = GPT(CFG).double()
     ddp_model = copy.deepcopy(model)
