@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import megatron_fsdp_c as mfsdp
 from bench_worker import MODELS
-from megatron_fsdp_c import _C, param_buffer
+from megatron_fsdp_c import _C, _param_buffer
 from megatron_fsdp_c.testing import GPT, Block, batch, init_distributed
 
 BACKBONE = ("tok.", "pos.", "blocks.")
@@ -47,7 +47,7 @@ def run(spec, strategy, eager, steps, rank):
     torch.manual_seed(0)
     model = GPT(spec["cfg"])
     set_backbone(dict(model.named_parameters()), False)
-    with mock.patch.object(param_buffer._C, "plan", plan_all_trainable) if eager else contextlib.nullcontext():
+    with mock.patch.object(_param_buffer._C, "plan", plan_all_trainable) if eager else contextlib.nullcontext():
         fsdp, opt = mfsdp.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                       fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
     named = {n[len("module."):]: p for n, p in fsdp.named_parameters()}
