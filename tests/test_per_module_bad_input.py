@@ -70,6 +70,25 @@ def _two_meshes(world):
     m(torch.randn(2, 4))
 
 
+class _MixedDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, 4))
+        self.b = nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return x @ self.a @ self.b
+
+
+def _mixed_dtypes_in_a_group():
+    """float32 and bfloat16 parameters in one group under param_dtype=bfloat16: two engine
+    policies for one bucket (FSDP2: "FSDP expects uniform original parameter dtype")."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    m = _MixedDtypes()
+    fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    m(torch.randn(2, 4, dtype=torch.bfloat16))
+
+
 def _dtensor_parameter(world):
     m = nn.Linear(4, 4)
     mesh = init_device_mesh("cpu", (world,))
@@ -105,6 +124,9 @@ BAD_INPUT = {
     "a DTensor parameter": (ValueError, r"already a DTensor"),
     "mp_policy of another type": (TypeError, r"torch.distributed.fsdp.MixedPrecisionPolicy"),
     "a model sharded by the Megatron-FSDP API": (RuntimeError, r"one API per model"),
+    "float32 and bfloat16 parameters in one group": (ValueError, r"parameter 'b' computes in torch.bfloat16 like other "
+                                                                 r"parameters of its fully_shard group.*share their "
+                                                                 r"dtype"),
 }
 
 
@@ -128,6 +150,7 @@ def bad_input(rank, world, ck):
         "a DTensor parameter": lambda: _dtensor_parameter(world),
         "mp_policy of another type": lambda: fully_shard(lin(), mp_policy={"param_dtype": torch.bfloat16}),
         "a model sharded by the Megatron-FSDP API": _v1_sharded,
+        "float32 and bfloat16 parameters in one group": _mixed_dtypes_in_a_group,
     }
     for label, fn in cases.items():
         ck.raised(label, fn)
