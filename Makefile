@@ -43,8 +43,10 @@ $(VENV)/.ready: pyproject.toml setup.py Makefile
 	$(PY) -m pip install -q torch==2.13.0 numpy pytest matplotlib transformers==5.23.0
 	# tests/test_frameworks.py: accelerate and Lightning, pure Python (~10 MB, seconds). --no-deps: their
 	# other requirements come with transformers above, and Lightning's extras (aiohttp, ...) are not needed.
+	# tests/test_per_module_extensions.py: torchao's float8 and int8 training (its CUDA kernels do not
+	# load on the CPU; the emulated paths the tests use need none).
 	$(PY) -m pip install -q --no-deps accelerate==1.15.0 psutil==7.2.2 lightning==2.6.6 lightning-utilities==0.15.3 \
-	  torchmetrics==1.9.0
+	  torchmetrics==1.9.0 torchao==0.18.0
 	@touch $@
 
 $(VENV)/.built: $(VENV)/.ready $(wildcard csrc/*/*.c csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh) setup.py

@@ -10,8 +10,9 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch.distributed import ProcessGroup
 
-# One parameter for plan(): (numel, row, dtype_code, unit, requires_grad, replicated[, outer]).
-_PlanEntry: TypeAlias = tuple[int, int, int, int, int, int] | tuple[int, int, int, int, int, int, int]
+# One parameter for plan(): (numel, row, dtype_code, unit, requires_grad, replicated[, outer[, role]]).
+_PlanEntry: TypeAlias = (tuple[int, int, int, int, int, int] | tuple[int, int, int, int, int, int, int]
+                         | tuple[int, int, int, int, int, int, int, int])
 _Transport: TypeAlias = TorchTransport | NcclTransport
 
 # ------------------------------------------------------------------------------------------------
@@ -38,7 +39,8 @@ def plan(
     /,
 ) -> list[dict[str, Any]]:
     """Groups parameters into buckets and lays each out (csrc/core/mfsdp_layout.h); one dict per
-    bucket (key, item indices, both layouts, `local` rows, flag tail). The plan is validated."""
+    bucket (key, role, item indices, both layouts, `local` rows, flag tail). A bucket holds one
+    role only (0: ordinary parameters). The plan is validated."""
 
 # ------------------------------------------------------------------------------------------------
 # kernels.c: CPU kernels on CPU tensors (either build), CUDA kernels on torch's current stream

@@ -54,6 +54,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._common import grad_tensors, in_backward, logger, weak_call
+from ._extensions import plain_grad
 from ._pass_state import PassState, UnitState
 
 if TYPE_CHECKING:
@@ -93,6 +94,8 @@ class HookOwner(Protocol):
                              persist is resharded too). The per-module API registers the compute or
                              the sharded parameters there ([Note: per-group registration] in
                              per_module/_registration.py); MegatronFSDP swaps every parameter per pass.
+    `_unit_gathering(unit)`  (optional, looked up once): before each gather of a unit is started,
+                             whatever its buckets' state ([Note: extension parameters] in _extensions.py).
     """
 
     param_buffer: "ParamBuffer"
@@ -157,6 +160,7 @@ class HookManager:
         self.trainable = owner._trainable
         self.handles = []
         self.hooked = set()  # records with a gradient hook
+        self.on_gathering = getattr(owner, "_unit_gathering", None)
         self.on_unsharded = getattr(owner, "_unit_unsharded", None)
         self.on_resharded = getattr(owner, "_unit_resharded", None)
         self.grouped: List[UnitState] = []  # units of several modules (members > 1): completed at the root post-forward
@@ -210,11 +214,18 @@ class HookManager:
         for rec in records:
             if rec.index not in self.hooked:
                 self.hooked.add(rec.index)
-                # a TP parameter's gradient: its TP shard ([Note: tensor parallelism] in _tensor_parallel.py)
-                to_local = None if rec.tp is None else rec.tp.local_grad
+                # a TP parameter's gradient: its TP shard ([Note: tensor parallelism] in _tensor_parallel.py);
+                # an extension parameter's: a plain tensor ([Note: extension parameters] in _extensions.py)
+                to_local = rec.tp.local_grad if rec.tp is not None else plain_grad if rec.extension else None
                 # held weakly: [Note: hooks hold their owner weakly] in _common.py
                 self.handles.append(rec.param.register_post_accumulate_grad_hook(
                     weak_call(self, "grad_hook", rec.index, rec.bucket, rec.item, to_local=to_local)))
+
+    def rehook(self, rec) -> None:
+        """`rec`'s compute parameter was replaced ([Note: extension parameters] in _extensions.py)."""
+        self.hooked.discard(rec.index)
+        if self.trainable[rec.index]:
+            self.hook_grads([rec])
 
     def remove(self) -> None:
         for h in self.handles:
@@ -223,6 +234,12 @@ class HookManager:
         self.hooked.clear()
 
     # -- the shared gather order ------------------------------------------------------------
+    def gather(self, unit: UnitState) -> None:
+        """Starts `unit`'s gathers (every one goes through here, after the owner's `_unit_gathering`)."""
+        if self.on_gathering is not None:
+            self.on_gathering(unit)
+        self.engine.unshard(unit.buckets)
+
     def _out_of_order(self, unit: UnitState, behind: bool) -> None:
         """`unit` is used again after the shared order passed it; `behind`: not right after its
         previous use (so it is not simply a unit run twice in a row)."""
@@ -232,7 +249,7 @@ class HookManager:
                            "gathered again where it runs (an extra all-gather). Register units in the order they "
                            "execute, or see [Note: gather order] in megatron_fsdp_c/_hooks.py",
                            unit.index, type(unit.module).__name__)
-        self.engine.unshard(unit.buckets)
+        self.gather(unit)
 
     def _settle(self, seq, positions, issued_before, forward: bool) -> None:
         """Units of `seq` at `positions` did not run here: gather those not yet gathered (a peer
@@ -241,7 +258,7 @@ class HookManager:
         for q in positions:
             skipped = seq[q]
             if issued_before(q):
-                self.engine.unshard(skipped.buckets)
+                self.gather(skipped)
             if skipped.reshard_after_forward if forward else skipped.reshard_after_backward:
                 self._reshard(skipped)
 
@@ -260,7 +277,7 @@ class HookManager:
             return
         self._settle(self.fwd_seq, range(self.pass_state.fwd_done, pos), lambda q: q >= self.pass_state.fwd_next, True)
         if pos >= self.pass_state.fwd_next:
-            self.engine.unshard(unit.buckets)
+            self.gather(unit)
             self.pass_state.fwd_next = pos + 1
         self.pass_state.fwd_done = pos + 1
 
@@ -273,7 +290,7 @@ class HookManager:
         now = self.pass_state
         self._settle(self.bwd_seq, range(now.bwd_done - 1, pos, -1), lambda q: q < now.bwd_next, False)
         if pos < self.pass_state.bwd_next:
-            self.engine.unshard(unit.buckets)
+            self.gather(unit)
             self.pass_state.bwd_next = pos
         self.pass_state.bwd_done = pos
 
@@ -315,7 +332,7 @@ class HookManager:
             self.start_backward()
             self._backward_reach(unit)
         else:
-            self.engine.unshard(unit.buckets)
+            self.gather(unit)
         if unit.buckets:
             self.engine.wait_unshard(unit.buckets)
         if self.on_unsharded is not None:
@@ -337,7 +354,7 @@ class HookManager:
         the units named by set_modules_to_forward_prefetch (every unit between in order too)."""
         through = unit.pos + 1 if unit.forward_prefetch is None else max(unit.forward_prefetch, default=-1)
         while self.pass_state.fwd_next <= min(through, len(self.fwd_seq) - 1):
-            self.engine.unshard(self.fwd_seq[self.pass_state.fwd_next].buckets)
+            self.gather(self.fwd_seq[self.pass_state.fwd_next])
             self.pass_state.fwd_next += 1
 
     def post_forward(self, unit: UnitState, module, args, output):
@@ -378,7 +395,7 @@ class HookManager:
             if self.owner.overlap_param_gather:
                 self._prefetch_backward(unit)
         else:
-            self.engine.unshard(unit.buckets)
+            self.gather(unit)
         self.engine.wait_unshard(unit.buckets)
         if self.on_unsharded is not None:
             self.on_unsharded(unit)
@@ -390,7 +407,7 @@ class HookManager:
         through = max(through, 0)
         while self.pass_state.bwd_next > through:
             self.pass_state.bwd_next -= 1
-            self.engine.unshard(self.bwd_seq[self.pass_state.bwd_next].buckets)
+            self.gather(self.bwd_seq[self.pass_state.bwd_next])
 
     def post_backward(self, unit: UnitState) -> None:
         if unit.reshard_after_backward:

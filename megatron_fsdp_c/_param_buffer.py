@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import _C
 from ._common import ShardingStrategy, contiguous_stride, move_storage
 from ._distributed import DistContext, check_quant_transport
+from ._extensions import ROLE_EXTENSION, ROLE_PARAMS, ROLE_PAYLOAD, values_of, repoint
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy, bucket_dtypes
 from ._param_record import ParamRecord, as_dtype, into_engine, rows_of, collect_params, engine_dtype, local_shape
 from ._tensor_parallel import spmd_layout
@@ -80,12 +81,14 @@ class UnitConfig:
 class ParamBuffer:
     """Builds the plan and the engine for one model and keeps the parameter records. The model's
     strategy, policy and quant_policy hold for every unit, unless `units` gives each unit its own
-    (UnitConfig, by unit index)."""
+    (UnitConfig, by unit index). `payloads`: (unit, PayloadInput) of the extension parameters'
+    all-gather inputs, each an item of a payload bucket ([Note: extension parameters] in
+    _extensions.py); their (bucket, item) is set here."""
 
     def __init__(self, records: List[ParamRecord], strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
                  ctx: DistContext, *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float,
                  reduce_op: str, single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None,
-                 units: Optional[List[UnitConfig]] = None):
+                 units: Optional[List[UnitConfig]] = None, payloads=()):
         self.single_rank_collectives = single_rank_collectives
         self.records = records
         self.strategy = strategy
@@ -96,8 +99,11 @@ class ParamBuffer:
         for r in records:  # the compute parameter's dtype; r.shape (it may be an empty placeholder until pointed)
             row, outer = rows_of(r)
             plan_input.append((math.prod(r.shape), row, codes[engine_dtype(r.param.dtype)], r.unit,
-                               int(r.param.requires_grad), int(r.replicated), outer))
+                               int(r.param.requires_grad), int(r.replicated), outer,
+                               ROLE_EXTENSION if r.extension else ROLE_PARAMS))
         shard_world = 1 if strategy == ShardingStrategy.NO_SHARD else ctx.pieces
+        for unit, inp in payloads:  # one piece of inp.numel elements per rank
+            plan_input.append((inp.numel * shard_world, 1, codes[inp.engine_dtype], unit, 0, 0, 1, ROLE_PAYLOAD))
         # quantized gradients: the flag tail on their blocks' boundaries ([Note: used-flag tail])
         quants = [quant_policy] if units is None else [c.quant for c in units]
         blocks = {q.block for q in quants if q is not None and q.grads}
@@ -109,17 +115,22 @@ class ParamBuffer:
         specs = []
         max_grad_bytes = 0
         self.train_error: Dict[int, str] = {}  # bucket -> why its parameters cannot start training
+        n_records = len(records)
+        named = lambda bp: [records[pi] for pi in bp["params"] if pi < n_records]  # noqa: E731 (payloads have no record)
         for b, bp in enumerate(self.plan):
-            first = records[bp["params"][0]] if bp["params"] else None
+            first = named(bp)[0] if named(bp) else None
             dtype = dtype_of[bp["dtype"]]
             unit = None if units is None or bp["unit"] < 0 else units[bp["unit"]]
             spec = self._bucket_spec(b, bp, dtype, self.strategy_of_unit(bp["unit"]),
-                                     policy if unit is None else unit.policies[dtype],
+                                     policy if unit is None or bp["role"] == ROLE_PAYLOAD else unit.policies[dtype],
                                      quant_policy if unit is None else unit.quant,
                                      first.name if first is not None else "",
-                                     any(records[pi].trains_later for pi in bp["params"]))
+                                     any(r.trains_later for r in named(bp)))
             specs.append(spec)
             for i, (pi, local) in enumerate(zip(bp["params"], bp["local"])):
+                if pi >= n_records:
+                    payloads[pi - n_records][1].slot = (b, i)
+                    continue
                 rec = records[pi]
                 rec.bucket, rec.item, rec.local = b, i, local
             if spec["trainable_mode"] != _C.GRAD_NONE:
@@ -138,6 +149,7 @@ class ParamBuffer:
                                 outer_transport=ctx.outer_transport, outer_world=ctx.outer_world,
                                 outer_sharded=ctx.outer_sharded)
         self.bucket_units = [bp["unit"] for bp in self.plan]
+        self.bucket_roles = [bp["role"] for bp in self.plan]
 
     def strategy_of_unit(self, unit: int) -> ShardingStrategy:
         return self.strategy if self.units is None or unit < 0 else self.units[unit].strategy
@@ -201,7 +213,7 @@ class ParamBuffer:
         for b in range(len(self.plan)):
             self.engine.init_begin(b, True)
             for r in by_bucket.get(b, []):
-                local = r.dist_param._local_tensor.detach()
+                local = values_of(r.dist_param._local_tensor).detach()
                 if local.is_meta:
                     raise RuntimeError(
                         f"parameter '{r.name}' is still on the meta device at the first forward: materialise the "
@@ -226,6 +238,8 @@ class ParamBuffer:
         (torch's test_gradient_accumulation counts the first forward's all-gathers). Full weights
         that persist (ZeRO-1/2) are gathered now."""
         for b, recs in self.records_by_bucket().items():
+            if self.bucket_roles[b] == ROLE_EXTENSION:
+                continue  # they compute with what fsdp_post_all_gather makes ([Note: extension parameters])
             if self.specs[b]["weights_sharded"]:
                 full = self.engine.tensor(b, _C.BUF_WEIGHT)
                 storage = full.untyped_storage()
@@ -382,7 +396,12 @@ class ParamBuffer:
         sharded parameters never change storage."""
         moved = set()
         for r in self.records:
-            if existing:
+            if existing and r.extension:  # the subclass keeps its object, its values move ([Note: extension parameters])
+                dp = r.dist_param
+                view = self.local_view(r, _C.BUF_MAIN_SHARD)
+                if not move_storage(values_of(dp._local_tensor), view, moved):
+                    repoint(dp._local_tensor, view)
+            elif existing:
                 dp = r.dist_param
                 view = self.local_view(r, _C.BUF_MAIN_SHARD)
                 if not move_storage(dp._local_tensor, view, moved):
@@ -421,5 +440,7 @@ class ParamBuffer:
         return tuple(b for b, n in enumerate(self.trainable_items) if n > 0)
 
     def gatherable_buckets(self) -> tuple:
-        """Buckets whose full weights ever need an all-gather (ZeRO-1/2/3 with several ranks)."""
-        return tuple(b for b, s in enumerate(self.specs) if s["weights_sharded"] or s["weights_regather"])
+        """Buckets whose full weights ever need an all-gather (ZeRO-1/2/3 with several ranks; never
+        the extension parameters' own, [Note: extension parameters] in _extensions.py)."""
+        return tuple(b for b, s in enumerate(self.specs) if (s["weights_sharded"] or s["weights_regather"])
+                     and self.bucket_roles[b] != ROLE_EXTENSION)

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _C
+from ._extensions import check_local_shard, is_extension
 from .no_shard import is_no_shard
 from ._tensor_parallel import TPSpec
 
@@ -64,6 +65,8 @@ class ParamRecord:
     trains_later: bool = False      # frozen at sharding but expected to train: its main weights are planned wide
     shard_dim: int = 0              # torch's Shard(shard_dim) when sharded ([Note: chunked layout])
     tp: Optional[TPSpec] = None     # tensor parallel: `shape` is this rank's TP shard ([Note: tensor parallelism])
+    extension: bool = False         # its local shard has FSDP2's all-gather extensions ([Note: extension parameters]
+                                    # in _extensions.py): its bucket is never gathered
 
     def __post_init__(self):
         self.origin = self.param
@@ -98,6 +101,7 @@ def collect_params(root: nn.Module, units: List[nn.Module], trains_later=()) -> 
             qualified = f"{mod_name}.{attr}" if mod_name else attr
             rec = records.get(id(p))
             if rec is None:
+                _check_plain(p, qualified)
                 name = f"{mod_name}.{attr}" if mod_name else attr
                 rec = records[id(p)] = ParamRecord(len(records), name, p, p.shape, unit, [(mod, attr)])
                 rec.trains_later = id(p) in later
@@ -108,6 +112,19 @@ def collect_params(root: nn.Module, units: List[nn.Module], trains_later=()) -> 
             rec.replicated = rec.replicated or is_no_shard(mod, attr) or p.dim() == 0
             rec.aliases.append(qualified)
     return list(records.values())
+
+
+def _check_plain(p: nn.Parameter, name: str) -> None:
+    """The Megatron-style API takes plain parameters: a tensor subclass is refused with the way out
+    (the per-module API takes those with FSDP2's all-gather extensions, [Note: extension
+    parameters] in _extensions.py)."""
+    what = f"parameter '{name}'"
+    check_local_shard(p, what)
+    if is_extension(p.data):
+        raise NotImplementedError(
+            f"{what} is a {type(p.data).__name__} with FSDP2's all-gather extensions (torchao's float8 / int8 training "
+            "weights): megatron_fsdp_c's Megatron-style API does not take tensor-subclass parameters yet; shard the "
+            "model with megatron_fsdp_c.per_module.fully_shard (FSDP2's API), which does")
 
 
 def row_size(shape: torch.Size) -> int:

@@ -44,7 +44,7 @@ int mfsdp_layout_is_identity(const mfsdp_bucket_layout* l) {
 static int64_t outer_of(const mfsdp_param_info* p) { return p->outer > 1 ? p->outer : 1; }
 
 typedef struct group_builder {
-  int32_t unit, dtype, requires_grad, replicated;
+  int32_t unit, dtype, requires_grad, replicated, role;
   int32_t n, cap;
   int32_t* members; /* param indices in first-seen order */
 } group_builder;
@@ -95,6 +95,7 @@ static mfsdp_status layout_bucket(mfsdp_bucket_plan* b, const group_builder* g, 
   b->dtype = g->dtype;
   b->requires_grad = g->requires_grad;
   b->replicated = g->replicated;
+  b->role = g->role;
   b->params = malloc(count * sizeof *b->params);
   b->row_sizes = malloc(count * sizeof *b->row_sizes);
   b->layout = (mfsdp_bucket_layout){world, n, numels, pieces, param_offsets, shard_offsets, 0, 0, outers, 0, 0};
@@ -188,10 +189,10 @@ mfsdp_status mfsdp_plan_build_tailed(const mfsdp_param_info* params, int32_t n_p
     int32_t k = 0;
     while (k < n_groups && !(groups[k].unit == p->unit && groups[k].dtype == p->dtype &&
                              groups[k].requires_grad == !!p->requires_grad &&
-                             groups[k].replicated == !!p->replicated))
+                             groups[k].replicated == !!p->replicated && groups[k].role == p->role))
       ++k;
     if (k == n_groups) {
-      groups[k] = (group_builder){p->unit, p->dtype, !!p->requires_grad, !!p->replicated, 0, 0, NULL};
+      groups[k] = (group_builder){p->unit, p->dtype, !!p->requires_grad, !!p->replicated, p->role, 0, 0, NULL};
       n_groups++;
     }
     group_builder* g = &groups[k];
@@ -283,7 +284,7 @@ mfsdp_status mfsdp_plan_validate(const mfsdp_plan* plan, const mfsdp_param_info*
       int64_t outer = outer_of(info), rows = info->numel / (outer * info->row);
       int64_t want_piece = l->world == 1 ? info->numel : outer * ((rows + l->world - 1) / l->world) * info->row;
       if (info->dtype != b->dtype || info->unit != b->unit || !!info->requires_grad != b->requires_grad ||
-          !!info->replicated != b->replicated || l->numels[i] != info->numel || b->row_sizes[i] != info->row ||
+          !!info->replicated != b->replicated || info->role != b->role || l->numels[i] != info->numel || b->row_sizes[i] != info->row ||
           mfsdp_layout_outer(l, i) != outer || l->pieces[i] != want_piece) {
         st = MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d item %d: key, shape or piece mismatch", bi, i);
         goto exit;

@@ -64,6 +64,8 @@ typedef struct mfsdp_param_info {
   int32_t requires_grad;
   int32_t replicated;    /* fsdp_no_shard: one full copy per rank, never sharded */
   int64_t outer;         /* blocks before the sharded dim: shape[:d].numel() for Shard(d); 0 or 1: dim 0 */
+  int32_t role;          /* a bucket holds parameters of one role only; what a role means is the caller's
+                          * (the wrapper's [Note: extension parameters]); 0 for every ordinary parameter */
 } mfsdp_param_info;
 
 /* Where a bucket's items live; shared by the planner and the pipeline. */
@@ -82,7 +84,7 @@ typedef struct mfsdp_bucket_layout {
 } mfsdp_bucket_layout;
 
 typedef struct mfsdp_bucket_plan {
-  int32_t unit, dtype, requires_grad, replicated;
+  int32_t unit, dtype, requires_grad, replicated, role;
   int32_t* params;     /* caller's parameter indices, in layout order */
   int64_t* row_sizes;  /* elements per row (one index of the sharded dim) of each item */
   mfsdp_bucket_layout layout; /* its arrays are owned by the plan */

@@ -6,8 +6,9 @@
 PyDoc_STRVAR(plan_doc,
              "plan(params, shard_world, rank, bucket_cap, align_bytes, flag_tail=0, tail_align=0) -> list[dict]\n\n"
              "Groups parameters into buckets and lays each out (csrc/core/mfsdp_layout.h).\n"
-             "params: sequence of (numel, row, dtype_code, unit, requires_grad, replicated[, outer]);\n"
-             "outer: the blocks before the sharded dim (shape[:d].numel() for Shard(d); 1: dim 0).\n"
+             "params: sequence of (numel, row, dtype_code, unit, requires_grad, replicated[, outer[, role]]);\n"
+             "outer: the blocks before the sharded dim (shape[:d].numel() for Shard(d); 1: dim 0);\n"
+             "role: a bucket holds one role only (the caller's meaning; 0: ordinary parameters).\n"
              "Each bucket dict carries its key, item parameter indices, both layouts (param_offsets,\n"
              "shard_offsets, pieces, outers, weight_size, shard_size) and `local`: (first, n) of this\n"
              "rank's rows of every item (first: of its first run, n: all of them), and tail_offset, tail:\n"
@@ -61,6 +62,9 @@ static PyObject* bucket_to_dict(const mfsdp_bucket_plan* b, int32_t rank) {
                     shard_offsets, "row_sizes", row_sizes, "weight_size", (long long)l->weight_size, "shard_size",
                     (long long)l->shard_size, "bucket_size", (long long)l->world * l->shard_size, "n_items",
                     l->n_items, "local", local);
+  PyObject* role = d ? PyLong_FromLong(b->role) : NULL;
+  if (d && (role == NULL || PyDict_SetItemString(d, "role", role) < 0)) Py_CLEAR(d);
+  Py_XDECREF(role);
   if (d && (PyDict_SetItemString(d, "identity", mfsdp_layout_is_identity(l) ? Py_True : Py_False) < 0 ||
             PyDict_SetItemString(d, "outers", outers) < 0))
     Py_CLEAR(d);
@@ -104,15 +108,15 @@ static PyObject* py_plan(PyObject* module, PyObject* args) {
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
     long long numel, row, outer = 1;
-    int dtype, unit, rg, rep;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "LLiiii|L:plan entry", &numel, &row, &dtype, &unit, &rg,
-                          &rep, &outer))
+    int dtype, unit, rg, rep, role = 0;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "LLiiii|Li:plan entry", &numel, &row, &dtype, &unit, &rg,
+                          &rep, &outer, &role))
       goto exit;
     if (outer < 1) {
       PyErr_Format(PyExc_ValueError, "plan entry %zd: outer %lld < 1", i, outer);
       goto exit;
     }
-    infos[i] = (mfsdp_param_info){numel, row, dtype, unit, rg, rep, outer};
+    infos[i] = (mfsdp_param_info){numel, row, dtype, unit, rg, rep, outer, role};
   }
   mfsdp_status s = mfsdp_plan_build_tailed(infos, (int32_t)n, shard_world, cap, align_bytes, flag_tail, tail_align, &plan);
   if (s == MFSDP_OK) s = mfsdp_plan_validate(&plan, infos, (int32_t)n);

@@ -119,8 +119,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
         reshard_after_forward = post_forward_world(reshard_after_forward, mesh)
     group = form_group(modules, mesh, strategy, mp_policy, reshard_after_forward, ignored, shard_placement_fn,
-                       spmd_mesh)
-    group.quant_policy = quantized_comm_policy
+                       spmd_mesh, quantized_comm_policy)
     register_torch_state(group)
     for m in group.modules:
         m.__class__ = fsdp_class(type(m))

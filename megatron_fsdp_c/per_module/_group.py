@@ -14,13 +14,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._common import ShardingStrategy, contiguous_stride
 from .._distributed import DistContext
+from .._extensions import check_local_shard, is_extension
 from .._param_buffer import local_shape
 from ..no_shard import is_no_shard
 from ._mesh import mesh_and_context
-from ._policy import check_param_dtype, check_plain_tensor, param_policy, sharded_dtype
+from ._policy import check_param_dtype, param_policy, sharded_dtype
 from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
-__all__ = ["Origin", "ShardGroup", "check_origins", "form_group", "group_of", "refresh_places"]
+__all__ = ["Origin", "ShardGroup", "check_extension_use", "check_origins", "form_group", "group_of", "refresh_places"]
 
 @dataclasses.dataclass(eq=False)
 class ShardGroup:
@@ -239,9 +240,27 @@ def _shard_dim(p: nn.Parameter, placement, what: str, world: int, sharded: bool)
     return dim
 
 
+def check_extension_use(what: str, strategy: ShardingStrategy, ctx: DistContext, tp, spmd: bool, dim, quant) -> None:
+    """The settings an extension parameter ([Note: extension parameters] in ../_extensions.py) is
+    not supported with yet, refused at fully_shard (or at the lazy init, for extensions set on a
+    local shard after fully_shard) with the way out."""
+    why = ("zero_dp_strategy other than 'optim_grads_params' (FSDP2's own sharding)" if strategy !=
+           ShardingStrategy.OPTIM_GRADS_PARAMS else
+           "tensor parallelism" if tp is not None else
+           "dp_mesh_dims" if spmd else
+           "a 2-D (HSDP) mesh without dim names" if ctx.mesh.ndim > 1 and not ctx.mesh.mesh_dim_names else
+           "Shard(dim) with dim != 0 (shard_placement_fn)" if dim not in (0, None) else
+           "a replicated (fsdp_no_shard or 0-d) parameter" if dim is None else
+           "quantized_comm_policy (the subclass decides what its gather carries)" if quant is not None else None)
+    if why is not None:
+        raise NotImplementedError(f"{what} defines FSDP2's all-gather extensions (fsdp_pre_all_gather / "
+                                  f"fsdp_post_all_gather), which megatron_fsdp_c does not support with {why} yet: "
+                                  "shard it with FSDP2's defaults on a 1-D mesh, or use plain parameters")
+
+
 def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: ShardingStrategy, mp_policy,
                reshard_after_forward: Optional[bool], ignored: set, shard_placement_fn,
-               spmd_mesh: Optional[DeviceMesh] = None) -> ShardGroup:
+               spmd_mesh: Optional[DeviceMesh] = None, quant_policy=None) -> ShardGroup:
     """One fully_shard call's group: its parameters become DTensor Parameters on the modules, and
     each module points at the group (`_mfsdp_group`). The arguments are checked already; `mesh` is
     the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims). Every parameter
@@ -275,7 +294,7 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: S
         what = f"parameter '{attr}' of {type(mod).__name__}"
         if id(p) not in tp_of:
             tp_of[id(p)] = dtensor_tp_spec(p, what, ctx.mesh) if isinstance(p, DTensor) else None
-        check_plain_tensor(p._local_tensor if tp_of[id(p)] is not None else p, what)
+        check_local_shard(p._local_tensor if tp_of[id(p)] is not None else p, what, extensions_later=True)
         if id(p) not in policies:
             policies[id(p)] = param_policy(mp_policy, p)
         check_param_dtype(p, what, policies[id(p)])
@@ -286,6 +305,9 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: S
             dim = _shard_dim(p._local_tensor if tp_of[id(p)] is not None else p, placement, what, ctx.world,
                              not replicated)
             dims[id(p)] = None if replicated else dim
+            if is_extension(p.data if isinstance(p, nn.Parameter) else p):
+                check_extension_use(what, strategy, ctx, tp_of[id(p)], (id(mod), attr) in spmd_specs, dims[id(p)],
+                                    quant_policy)
     converted = {}  # id(original) -> DTensor Parameter
     compute_dtypes = {}  # [Note: main-weight parameters] in _policy.py
     for mod, attr, p in places:
@@ -302,7 +324,7 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: S
         mod._parameters[attr] = converted[id(p)]
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
                        mp_policy, reshard_after_forward, tp_specs=[tp_of[id(p)] for _, _, p in places],
-                       spmd_specs=spmd_specs, compute_dtypes=compute_dtypes,
+                       spmd_specs=spmd_specs, compute_dtypes=compute_dtypes, quant_policy=quant_policy,
                        param_policies={(id(mod), attr): policies[id(p)] for mod, attr, p in places
                                        if policies[id(p)] is not mp_policy})
     for m in modules:

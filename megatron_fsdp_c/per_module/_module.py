@@ -136,7 +136,7 @@ class FSDPModule(TorchFSDPModule):
         g = group_of(self)
         state = state_of(self)
         if g.unit_state.buckets:
-            state.param_buffer.engine.unshard(list(g.unit_state.buckets))
+            state.hooks.gather(g.unit_state)
         handle = UnshardHandle(state, g)
         if async_op:
             return handle

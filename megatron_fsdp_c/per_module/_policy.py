@@ -12,7 +12,7 @@ from .._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..mixed_precision import QuantizedCommPolicy
 
-__all__ = ["cast_floats", "check_param_dtype", "check_plain_tensor", "check_policies", "check_quant_policy",
+__all__ = ["cast_floats", "check_param_dtype", "check_policies", "check_quant_policy",
            "compute_dtype", "engine_policy", "is_torch_policy", "param_policy", "sharded_dtype"]
 
 _ENGINE_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the engine casts and sums
@@ -131,24 +131,6 @@ def check_param_dtype(p, what: str, mp) -> None:
     if p.dtype.is_floating_point and target is not None and target != p.dtype:
         raise NotImplementedError(f"{what} has dtype {p.dtype}, which megatron_fsdp_c's engine cannot cast to "
                                   f"param_dtype={target}: shard it in a group without param_dtype, or convert it")
-
-
-def check_plain_tensor(t: torch.Tensor, what: str) -> None:
-    """A tensor subclass (TwoTensor, Float8Tensor, ...) or a tensor with FSDP2's all-gather extension
-    hooks (fsdp_pre_all_gather / fsdp_post_all_gather) is refused where it is found, naming the
-    limitation: the engine moves plain elements between its own buffers, so it can neither keep the
-    subclass nor call the hooks around its all-gathers (it would fail later, inside the engine)."""
-    if hasattr(t, "fsdp_pre_all_gather") or hasattr(t, "fsdp_post_all_gather"):
-        raise NotImplementedError(
-            f"{what} defines fsdp_pre_all_gather/fsdp_post_all_gather (FSDP2's all-gather extensions): "
-            "megatron_fsdp_c's all-gathers run in its C engine and cannot call them. Use "
-            "torch.distributed.fsdp.fully_shard for this model, or plain parameters")
-    data = t.data if isinstance(t, nn.Parameter) else t
-    if type(data) is not torch.Tensor:
-        raise NotImplementedError(
-            f"{what} is a tensor subclass ({type(data).__name__}): megatron_fsdp_c shards plain tensors only (its C "
-            "engine moves their elements, not a subclass's inner tensors). Use torch.distributed.fsdp.fully_shard "
-            "for this model, or plain parameters")
 
 
 def cast_floats(tree, dtype):

@@ -50,10 +50,18 @@ class Registration:
             for mod, attr in r.places:
                 mod._parameters[attr] = p
 
+    def _unit_gathering(self, unit) -> None:  # HookOwner (_hooks.py)
+        if self.extension_gathers is not None:
+            self.extension_gathers.gathering(unit.index)
+
     def _unit_unsharded(self, unit) -> None:  # HookOwner (_hooks.py)
+        if self.extension_gathers is not None:  # [Note: extension parameters] in ../_extensions.py
+            self.extension_gathers.unsharded(unit.index, self._unsharded[unit.index])
         self.register(unit.index, True)
 
     def _unit_resharded(self, unit) -> None:  # HookOwner (_hooks.py)
+        if self.extension_gathers is not None:
+            self.extension_gathers.resharded(unit.index)
         self.register(unit.index, False)
 
     def reshard_group(self, g: ShardGroup) -> None:
@@ -61,7 +69,7 @@ class Registration:
         its sharded parameters."""
         if g.unit_state.releasable:
             self.param_buffer.engine.reshard(list(g.unit_state.releasable))
-        self.register(g.unit_state.index, False)
+        self._unit_resharded(g.unit_state)
 
     def release_engine(self, why: str) -> None:
         """[Note: re-initialisation]
@@ -81,6 +89,10 @@ class Registration:
         engine's unreduced buffers, in no .grad, so nothing could carry them."""
         if self.hooks.pass_state.in_backward or self.pass_root is not None or self.methods_running:
             raise RuntimeError(f"{why} inside a forward or backward pass: call it between training steps")
+        if self.extension_gathers is not None:
+            raise NotImplementedError(f"{why} after the first forward of a model with tensor-subclass parameters (FSDP2's "
+                                      "all-gather extensions) is not supported by megatron_fsdp_c yet: convert the "
+                                      "model before its first forward")
         if self.held_units:
             raise RuntimeError(f"{why} while gradients are held back by set_requires_gradient_sync(False): finish the "
                                "accumulation with a backward that syncs (and the optimizer step) first")

@@ -14,12 +14,13 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C
 from .._common import ShardingStrategy, in_backward, weak_call
+from .._extensions import ExtensionGathers, ExtensionParam, check_local_shard, is_extension, plan_inputs
 from .._owner import EngineOwner
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from .._param_buffer import ParamBuffer, ParamRecord, UnitConfig
-from ._group import ShardGroup, check_origins, group_of, refresh_places
+from ._group import ShardGroup, check_extension_use, check_origins, group_of, refresh_places
 from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
-from ._policy import cast_floats, check_plain_tensor, compute_dtype, engine_policy, is_torch_policy
+from ._policy import cast_floats, compute_dtype, engine_policy, is_torch_policy
 from ._registration import Registration, to_sharded_hook
 from ._step_end import StepEnd
 
@@ -59,7 +60,7 @@ class RootState(Registration, StepEnd, EngineOwner):
             g = getattr(mod, "_mfsdp_group", None)
             if g is not None and g in groups:  # (groups on another mesh are another engine's)
                 ends[groups.index(g)] = k
-        records, by_param, spmd_specs = [], {}, {}
+        records, by_param, spmd_specs, exts = [], {}, {}, []
         units = [UnitConfig(g.strategy, g.quant_policy, {}) for g in groups]  # what the buffer builds each group with
         for u, g in enumerate(groups):
             for (mod, attr, dp), tp in zip(g.places, g.tp_specs):
@@ -67,7 +68,7 @@ class RootState(Registration, StepEnd, EngineOwner):
                 r = by_param.get(id(dp))
                 if r is None:
                     # hooks set on the local shard after fully_shard (FSDP2 finds them there)
-                    check_plain_tensor(dp._local_tensor, f"the local shard of parameter '{name}'")
+                    check_local_shard(dp._local_tensor, f"the local shard of parameter '{name}'")
                     mp = g.param_policies.get((id(mod), attr), g.mp_policy)  # torch 2.15: per parameter
                     compute, policy = engine_policy(mp, compute_dtype(
                         mp, g.compute_dtypes.get((id(mod), attr)), dp.dtype, f"parameter '{name}'"), dp)
@@ -83,6 +84,11 @@ class RootState(Registration, StepEnd, EngineOwner):
                     r.replicated = isinstance(dp.placements[ctx.mesh.ndim - 1], Replicate)
                     r.shard_dim = 0 if r.replicated else dp.placements[ctx.mesh.ndim - 1].dim
                     r.dist_param, r.tp = dp, tp
+                    if is_extension(dp._local_tensor):  # [Note: extension parameters] in ../_extensions.py
+                        check_extension_use(f"parameter '{name}'", g.strategy, ctx, tp, (id(mod), attr) in g.spmd_specs,
+                                            None if r.replicated else r.shard_dim, g.quant_policy)
+                        r.extension = True
+                        exts.append(ExtensionParam(r, mod, mp, getattr(mp, "param_dtype", None) or dp.dtype, []))
                     # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main
                     # weights planned so, any floating one can start training ([Note: changing
                     # requires_grad]; mixed_precision.bucket_dtypes ignores the others)
@@ -94,13 +100,20 @@ class RootState(Registration, StepEnd, EngineOwner):
                 else:
                     r.places.append((mod, attr))
                     r.aliases.append(name)
+        shard_mesh = None
+        if exts:  # every rank's all-gather inputs, planned once ([Note: extension parameters])
+            # FSDP2 hands pre_all_gather the shard mesh (HSDP: the last dim of the 2-D one)
+            shard_mesh = ctx.mesh if ctx.mesh.ndim == 1 else ctx.mesh[ctx.mesh.mesh_dim_names[-1]]
+            plan_inputs(exts, shard_mesh, ctx.group, ctx.world, ctx.rank)
         buf = ParamBuffer(records, ShardingStrategy.OPTIM_GRADS_PARAMS, OurPolicy(), ctx, bucket_cap=0,
-                          reduce_queue_bytes=None, grad_prescale=1.0 / ctx.dp_world, reduce_op="sum", units=units)
+                          reduce_queue_bytes=None, grad_prescale=1.0 / ctx.dp_world, reduce_op="sum", units=units,
+                          payloads=[(e.record.unit, i) for e in exts for i in e.inputs])
         buf.load_locals()
         buf.build_dist_params(self, existing=True)
         self._setup_host_heap(ctx.device)
         self._start(buf, [g.modules[0] for g in groups],  # [Note: owner start-up] in ../_owner.py
                     post_order=sorted(range(len(groups)), key=lambda u: ends.get(u, -1)), register_module_hooks=False)
+        self.extension_gathers = ExtensionGathers(buf, exts, shard_mesh, self.hooks) if exts else None
         self.adopt_grads()  # gradients carried through a .to() ([Note: re-initialisation] in _registration.py)
         # [Note: per-group registration]: what each group's modules hold, by unit index
         self._unit_records = [[] for _ in groups]

@@ -185,6 +185,23 @@ void test_layout(void) {
   CHECK(plan.n_buckets == 4, "3 capped root buckets + 1 unit bucket, got %d", plan.n_buckets);
   mfsdp_plan_free(&plan);
 
+  /* Roles split buckets as the other keys do: one unit's ordinary, never-gathered and payload
+   * parameters ([Note: extension parameters] in the wrapper) land in three buckets, and a plan
+   * whose bucket mixes roles is refused. */
+  mfsdp_param_info roles[] = {
+      {16, 4, MFSDP_F32, 0, 1, 0, 1, 0}, {16, 4, MFSDP_F32, 0, 1, 0, 1, 1}, {8, 1, MFSDP_U8, 0, 0, 0, 1, 2},
+      {12, 3, MFSDP_F32, 0, 1, 0, 1, 1}, {8, 1, MFSDP_U8, 0, 0, 0, 1, 0},  {4, 1, MFSDP_U8, 0, 0, 0, 1, 2},
+  };
+  CHECK_OK(mfsdp_plan_build(roles, 6, 2, 0, 16, &plan));
+  CHECK_OK(mfsdp_plan_validate(&plan, roles, 6));
+  CHECK(plan.n_buckets == 4, "f32 roles 0 and 1, u8 roles 0 and 2: four buckets, got %d", plan.n_buckets);
+  for (int b = 0; b < plan.n_buckets; ++b)
+    for (int i = 0; i < plan.buckets[b].layout.n_items; ++i)
+      CHECK(roles[plan.buckets[b].params[i]].role == plan.buckets[b].role, "bucket %d item %d: its bucket's role", b, i);
+  roles[1].role = 0; /* the plan was made for role 1 */
+  CHECK(mfsdp_plan_validate(&plan, roles, 6) == MFSDP_ERR_INVALID_STATE, "a bucket mixing roles refused");
+  mfsdp_plan_free(&plan);
+
   mfsdp_param_info bad = {10, 3, MFSDP_F32, 0, 1, 0};
   CHECK(mfsdp_plan_build(&bad, 1, 2, 0, 16, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "10 is not whole rows of 3");
   CHECK(mfsdp_plan_build(block, n, 0, 0, 16, &plan) == MFSDP_ERR_INVALID_ARGUMENT, "world 0 refused");
