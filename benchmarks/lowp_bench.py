@@ -4,9 +4,9 @@ its blocks' linears converted to torchao's float8 training with the fp8 all-gath
 (`Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)`, scales precomputed after
 each step as torchtitan does), sharded per block and at the root with megatron_fsdp_c's per-module
 fully_shard and with torch's FSDP2, one after the other in this process on the same data (AdamW);
-and, for scale, the same model unconverted with a bf16 compute policy on ours. Rank 0 writes a
+and, for scale, the same model unconverted with a bf16 compute policy on both. Rank 0 writes a
 markdown table: median step time, all-gathered bytes per step and rank (ours: the engine's
-counters; FSDP2: the outputs of its all_gather_into_tensor calls, counted by a wrapper), and the
+counters; FSDP2: the outputs of its all-gather calls, counted by a wrapper), and the
 final loss (ours and FSDP2 agree bit for bit; the bf16 run is another computation).
 
     torchrun --nproc_per_node 2 benchmarks/lowp_bench.py --steps 10 --out bench_out/lowp.md
@@ -46,28 +46,34 @@ def build(float8: bool) -> nn.Module:
 
 
 class GatherCounter:
-    """Bytes of every all_gather_into_tensor output (FSDP2's gathers), while installed."""
+    """Bytes of every all-gather output of torch.distributed's single-tensor all-gathers while
+    installed (FSDP2's: all_gather_single from torch 2.13, all_gather_into_tensor before)."""
+    NAMES = ("all_gather_single", "all_gather_into_tensor")
 
     def __init__(self):
-        self.bytes, self.orig = 0, dist.all_gather_into_tensor
+        self.bytes = 0
+        self.orig = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
 
     def __enter__(self):
-        def counted(out, *args, **kwargs):
-            self.bytes += out.numel() * out.element_size()
-            return self.orig(out, *args, **kwargs)
-        dist.all_gather_into_tensor = counted
+        for name, fn in self.orig.items():
+            def counted(out, *args, _fn=fn, **kwargs):
+                self.bytes += out.numel() * out.element_size()
+                return _fn(out, *args, **kwargs)
+            setattr(dist, name, counted)
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_into_tensor = self.orig
+        for name, fn in self.orig.items():
+            setattr(dist, name, fn)
 
 
 def run(label, impl, float8, mesh, rank, world, steps):
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # both APIs take torch's policy
     if impl == "torch":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
     else:
-        from megatron_fsdp_c.per_module import MixedPrecisionPolicy, fully_shard
+        from megatron_fsdp_c.per_module import fully_shard
     kw = {} if float8 else dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     model = build(float8)
     for block in model[1:LAYERS + 1]:
@@ -110,7 +116,8 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     rows = [run("megatron_fsdp_c, float8 (fp8 gather)", "ours", True, mesh, rank, world, args.steps),
             run("torch FSDP2, float8 (fp8 gather)", "torch", True, mesh, rank, world, args.steps),
-            run("megatron_fsdp_c, bf16 compute (no float8)", "ours", False, mesh, rank, world, args.steps)]
+            run("megatron_fsdp_c, bf16 compute (no float8)", "ours", False, mesh, rank, world, args.steps),
+            run("torch FSDP2, bf16 compute (no float8)", "torch", False, mesh, rank, world, args.steps)]
     if rank == 0:
         params = sum(p.numel() for p in build(False).parameters())
         base = rows[1]

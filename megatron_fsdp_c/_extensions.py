@@ -157,6 +157,7 @@ class PayloadInput:
     numel: int              # elements per rank in the payload bucket (the largest rank's)
     trailing: tuple         # the shape after dim 0 of every rank's input
     rows: Optional[int]     # the parameter's rows when the rows follow the shard's, else None
+    replicated: bool = False  # its parameter is replicated (no_shard, fsdp_no_shard): nothing to gather
     slot: tuple = (-1, -1)  # (bucket, item) of its payload item, once planned
     output: Optional[torch.Tensor] = None  # what post_all_gather gets: a tensor of its own (see _post)
 
@@ -224,8 +225,9 @@ def plan_inputs(exts: List[ExtensionParam], mesh, group, world: int, rank: int) 
     for k, ext in enumerate(exts):
         r = ext.record
         rows = r.shape[0] if len(r.shape) else 1
-        chunk = -(-rows // world)
-        rows_of = [max(0, min(chunk, rows - q * chunk)) for q in range(world)]
+        pieces = 1 if r.replicated else world  # a replicated parameter's input is the whole on every rank
+        chunk = -(-rows // pieces)
+        rows_of = [max(0, min(chunk, rows - q * chunk)) for q in range(pieces)] * (world // pieces)
         counts = {len(e[k]) for e in every}
         if len(counts) != 1:
             raise ValueError(f"parameter '{r.name}': fsdp_pre_all_gather returned {sorted(counts)} inputs on different "
@@ -239,7 +241,8 @@ def plan_inputs(exts: List[ExtensionParam], mesh, group, world: int, rank: int) 
                                  "ranks: every rank must give one dtype")
             dtype = getattr(torch, dtypes.pop().replace("torch.", ""))
             if len(set(shapes)) == 1:
-                ext.inputs.append(PayloadInput(dtype, shapes[rank], math.prod(shapes[0]), shapes[0][1:], None))
+                ext.inputs.append(PayloadInput(dtype, shapes[rank], math.prod(shapes[0]), shapes[0][1:], None,
+                                               r.replicated))
             elif all(len(s) >= 1 and s[0] == n and s[1:] == shapes[0][1:] for s, n in zip(shapes, rows_of)):
                 trailing = shapes[0][1:]
                 ext.inputs.append(PayloadInput(dtype, shapes[rank], chunk * math.prod(trailing), trailing, rows))
@@ -306,7 +309,7 @@ class ExtensionGathers:
             b, item = plan.slot
             if due is not None and b not in due:
                 continue
-            where, offset, n = self.engine.local_piece(b, item, _C.BUF_WEIGHT_SHARD)
+            where, offset, n = self.engine.local_piece(b, item, _C.BUF_MAIN_SHARD)  # its rows in every strategy
             dst = self.engine.tensor(b, where).narrow(0, offset, n)
             src = t.detach().contiguous().view(-1).view(plan.engine_dtype)
             with torch.no_grad():
@@ -315,8 +318,13 @@ class ExtensionGathers:
 
     def resharded(self, u: int) -> None:
         """Unit `u` resharded: the outputs and the tensors post_all_gather named are freed (their
-        storage, not the objects: the compute parameter keeps them), as FSDP2 frees them."""
-        for e in self.by_unit.get(u, ()):
+        storage, not the objects: the compute parameter keeps them), as FSDP2 frees them, where
+        the payloads were released (ZeRO-3) or are written in place; payloads that persist
+        (ZeRO-1/2: gathered again only after an optimizer step) keep their compute weights."""
+        if u not in self.by_unit or u not in self.in_place and any(
+                self.engine.weight_state(b) == "ready" for b in self.payload_buckets[u]):
+            return
+        for e in self.by_unit[u]:
             for t in [i.output for i in e.inputs] + [t for t, _ in e.inner]:
                 if t is not None:
                     t.untyped_storage().resize_(0)

@@ -102,8 +102,10 @@ class ParamBuffer:
                                int(r.param.requires_grad), int(r.replicated), outer,
                                ROLE_EXTENSION if r.extension else ROLE_PARAMS))
         shard_world = 1 if strategy == ShardingStrategy.NO_SHARD else ctx.pieces
-        for unit, inp in payloads:  # one piece of inp.numel elements per rank
-            plan_input.append((inp.numel * shard_world, 1, codes[inp.engine_dtype], unit, 0, 0, 1, ROLE_PAYLOAD))
+        for unit, inp in payloads:  # one piece of inp.numel elements per rank (replicated: the whole input)
+            pieces = 1 if inp.replicated else shard_world
+            plan_input.append((inp.numel * pieces, 1, codes[inp.engine_dtype], unit, 0, int(inp.replicated), 1,
+                               ROLE_PAYLOAD))
         # quantized gradients: the flag tail on their blocks' boundaries ([Note: used-flag tail])
         quants = [quant_policy] if units is None else [c.quant for c in units]
         blocks = {q.block for q in quants if q is not None and q.grads}

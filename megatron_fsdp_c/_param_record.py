@@ -119,10 +119,11 @@ def _check_plain(p: nn.Parameter, name: str) -> None:
     (the per-module API takes those with FSDP2's all-gather extensions, [Note: extension
     parameters] in _extensions.py)."""
     what = f"parameter '{name}'"
-    check_local_shard(p, what)
-    if is_extension(p.data):
+    data = p._local_tensor if isinstance(p, DTensor) else p.data  # a TP DTensor: its local shard
+    check_local_shard(data, what)
+    if is_extension(data):
         raise NotImplementedError(
-            f"{what} is a {type(p.data).__name__} with FSDP2's all-gather extensions (torchao's float8 / int8 training "
+            f"{what} is a {type(data).__name__} with FSDP2's all-gather extensions (torchao's float8 / int8 training "
             "weights): megatron_fsdp_c's Megatron-style API does not take tensor-subclass parameters yet; shard the "
             "model with megatron_fsdp_c.per_module.fully_shard (FSDP2's API), which does")
 

@@ -10,7 +10,9 @@ Behaviours (cell names):
 - uneven shards (dims the world does not divide; FSDP2 raises for torchao's float8 there, torchao
   #3982): ours against a one-process model that runs every rank's batch in turn, float64 to rtol
   1e-9 (the fp8/int8 roundings are the same on both sides): vs_reference[float8|int8|scaled]
-  (worlds 2, 4)
+  (worlds 2, 4); under the other strategies (ZeRO-1, ZeRO-2, no_shard), on an HSDP 2x2 mesh, and
+  with reshard_after_forward=False: vs_reference[scaled-optim|scaled-optim_grads|
+  float8-optim_grads|scaled-no_shard|scaled-hsdp|float8-keep_weights]
 - the fp8 gather's bytes: the float8 blocks' all-gathers carry one byte per weight element where
   the same run without the fp8 gather carries four: wire_bytes
 - the protocol's corners, from what the subclass saw: pre_all_gather's arguments, metadata handed
@@ -30,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp_c._extensions import values_of
 from megatron_fsdp_c.per_module import fully_shard
@@ -81,10 +83,12 @@ def build(kind: str, dim: int, dtype=torch.float32, reference=False, fp8_gather=
     return model
 
 
-def shard(model: nn.Module, impl: str, world: int, **kw) -> nn.Module:
+def shard(model: nn.Module, impl: str, world: int, hsdp: bool = False, **kw) -> nn.Module:
+    """Sharded per block and at the root, on a 1-D mesh or (hsdp) a named (2, world / 2) one."""
     from torch.distributed.fsdp import fully_shard as torch_shard
     fs = torch_shard if impl == "torch" else fully_shard
-    mesh = rank_grid.device_mesh("cpu", (world,))
+    mesh = rank_grid.device_mesh("cpu", (2, world // 2), ("dp_replicate", "dp_shard")) if hsdp \
+        else rank_grid.device_mesh("cpu", (world,))
     for block in (model[1], model[2]):
         fs(block, mesh=mesh, **kw)
     fs(model, mesh=mesh, **kw)
@@ -145,13 +149,21 @@ def vs_fsdp2(rank, world, ck, kind):
 @cell("vs_reference[float8]", worlds=(2, 4), kind="float8")
 @cell("vs_reference[int8]", worlds=(2, 4), kind="int8")
 @cell("vs_reference[scaled]", worlds=(2, 4), kind="scaled")
-def vs_reference(rank, world, ck, kind):
+@cell("vs_reference[scaled-optim]", worlds=(2, 4), kind="scaled", zero_dp_strategy="optim")
+@cell("vs_reference[scaled-optim_grads]", worlds=(2, 4), kind="scaled", zero_dp_strategy="optim_grads")
+@cell("vs_reference[float8-optim_grads]", kind="float8", zero_dp_strategy="optim_grads")
+@cell("vs_reference[scaled-no_shard]", worlds=(2, 4), kind="scaled", zero_dp_strategy="no_shard")
+@cell("vs_reference[scaled-hsdp]", worlds=(4,), kind="scaled", hsdp=True)
+@cell("vs_reference[float8-keep_weights]", kind="float8", reshard_after_forward=False)
+def vs_reference(rank, world, ck, kind, **kw):
     dim = 67  # 67 and 134 rows: uneven pieces over 2 and 4 ranks
-    ours = shard(build(kind, dim, torch.float64), "ours", world)
+    ours = shard(build(kind, dim, torch.float64), "ours", world, **kw)
     ref = build(kind, dim, torch.float64, reference=True)
-    uneven = [n for n, p in ours.named_parameters() if p.shape[0] % world]
-    ck.true("some subclass weights are unevenly sharded", any(n.endswith(("up.weight", "down.weight")) for n in uneven),
-            str(uneven))
+    if kw.get("zero_dp_strategy") != "no_shard":
+        pieces = world // 2 if kw.get("hsdp") else world
+        uneven = [n for n, p in ours.named_parameters() if p.shape[0] % pieces]
+        ck.true("some subclass weights are unevenly sharded",
+                any(n.endswith(("up.weight", "down.weight")) for n in uneven), str(uneven))
     ol, op = train(ours, kind, rank, world, dtype=torch.float64)
     rl, rp = train(ref, kind, rank, world, dtype=torch.float64, every_rank=True)
     for step, (a, b) in enumerate(zip(ol, rl)):
@@ -245,7 +257,7 @@ def refusals(rank, world, ck):
     import megatron_fsdp_c
     from torch.testing._internal.two_tensor import TwoTensor
     mesh = rank_grid.device_mesh("cpu", (world,))
-    for label, kw, want in (("zero_dp_strategy='optim_grads'", dict(zero_dp_strategy="optim_grads"), "zero_dp_strategy"),
+    for label, kw, want in (("Shard(1)", dict(shard_placement_fn=lambda p: Shard(p.ndim - 1)), "Shard(dim)"),
                             ("quantized_comm_policy", dict(quantized_comm_policy=QuantizedCommPolicy(weights="int8")),
                              "quantized_comm_policy")):
         model = build("scaled", 64)

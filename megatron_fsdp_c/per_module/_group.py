@@ -240,17 +240,14 @@ def _shard_dim(p: nn.Parameter, placement, what: str, world: int, sharded: bool)
     return dim
 
 
-def check_extension_use(what: str, strategy: ShardingStrategy, ctx: DistContext, tp, spmd: bool, dim, quant) -> None:
+def check_extension_use(what: str, ctx: DistContext, tp, spmd: bool, dim, quant) -> None:
     """The settings an extension parameter ([Note: extension parameters] in ../_extensions.py) is
     not supported with yet, refused at fully_shard (or at the lazy init, for extensions set on a
     local shard after fully_shard) with the way out."""
-    why = ("zero_dp_strategy other than 'optim_grads_params' (FSDP2's own sharding)" if strategy !=
-           ShardingStrategy.OPTIM_GRADS_PARAMS else
-           "tensor parallelism" if tp is not None else
+    why = ("tensor parallelism" if tp is not None else
            "dp_mesh_dims" if spmd else
            "a 2-D (HSDP) mesh without dim names" if ctx.mesh.ndim > 1 and not ctx.mesh.mesh_dim_names else
            "Shard(dim) with dim != 0 (shard_placement_fn)" if dim not in (0, None) else
-           "a replicated (fsdp_no_shard or 0-d) parameter" if dim is None else
            "quantized_comm_policy (the subclass decides what its gather carries)" if quant is not None else None)
     if why is not None:
         raise NotImplementedError(f"{what} defines FSDP2's all-gather extensions (fsdp_pre_all_gather / "
@@ -306,7 +303,7 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: S
                              not replicated)
             dims[id(p)] = None if replicated else dim
             if is_extension(p.data if isinstance(p, nn.Parameter) else p):
-                check_extension_use(what, strategy, ctx, tp_of[id(p)], (id(mod), attr) in spmd_specs, dims[id(p)],
+                check_extension_use(what, ctx, tp_of[id(p)], (id(mod), attr) in spmd_specs, dims[id(p)],
                                     quant_policy)
     converted = {}  # id(original) -> DTensor Parameter
     compute_dtypes = {}  # [Note: main-weight parameters] in _policy.py

@@ -85,7 +85,7 @@ class RootState(Registration, StepEnd, EngineOwner):
                     r.shard_dim = 0 if r.replicated else dp.placements[ctx.mesh.ndim - 1].dim
                     r.dist_param, r.tp = dp, tp
                     if is_extension(dp._local_tensor):  # [Note: extension parameters] in ../_extensions.py
-                        check_extension_use(f"parameter '{name}'", g.strategy, ctx, tp, (id(mod), attr) in g.spmd_specs,
+                        check_extension_use(f"parameter '{name}'", ctx, tp, (id(mod), attr) in g.spmd_specs,
                                             None if r.replicated else r.shard_dim, g.quant_policy)
                         r.extension = True
                         exts.append(ExtensionParam(r, mod, mp, getattr(mp, "param_dtype", None) or dp.dtype, []))
