@@ -149,10 +149,10 @@ def vs_fsdp2(rank, world, ck, kind):
 @cell("vs_reference[float8]", worlds=(2, 4), kind="float8")
 @cell("vs_reference[int8]", worlds=(2, 4), kind="int8")
 @cell("vs_reference[scaled]", worlds=(2, 4), kind="scaled")
-@cell("vs_reference[scaled-optim]", worlds=(2, 4), kind="scaled", zero_dp_strategy="optim")
+@cell("vs_reference[scaled-optim]", kind="scaled", zero_dp_strategy="optim")
 @cell("vs_reference[scaled-optim_grads]", worlds=(2, 4), kind="scaled", zero_dp_strategy="optim_grads")
 @cell("vs_reference[float8-optim_grads]", kind="float8", zero_dp_strategy="optim_grads")
-@cell("vs_reference[scaled-no_shard]", worlds=(2, 4), kind="scaled", zero_dp_strategy="no_shard")
+@cell("vs_reference[scaled-no_shard]", kind="scaled", zero_dp_strategy="no_shard")
 @cell("vs_reference[scaled-hsdp]", worlds=(4,), kind="scaled", hsdp=True)
 @cell("vs_reference[float8-keep_weights]", kind="float8", reshard_after_forward=False)
 def vs_reference(rank, world, ck, kind, **kw):
