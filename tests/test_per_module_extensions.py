@@ -6,7 +6,8 @@ all-gather, torchao's int8 mixed-precision training, and a subclass of the tests
 
 Behaviours (cell names):
 - the same script with torch's FSDP2 and ours, shards even: losses and parameters bit for bit,
-  every step: vs_fsdp2[float8|int8|scaled|legacy] (worlds 2, 4)
+  every step: vs_fsdp2[float8|int8|scaled|legacy] (worlds 2, 4); float8 under torchtitan's
+  policy (bf16 compute, fp32 reduction): vs_fsdp2[float8-bf16]
 - uneven shards (dims the world does not divide; FSDP2 raises for torchao's float8 there, torchao
   #3982): ours against a one-process model that runs every rank's batch in turn, float64 to rtol
   1e-9 (the fp8/int8 roundings are the same on both sides): vs_reference[float8|int8|scaled]
@@ -131,9 +132,12 @@ def train(model, kind, rank, world, steps=3, dtype=torch.float32, every_rank=Fal
 @cell("vs_fsdp2[int8]", worlds=(2, 4), kind="int8")
 @cell("vs_fsdp2[scaled]", worlds=(2, 4), kind="scaled")
 @cell("vs_fsdp2[legacy]", kind="legacy")
-def vs_fsdp2(rank, world, ck, kind):
-    ours = shard(build(kind, 64), "ours", world)
-    theirs = shard(build(kind, 64), "torch", world)
+@cell("vs_fsdp2[float8-bf16]", kind="float8", bf16=True)
+def vs_fsdp2(rank, world, ck, kind, bf16=False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # torchtitan's: bf16 compute, fp32 reduction
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if bf16 else {}
+    ours = shard(build(kind, 64), "ours", world, **kw)
+    theirs = shard(build(kind, 64), "torch", world, **kw)
     ck.true("the blocks' weights are subclass shards", all(
         type(p.to_local()) is not torch.Tensor for p in (ours[1].up.weight, ours[2].down.weight)),
         str(type(ours[1].up.weight.to_local())))
