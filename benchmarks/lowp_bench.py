@@ -4,7 +4,8 @@ its blocks' linears converted to torchao's float8 training with the fp8 all-gath
 (`Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)`, scales precomputed after
 each step as torchtitan does), sharded per block and at the root with megatron_fsdp_c's per-module
 fully_shard and with torch's FSDP2, one after the other in this process on the same data (AdamW);
-and, for scale, the same model unconverted with a bf16 compute policy on both. Rank 0 writes a
+the float8 model on megatron_fsdp_c's Megatron-style API (ZeRO-3, the blocks as units); and, for
+scale, the same model unconverted with a bf16 compute policy on both. Rank 0 writes a
 markdown table: median step time, all-gathered bytes per step and rank (ours: the engine's
 counters; FSDP2: the outputs of its all-gather calls, counted by a wrapper), and the
 final loss (ours and FSDP2 agree bit for bit; the bf16 run is another computation).
@@ -76,10 +77,16 @@ def run(label, impl, float8, mesh, rank, world, steps):
         from megatron_fsdp_c.per_module import fully_shard
     kw = {} if float8 else dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     model = build(float8)
-    for block in model[1:LAYERS + 1]:
-        fully_shard(block, mesh=mesh, **kw)
-    fully_shard(model, mesh=mesh, **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if impl == "megatron":  # the Megatron-style API: one call, the blocks as units, ZeRO-3
+        import megatron_fsdp_c
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = megatron_fsdp_c.fully_shard(model, opt, device_mesh=mesh, fsdp_unit_modules=[Block],
+                                                 zero_dp_strategy="optim_grads_params")
+    else:
+        for block in model[1:LAYERS + 1]:
+            fully_shard(block, mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, loss = [], None
     with GatherCounter() as counter:
         for step in range(steps + 1):  # the first step (lazy init, first gathers) is not timed
@@ -97,13 +104,14 @@ def run(label, impl, float8, mesh, rank, world, steps):
                 times.append(time.perf_counter() - t0)
             if step == 0:
                 counter.bytes = 0
-                first = gathered_ours(model) if impl == "ours" else 0
-    per_step = (gathered_ours(model) - first if impl == "ours" else counter.bytes) / steps
+                first = gathered_ours(model, impl) if impl != "torch" else 0
+    per_step = (gathered_ours(model, impl) - first if impl != "torch" else counter.bytes) / steps
     return dict(label=label, ms=1e3 * statistics.median(times), bytes=per_step, loss=loss.item())
 
 
-def gathered_ours(model) -> int:
-    return model._mfsdp_group.owner.param_buffer.engine.stats()["all_gather_bytes"]
+def gathered_ours(model, impl) -> int:
+    owner = model if impl == "megatron" else model._mfsdp_group.owner
+    return owner.param_buffer.engine.stats()["all_gather_bytes"]
 
 
 def main():
@@ -116,6 +124,8 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     rows = [run("megatron_fsdp_c, float8 (fp8 gather)", "ours", True, mesh, rank, world, args.steps),
             run("torch FSDP2, float8 (fp8 gather)", "torch", True, mesh, rank, world, args.steps),
+            run("megatron_fsdp_c Megatron-style API, float8 (fp8 gather)", "megatron", True, mesh, rank, world,
+                args.steps),
             run("megatron_fsdp_c, bf16 compute (no float8)", "ours", False, mesh, rank, world, args.steps),
             run("torch FSDP2, bf16 compute (no float8)", "torch", False, mesh, rank, world, args.steps)]
     if rank == 0:

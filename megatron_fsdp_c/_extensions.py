@@ -185,10 +185,11 @@ class ExtensionParam:
     def local(self) -> torch.Tensor:
         return self.record.dist_param._local_tensor
 
-    def pre_all_gather(self, mesh) -> tuple:
-        """fsdp_pre_all_gather with the signature its class has: (mesh) or (mesh, outer_size,
-        outer_stride, module, mp_policy), as FSDP2 calls it; anything else is FSDP2's error."""
-        local = self.local
+    def pre_all_gather(self, mesh, local=None) -> tuple:
+        """fsdp_pre_all_gather of `local` (default: the current local shard) with the signature its
+        class has: (mesh) or (mesh, outer_size, outer_stride, module, mp_policy), as FSDP2 calls
+        it; anything else is FSDP2's error."""
+        local = self.local if local is None else local
         n = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
         if n == 1:
             inputs, metadata = local.fsdp_pre_all_gather(mesh)
@@ -203,20 +204,22 @@ class ExtensionParam:
         return tuple(inputs), metadata
 
 
-def plan_inputs(exts: List[ExtensionParam], mesh, group, world: int, rank: int) -> None:
+def plan_inputs(exts: List[ExtensionParam], mesh, group, world: int, rank: int, locals=None) -> None:
     """Each extension parameter's all-gather inputs planned ([Note: extension parameters]): one
     pre_all_gather per parameter, in the same order on every rank, and one all_gather_object of
     every rank's input shapes and dtypes over the shard group; inputs whose sizes or dtypes
-    cannot share a payload item raise here, on every rank alike."""
+    cannot share a payload item raise here, on every rank alike. `locals`: the local shards to
+    ask (default: each parameter's current one; the Megatron-style API's are not DTensors yet)."""
     mine = []
-    for ext in exts:
-        release = getattr(ext.local, "fsdp_should_release_all_gather_outputs_after_post_all_gather", None)
+    for k, ext in enumerate(exts):
+        local = ext.local if locals is None else locals[k]
+        release = getattr(local, "fsdp_should_release_all_gather_outputs_after_post_all_gather", None)
         if release is not None:  # the extension says whether its compute tensor aliases the outputs
             ext.release_outputs = release()
             if not isinstance(ext.release_outputs, bool):
                 raise AssertionError("fsdp_should_release_all_gather_outputs_after_post_all_gather must return a bool, "
                                      f"got {type(ext.release_outputs)}")
-        inputs, _ = ext.pre_all_gather(mesh)
+        inputs, _ = ext.pre_all_gather(mesh, local)
         mine.append([(tuple(t.shape), str(t.dtype)) for t in inputs])
     every = [mine]
     if world > 1:

@@ -202,9 +202,10 @@ class ParamBuffer:
         for b in (range(len(self.plan)) if bucket_ids is None else bucket_ids):
             self.engine.init_begin(b)
             for r in by_bucket.get(b, []):
-                data = r.param._local_tensor if r.tp is not None and r.tp.dtensor_compute else r.param
+                data = r.param._local_tensor if r.tp is not None and r.tp.dtensor_compute else values_of(r.param)
                 self.engine.set_item(b, r.item, into_engine(data.detach()))
-            self.point_compute_params(by_bucket.get(b, []))  # while the full weights exist
+            # while the full weights exist (an extension parameter computes with what its gathers make)
+            self.point_compute_params([r for r in by_bucket.get(b, []) if not r.extension])
             self.engine.init_end(b)
 
     def load_locals(self) -> None:

@@ -105,6 +105,7 @@ def collect_params(root: nn.Module, units: List[nn.Module], trains_later=()) -> 
                 name = f"{mod_name}.{attr}" if mod_name else attr
                 rec = records[id(p)] = ParamRecord(len(records), name, p, p.shape, unit, [(mod, attr)])
                 rec.trains_later = id(p) in later
+                rec.extension = not isinstance(p, DTensor) and is_extension(p.data)
             else:
                 rec.places.append((mod, attr))
                 if rec.unit != unit:
@@ -115,17 +116,11 @@ def collect_params(root: nn.Module, units: List[nn.Module], trains_later=()) -> 
 
 
 def _check_plain(p: nn.Parameter, name: str) -> None:
-    """The Megatron-style API takes plain parameters: a tensor subclass is refused with the way out
-    (the per-module API takes those with FSDP2's all-gather extensions, [Note: extension
-    parameters] in _extensions.py)."""
+    """The Megatron-style API takes plain parameters and tensor subclasses with FSDP2's all-gather
+    extensions ([Note: extension parameters] in _extensions.py); any other subclass is refused."""
     what = f"parameter '{name}'"
     data = p._local_tensor if isinstance(p, DTensor) else p.data  # a TP DTensor: its local shard
     check_local_shard(data, what)
-    if is_extension(data):
-        raise NotImplementedError(
-            f"{what} is a {type(data).__name__} with FSDP2's all-gather extensions (torchao's float8 / int8 training "
-            "weights): megatron_fsdp_c's Megatron-style API does not take tensor-subclass parameters yet; shard the "
-            "model with megatron_fsdp_c.per_module.fully_shard (FSDP2's API), which does")
 
 
 def row_size(shape: torch.Size) -> int:

@@ -38,6 +38,8 @@ from .no_shard import mark_by_name, replicated_roots
 from ._owner import EngineOwner, clip_grad_norm
 from ._param_buffer import ParamBuffer, collect_params
 from ._tensor_parallel import assign_tp
+from ._megatron_extensions import MegatronExtensions
+from ._extensions import ROLE_PAYLOAD
 
 __all__ = ["MegatronFSDP"]
 
@@ -80,6 +82,12 @@ class MegatronFSDP(EngineOwner, nn.Module):
                                       "not supported yet: materialise the parallelized model first (to_empty + its "
                                       "initialisation), then shard it")
         check_same_model(records, dist_ctx)
+        if any(r.extension for r in expert_records):
+            raise NotImplementedError("tensor-subclass expert parameters (FSDP2's all-gather extensions) with "
+                                      "expt_device_mesh are not supported yet: keep the experts' weights plain")
+        # [Note: extension parameters under MegatronFSDP] in _megatron_extensions.py
+        self.extensions = MegatronExtensions(records, dist_ctx, zero_dp_strategy, tp_mesh is not None,
+                                             init_model_with_meta_device)
         self.replicated_roots = replicated_roots(module, [r.param for r in records if r.replicated])
         if self.replicated_roots and dist_ctx.rank == 0:
             logger.info("replicated (fsdp_no_shard) subtrees, never gathered: %s", ", ".join(self.replicated_roots))
@@ -92,7 +100,8 @@ class MegatronFSDP(EngineOwner, nn.Module):
         cap = 0 if bucket_size is None else int(bucket_size)
         buf = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx, bucket_cap=cap,
                           reduce_queue_bytes=reduce_queue_bytes, grad_prescale=prescale, reduce_op=op,
-                          single_rank_collectives=single_rank_collectives, quant_policy=quantized_comm_policy)
+                          single_rank_collectives=single_rank_collectives, quant_policy=quantized_comm_policy,
+                          payloads=self.extensions.payloads())
         self.init_peak_bytes = None
         if init_model_with_meta_device:
             self.init_peak_bytes = buf.load_from_meta(module, dist_ctx.device)
@@ -100,6 +109,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
             buf.load_params()
         buf.build_dist_params(self)
         self._start(buf, fsdp_unit_modules)  # [Note: owner start-up] in _owner.py
+        self.extensions.start(buf, self.hooks)
         if expert_records:  # [Note: expert data-parallel mesh] in _experts.py
             scale, expert_op = expert_scaling(dist_ctx, expert_ctx, average_in_collective=average_in_collective,
                                               calculate_per_token_loss=calculate_per_token_loss)
@@ -117,6 +127,16 @@ class MegatronFSDP(EngineOwner, nn.Module):
         module._megatron_fsdp_wrapper = weakref.ref(self)
         if logger.isEnabledFor(logging.INFO) and dist_ctx.rank == 0:
             self._log_summary(fsdp_unit_modules)
+
+    # -- HookOwner: extension parameters' gathers ([Note: extension parameters under MegatronFSDP]) --
+    def _unit_gathering(self, unit) -> None:
+        self.extensions.gathering(unit)
+
+    def _unit_unsharded(self, unit) -> None:
+        self.extensions.unsharded(unit)
+
+    def _unit_resharded(self, unit) -> None:
+        self.extensions.resharded(unit)
 
     # -- engine owners --------------------------------------------------------------------
     def owners(self) -> tuple:
@@ -163,6 +183,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
             o._sync_requires_grad()
         for o in owners:
             o._swap_params(dist=False)
+        self.extensions.root_pre_forward()  # [Note: extension parameters under MegatronFSDP]
         for o in owners:
             o.hooks.root_pre_forward()
 
@@ -277,14 +298,15 @@ class MegatronFSDP(EngineOwner, nn.Module):
     def install_optimized_model_weights(self) -> None:
         """Main weights -> compute weights after an optimizer step; the next forward's
         all-gathers spread them."""
-        for o in self.owners():
-            o.param_buffer.engine.install_main_weights(False)
+        for o in self.owners():  # the payloads of extension parameters follow their main weights
+            o.param_buffer.engine.install_main_weights(bool(getattr(o, "extensions", None) and o.extensions.exts))
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """Starts gathering every stale persistent bucket now (ZeRO-1/2) instead of at first use."""
         for o in self.owners():
             engine = o.param_buffer.engine
-            stale = [b for b in o.param_buffer.gatherable_buckets() if engine.weight_state(b) == "stale"]
+            stale = [b for b in o.param_buffer.gatherable_buckets() if engine.weight_state(b) == "stale"
+                     and o.param_buffer.bucket_roles[b] != ROLE_PAYLOAD]  # those need their unit's inputs first
             if stale:
                 engine.unshard(stale)
                 if force_sync or not self.overlap_param_gather:

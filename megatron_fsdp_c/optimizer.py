@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ._extensions import values_of
+
 __all__ = ["fully_shard_optimizer", "remap_optimizer"]
 
 
@@ -93,8 +95,9 @@ class ShardedStepState:
     def twin(self, p: nn.Parameter) -> nn.Parameter:
         """A plain Parameter aliasing `p`'s local shard (see [Note: local-shard step])."""
         twin = self.twins.get(id(p))
-        if twin is None or twin.data.data_ptr() != p._local_tensor.data_ptr():
-            twin = self.twins[id(p)] = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
+        local = values_of(p._local_tensor)  # an extension parameter's values ([Note: extension parameters])
+        if twin is None or twin.data.data_ptr() != local.data_ptr():
+            twin = self.twins[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
         elif twin.requires_grad != p.requires_grad:  # [Note: changing requires_grad] in _trainable.py
             twin.requires_grad_(p.requires_grad)
         return twin

@@ -21,10 +21,10 @@ Behaviours (cell names):
   compute parameter, gathered inputs of other dtypes and sizes than the parameter: protocol
 - DCP: a float8 model's checkpoint by ours and by FSDP2 at world 2 (the same state dicts), each
   read at world 4 by both: the same values, the next steps bit for bit: dcp_save, dcp_load
-- refusals at fully_shard with the reason (strategies and settings not supported yet, a subclass
-  without the extensions, the Megatron-style API), and inputs whose size changes: refusals
+- refusals at fully_shard with the reason (settings not supported yet, a subclass without the
+  extensions, the Megatron-style API's weights outside every unit), and inputs whose size
+  changes: refusals
 """
-import functools
 import os
 
 import pytest
@@ -40,48 +40,13 @@ from megatron_fsdp_c.per_module import fully_shard
 
 from support import rank_grid
 from support.checks import outcome, recorder_cells, verify
-from support.subclass import CALLS, LegacyScaledInt8Weight, QLinear, ScaledInt8Weight, to_scaled_int8
+from support.subclass import CALLS, QLinear, ScaledInt8Weight, to_scaled_int8
 
 torchao = pytest.importorskip("torchao")
-from torchao import quantize_  # noqa: E402
-from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,  # noqa: E402
-                            precompute_float8_dynamic_scale_for_fsdp)
-from torchao.prototype.quantized_training import int8_mixed_precision_training  # noqa: E402
+from support.lowp_models import BATCH, Block, build, train, values  # noqa: E402
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
-BATCH = 8  # rows per rank
-
-
-class Block(nn.Module):
-    def __init__(self, d, make):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = make(d, 2 * d, bias=False)
-        self.down = make(2 * d, d, bias=False)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-def build(kind: str, dim: int, dtype=torch.float32, reference=False, fp8_gather=True) -> nn.Module:
-    """The test model (in 32 -> dim -> two blocks -> 16), its blocks' linears converted to `kind`:
-    'float8' (torchao, emulated), 'int8' (torchao's int8 mixed precision), 'scaled'/'legacy' (the
-    tests' subclass, 5- or 1-argument pre_all_gather; `reference`: plain weights quantized in
-    forward instead)."""
-    torch.manual_seed(0)
-    make = functools.partial(QLinear, reference=reference) if kind in ("scaled", "legacy") else nn.Linear
-    model = nn.Sequential(nn.Linear(32, dim), Block(dim, make), Block(dim, make), nn.Linear(dim, 16)).to(dtype)
-    if kind == "float8":
-        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_gather,
-                                                                     emulate=True),
-                                   module_filter_fn=lambda mod, fqn: fqn.startswith(("1.", "2.")))
-    elif kind == "int8":
-        quantize_(model, int8_mixed_precision_training(),
-                  filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and fqn.startswith(("1.", "2.")))
-    elif not reference:
-        to_scaled_int8(model, ScaledInt8Weight if kind == "scaled" else LegacyScaledInt8Weight)
-    return model
 
 
 def shard(model: nn.Module, impl: str, world: int, hsdp: bool = False, **kw) -> nn.Module:
@@ -94,38 +59,6 @@ def shard(model: nn.Module, impl: str, world: int, hsdp: bool = False, **kw) -> 
         fs(block, mesh=mesh, **kw)
     fs(model, mesh=mesh, **kw)
     return model
-
-
-def values(t: torch.Tensor) -> torch.Tensor:
-    """A parameter's full values as a plain tensor (collective for a DTensor)."""
-    if isinstance(t, DTensor):
-        local = values_of(t.to_local())
-        t = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                               stride=t.stride()).full_tensor()
-    return values_of(t).detach().clone()
-
-
-def train(model, kind, rank, world, steps=3, dtype=torch.float32, every_rank=False):
-    """Steps of AdamW on random data: this rank's rows, or (`every_rank`, the one-process
-    reference) every rank's rows, one rank's at a time with the loss divided by the world (float8
-    scales activations per tensor, so a rank's rows must stay a batch of their own); the losses
-    and the parameters' full values after each step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses, params = [], []
-    for step in range(steps):
-        x = torch.randn(BATCH * world, 32, generator=torch.Generator().manual_seed(100 + step), dtype=dtype)
-        loss = 0
-        for r in range(world) if every_rank else (rank,):
-            part = model(x[r * BATCH:(r + 1) * BATCH]).square().mean() / (world if every_rank else 1)
-            part.backward()
-            loss = loss + part.detach()
-        opt.step()
-        opt.zero_grad()
-        if kind == "float8":  # torchtitan's order: one all-reduce of every weight's amax after the step
-            precompute_float8_dynamic_scale_for_fsdp(model)
-        losses.append(loss.clone())
-        params.append({n: values(p) for n, p in model.named_parameters()})
-    return losses, params
 
 
 @cell("vs_fsdp2[float8]", worlds=(2, 4), kind="float8")
@@ -276,9 +209,10 @@ def refusals(rank, world, ck):
     ck.true("a subclass without the extensions at the first forward: refused, naming them",
             got.startswith("NotImplementedError") and "without FSDP2's all-gather extensions" in got, got)
     model = build("scaled", 64)
-    got = outcome(lambda: megatron_fsdp_c.fully_shard(model, fsdp_unit_modules=[Block], device_mesh=mesh))
-    ck.true("the Megatron-style API: refused, pointing at the per-module API", got.startswith("NotImplementedError")
-            and "per_module" in got, got)
+    got = outcome(lambda: megatron_fsdp_c.fully_shard(model, fsdp_unit_modules=[], device_mesh=mesh,
+                                                      zero_dp_strategy="optim_grads"))
+    ck.true("the Megatron-style API, subclass weights outside every unit: refused, pointing at the per-module API",
+            got.startswith("NotImplementedError") and "outside every unit" in got and "per_module" in got, got)
     # inputs of another size than planned: a clear error before any collective, on every rank
     model = to_scaled_int8(build("scaled", 64, reference=True), _Shrinking)
     for m in model.modules():
