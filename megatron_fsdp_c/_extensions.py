@@ -55,7 +55,7 @@ import torch.nn as nn
 from . import _C
 
 __all__ = ["ROLE_PARAMS", "ROLE_EXTENSION", "ROLE_PAYLOAD", "ExtensionParam", "PayloadInput", "is_extension",
-           "ExtensionGathers", "check_local_shard", "plain_grad", "values_of", "repoint",
+           "ExtensionGathers", "check_local_shard", "plain_grad", "value_names", "values_of", "repoint",
            "plan_inputs"]
 
 ROLE_PARAMS, ROLE_EXTENSION, ROLE_PAYLOAD = 0, 1, 2
@@ -72,27 +72,27 @@ def is_extension(t) -> bool:
     return pre
 
 
-def _values_name(t: torch.Tensor, what: str) -> str:
-    """The name of the inner tensor of subclass `t` that holds its values: the first of its shape
-    and dtype among __tensor_flatten__'s (torchao's `_tensor`, `_data`; TwoTensor's `a`, whose `b`
-    stays in the subclass's own memory, stepped with it by the optimizer)."""
+def value_names(t: torch.Tensor) -> list:
+    """The inner tensors of subclass `t` (among __tensor_flatten__'s) of its shape and dtype: plain
+    tensors that hold values (torchao's `_tensor`, `_data`; TwoTensor's `a` and `b`)."""
     flatten = getattr(t, "__tensor_flatten__", None)
     names = flatten()[0] if flatten is not None else []
-    hits = [n for n in names if type(getattr(t, n, None)) in (torch.Tensor, nn.Parameter)
+    return [n for n in names if type(getattr(t, n, None)) in (torch.Tensor, nn.Parameter)
             and getattr(t, n).shape == t.shape and getattr(t, n).dtype == t.dtype]
+
+
+def _values_name(t: torch.Tensor, what: str) -> str:
+    """The name of the inner tensor of subclass `t` that holds its values: the first of
+    value_names (TwoTensor's `b` stays in the subclass's own memory, stepped with it by the
+    optimizer, which steps the subclass under the per-module API)."""
+    hits = value_names(t)
     if not hits:
+        names = t.__tensor_flatten__()[0] if hasattr(t, "__tensor_flatten__") else []
         raise NotImplementedError(
             f"{what} is a {type(t).__name__} with FSDP2's all-gather extensions, but megatron_fsdp_c needs its values "
             f"in a plain inner tensor of its shape and dtype (none among __tensor_flatten__'s {names}): its engine "
             "keeps the main weights and gradients of that tensor")
     return hits[0]
-
-
-def _values_or_none(t: torch.Tensor):
-    try:
-        return _values_name(t, "")
-    except NotImplementedError:
-        return None
 
 
 def plain_grad(g: torch.Tensor) -> torch.Tensor:
@@ -122,7 +122,7 @@ def check_local_shard(t: torch.Tensor, what: str, extensions_later: bool = False
         if not _plain(data):
             _values_name(data, what)
         return
-    if type(data) is not torch.Tensor and extensions_later and _values_or_none(data) is not None:
+    if type(data) is not torch.Tensor and extensions_later and value_names(data):
         return
     if type(data) is not torch.Tensor:
         raise NotImplementedError(

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ._common import ShardingStrategy
-from ._extensions import ExtensionGathers, ExtensionParam, plan_inputs, repoint, values_of
+from ._extensions import ExtensionGathers, ExtensionParam, plan_inputs, repoint, value_names, values_of
 
 __all__ = ["MegatronExtensions"]
 
@@ -38,8 +38,11 @@ class MegatronExtensions:
         if not self.records:
             return
         outside = [r.name for r in self.records if r.unit < 0]
+        # the optimizer steps one values tensor (optimizer.py's twin): a second would silently stay behind
+        several = [r.name for r in self.records if len(value_names(r.param.data)) > 1]
         why = ("tensor parallelism" if tp_used or any(r.tp is not None for r in self.records) else
                f"parameters outside every unit or shared by several ({', '.join(outside[:3])})" if outside else
+               f"subclasses with several value tensors ({', '.join(several[:3])}: TwoTensor-like)" if several else
                "init_model_with_meta_device" if meta else
                "HFSDP (dp_outer sharded)" if ctx.outer_sharded else
                "a 2-D mesh without dim names" if ctx.mesh.ndim > 1 and not ctx.mesh.mesh_dim_names else None)

@@ -13,10 +13,11 @@ Behaviours (cell names):
   int8 mixed precision under ZeRO-3: megatron[float8-...], megatron[int8-...]
 - the distributed parameters are DTensors whose local tensors are the subclass, as FSDP2's, and
   the optimizer's states are of the values' shape: in every cell
+- a subclass with two value tensors (TwoTensor), whose second the optimizer would not step, is
+  refused at fully_shard: refusals
 """
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp_c
@@ -25,7 +26,7 @@ from support import rank_grid
 from support.checks import recorder_cells, strip, verify
 
 torchao = pytest.importorskip("torchao")
-from support.lowp_models import Block, build, train  # noqa: E402
+from support.lowp_models import Block, build, check_against_reference, train  # noqa: E402
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -49,18 +50,31 @@ def megatron(rank, world, ck, kind, strategy):
     ck.true("a subclass weight's distributed parameter: a DTensor over the subclass",
             isinstance(up, DTensor) and type(up.to_local()) is not torch.Tensor, type(up).__name__)
     ref = build(kind, dim, torch.float64, reference=True)
-    ol, op = train(model, kind, rank, world, dtype=torch.float64, opt=opt)
-    rl, rp = train(ref, kind, rank, world, dtype=torch.float64, every_rank=True)
-    for step, (a, b) in enumerate(zip(ol, rl)):
-        mean = a.clone()
-        torch.distributed.all_reduce(mean)
-        ck.close(f"step {step}: loss (the mean over ranks) against the reference's", mean / world, b)
-    for step, (a, b) in enumerate(zip(op, rp)):
-        ck.equal(f"step {step}: parameter names", sorted(strip(n) for n in a), sorted(b))
-        for name, v in a.items():
-            ck.close(f"step {step}: {strip(name)}", v, b[strip(name)])
+    check_against_reference(ck, train(model, kind, rank, world, dtype=torch.float64, opt=opt),
+                            train(ref, kind, rank, world, dtype=torch.float64, every_rank=True), world, strip)
     state = opt.state[up]
     ck.true("AdamW's states are the values' shape", state["exp_avg"].shape == up.shape, str(state["exp_avg"].shape))
+
+
+@cell("refusals")
+def refusals(rank, world, ck):
+    """A subclass with two value tensors (TwoTensor, given the extensions as torch's own tests do):
+    the Megatron-style optimizer would step one of them only, so it is refused at fully_shard."""
+    from support.checks import outcome
+    from torch.testing._internal.two_tensor import TwoTensor
+    mesh = rank_grid.device_mesh("cpu", (world,))
+    model = build("scaled", 64, reference=True)
+    for b in (model[1], model[2]):
+        b.up.weight = torch.nn.Parameter(TwoTensor(b.up.weight.detach(), b.up.weight.detach().clone()))
+    TwoTensor.fsdp_pre_all_gather = lambda self, mesh: ((self.a, self.b), None)
+    TwoTensor.fsdp_post_all_gather = lambda self, outs, meta, dtype, *, out=None: None if out is not None else (
+        TwoTensor(*outs), outs)
+    try:
+        got = outcome(lambda: megatron_fsdp_c.fully_shard(model, fsdp_unit_modules=[Block], device_mesh=mesh))
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+    ck.true("TwoTensor weights on the Megatron-style API: NotImplementedError naming them",
+            got.startswith("NotImplementedError") and "several value tensors" in got and "1.up.weight" in got, got)
 
 
 @pytest.mark.parametrize("name,world", rank_grid.params(CELLS, CELLS.keys()))

@@ -43,7 +43,7 @@ from support.checks import outcome, recorder_cells, verify
 from support.subclass import CALLS, QLinear, ScaledInt8Weight, to_scaled_int8
 
 torchao = pytest.importorskip("torchao")
-from support.lowp_models import BATCH, Block, build, train, values  # noqa: E402
+from support.lowp_models import BATCH, Block, build, check_against_reference, train, values  # noqa: E402
 
 CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
@@ -101,15 +101,8 @@ def vs_reference(rank, world, ck, kind, **kw):
         uneven = [n for n, p in ours.named_parameters() if p.shape[0] % pieces]
         ck.true("some subclass weights are unevenly sharded",
                 any(n.endswith(("up.weight", "down.weight")) for n in uneven), str(uneven))
-    ol, op = train(ours, kind, rank, world, dtype=torch.float64)
-    rl, rp = train(ref, kind, rank, world, dtype=torch.float64, every_rank=True)
-    for step, (a, b) in enumerate(zip(ol, rl)):
-        mean = a.clone()
-        torch.distributed.all_reduce(mean)
-        ck.close(f"step {step}: loss (the mean over ranks) against the reference's", mean / world, b)
-    for step, (a, b) in enumerate(zip(op, rp)):
-        for name in b:
-            ck.close(f"step {step}: {name}", a[name], b[name])
+    check_against_reference(ck, train(ours, kind, rank, world, dtype=torch.float64),
+                            train(ref, kind, rank, world, dtype=torch.float64, every_rank=True), world)
 
 
 def gathered_bytes(model) -> int:

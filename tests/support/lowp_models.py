@@ -79,3 +79,18 @@ def train(model, kind, rank, world, steps=3, dtype=torch.float32, every_rank=Fal
         losses.append(loss.clone())
         params.append({n: values(p) for n, p in model.named_parameters()})
     return losses, params
+
+
+def check_against_reference(ck, ours, ref, world: int, name=lambda n: n) -> None:
+    """Records, per step, the mean over ranks of `ours`' losses against the reference's and every
+    parameter (float64, rtol 1e-9): `ours`, `ref` are train()'s (losses, params); `name` maps our
+    parameter names to the reference's (the Megatron-style wrapper prefixes 'module.')."""
+    (ol, op), (rl, rp) = ours, ref
+    for step, (a, b) in enumerate(zip(ol, rl)):
+        mean = a.clone()
+        torch.distributed.all_reduce(mean)
+        ck.close(f"step {step}: loss (the mean over ranks) against the reference's", mean / world, b)
+    for step, (a, b) in enumerate(zip(op, rp)):
+        ck.equal(f"step {step}: parameter names", sorted(name(n) for n in a), sorted(b))
+        for n, v in a.items():
+            ck.close(f"step {step}: {name(n)}", v, b[name(n)])
