@@ -55,7 +55,7 @@ import torch.nn as nn
 from . import _C
 
 __all__ = ["ROLE_PARAMS", "ROLE_EXTENSION", "ROLE_PAYLOAD", "ExtensionParam", "PayloadInput", "is_extension",
-           "ExtensionGathers", "check_local_shard", "plain_grad", "value_names", "values_of", "repoint",
+           "ExtensionGathers", "check_local_shard", "plain_grad", "value_names", "values_of", "repoint", "shard_mesh",
            "plan_inputs"]
 
 ROLE_PARAMS, ROLE_EXTENSION, ROLE_PAYLOAD = 0, 1, 2
@@ -202,6 +202,11 @@ class ExtensionParam:
                                  "Expects fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size, "
                                  "outer_stride: tuple[int, ...], module: nn.Module, mp_policy: MixedPrecisionPolicy)")
         return tuple(inputs), metadata
+
+
+def shard_mesh(ctx):
+    """The mesh FSDP2 hands fsdp_pre_all_gather: the shard mesh (HSDP: the last, named dim)."""
+    return ctx.mesh if ctx.mesh.ndim == 1 else ctx.mesh[ctx.mesh.mesh_dim_names[-1]]
 
 
 def plan_inputs(exts: List[ExtensionParam], mesh, group, world: int, rank: int, locals=None) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ._common import ShardingStrategy
-from ._extensions import ExtensionGathers, ExtensionParam, plan_inputs, repoint, value_names, values_of
+from ._extensions import ExtensionGathers, ExtensionParam, plan_inputs, repoint, shard_mesh, value_names, values_of
 
 __all__ = ["MegatronExtensions"]
 
@@ -51,7 +51,7 @@ class MegatronExtensions:
                                       f"extensions, which megatron_fsdp_c's Megatron-style API does not take with {why} "
                                       "yet: shard it with megatron_fsdp_c.per_module.fully_shard, or use plain parameters")
         from torch.distributed.fsdp import MixedPrecisionPolicy  # what FSDP2 passes: the module computes in its dtype
-        self.mesh = ctx.mesh if ctx.mesh.ndim == 1 else ctx.mesh[ctx.mesh.mesh_dim_names[-1]]
+        self.mesh = shard_mesh(ctx)
         for r in self.records:
             r.replicated = r.replicated or strategy == ShardingStrategy.NO_SHARD
             full = r.param.detach()

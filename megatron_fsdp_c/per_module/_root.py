@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C
 from .._common import ShardingStrategy, in_backward, weak_call
-from .._extensions import ExtensionGathers, ExtensionParam, check_local_shard, is_extension, plan_inputs
+from .._extensions import ExtensionGathers, ExtensionParam, check_local_shard, is_extension, plan_inputs, shard_mesh
 from .._owner import EngineOwner
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from .._param_buffer import ParamBuffer, ParamRecord, UnitConfig
@@ -100,11 +100,8 @@ class RootState(Registration, StepEnd, EngineOwner):
                 else:
                     r.places.append((mod, attr))
                     r.aliases.append(name)
-        shard_mesh = None
         if exts:  # every rank's all-gather inputs, planned once ([Note: extension parameters])
-            # FSDP2 hands pre_all_gather the shard mesh (HSDP: the last dim of the 2-D one)
-            shard_mesh = ctx.mesh if ctx.mesh.ndim == 1 else ctx.mesh[ctx.mesh.mesh_dim_names[-1]]
-            plan_inputs(exts, shard_mesh, ctx.group, ctx.world, ctx.rank)
+            plan_inputs(exts, shard_mesh(ctx), ctx.group, ctx.world, ctx.rank)
         buf = ParamBuffer(records, ShardingStrategy.OPTIM_GRADS_PARAMS, OurPolicy(), ctx, bucket_cap=0,
                           reduce_queue_bytes=None, grad_prescale=1.0 / ctx.dp_world, reduce_op="sum", units=units,
                           payloads=[(e.record.unit, i) for e in exts for i in e.inputs])
@@ -113,7 +110,7 @@ class RootState(Registration, StepEnd, EngineOwner):
         self._setup_host_heap(ctx.device)
         self._start(buf, [g.modules[0] for g in groups],  # [Note: owner start-up] in ../_owner.py
                     post_order=sorted(range(len(groups)), key=lambda u: ends.get(u, -1)), register_module_hooks=False)
-        self.extension_gathers = ExtensionGathers(buf, exts, shard_mesh, self.hooks) if exts else None
+        self.extension_gathers = ExtensionGathers(buf, exts, shard_mesh(ctx), self.hooks) if exts else None
         self.adopt_grads()  # gradients carried through a .to() ([Note: re-initialisation] in _registration.py)
         # [Note: per-group registration]: what each group's modules hold, by unit index
         self._unit_records = [[] for _ in groups]
