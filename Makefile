@@ -10,15 +10,16 @@ CC ?= gcc
 COMM_SRC := $(addprefix csrc/comm/,guards.c geometry.c buffers.c wire.c replicas.c reduce.c weights.c backward.c trainable.c \
 	              pipeline.c)
 CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/core/quant_cpu.c csrc/core/cpu_table.c \
+	           csrc/core/adam_cpu.c \
 	           $(COMM_SRC)
-TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror \
+TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -fno-math-errno -Wall -Wextra -Werror \
 	             -Wno-unused-parameter -Wno-missing-field-initializers -pthread -D_POSIX_C_SOURCE=200809L \
 	             -fsanitize=address,undefined -fno-sanitize-recover=undefined
 TEST_HARNESS_C := csrc/tests/harness.c csrc/tests/pipeline_cases.c
 TEST_HARNESS := $(TEST_HARNESS_C) csrc/tests/harness.h csrc/tests/pipeline_cases.h
 # The parts of test_core and test_emu, one file per concern (their runners call each by name).
 TEST_CORE_C := $(addprefix csrc/tests/core/,test_kernels.c test_quant.c test_layout.c test_reduce.c test_replicas.c \
-	             test_trainable.c test_misuse.c)
+	             test_trainable.c test_adam.c test_misuse.c)
 TEST_EMU_C := $(addprefix csrc/tests/cuda/,nccl_rig.c test_kernels.c test_emulator.c test_quant.c test_grouped.c \
 	            test_hfsdp.c test_hangs.c)
 # The CUDA half, floor to roof (maps at the top of csrc/cuda/kernels.cu and nccl_transport.c);

@@ -84,6 +84,36 @@ def cuda_pack_(
     srcs[i] (or +=)."""
 
 # ------------------------------------------------------------------------------------------------
+# optim.c ([Note: fused Adam] in csrc/core/mfsdp_adam.h)
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None,
+    steps: Sequence[int],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+    threads: int,
+    computes: Sequence[torch.Tensor | None] | None = None,
+    /,
+) -> None:
+    """adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
+    weight_decay, amsgrad, maximize, decoupled, threads, computes=None): one fused Adam/AdamW step of a
+    parameter group in place ([Note: fused Adam] in csrc/core/mfsdp_adam.h); steps[i] is tensor i's
+    count after this step."""
+
+def adam_isa() -> str:
+    """adam_isa() -> the fused Adam's SIMD path: avx512, avx2 or portable."""
+
+# ------------------------------------------------------------------------------------------------
 # host_heap.c ([Note: host heap trim])
 
 def keep_host_heap() -> int:

@@ -11,6 +11,7 @@ from . import _torch_compat  # noqa: F401 - first: an unsupported torch stops th
 from . import _C  # noqa: F401 - the engine, importable as megatron_fsdp_c._C
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from ._common import ShardingStrategy
+from .fused_adam import FusedAdam, FusedAdamW
 from .fully_shard import close, fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
@@ -19,6 +20,8 @@ from .no_shard import fsdp_no_shard
 __version__ = "0.1.0"
 
 __all__ = [
+    "FusedAdam",
+    "FusedAdamW",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
     "QuantizedCommPolicy",

@@ -20,6 +20,8 @@ Behaviours (cell names):
 - .to(torch.float64) after fully_shard: cast_after_fully_shard
 - a root whose forward takes no inputs: forward_without_inputs
 - set_gradient_divide_factor: gradient_divide_factor
+- megatron_fsdp_c.FusedAdamW stepping the DTensor parameters, against DDP with torch's AdamW:
+  fused_adamw; with weights kept gathered across the step: fused_adamw_kept_weights
 """
 import copy
 import gc
@@ -59,6 +61,40 @@ for _key, _shapes in SHAPES.items():
 def multi_group_parity(rank, world, ck, reshard):
     shard_against_ddp(ck, rank, world, gpt(), lambda m: shard_blocks(m, reshard_after_forward=reshard), gpt_data,
                       loss=gpt_loss)
+
+
+@cell("fused_adamw", worlds=(2, 4))
+def fused_adamw(rank, world, ck):
+    import megatron_fsdp_c as mf
+    model = gpt()
+    ref = copy.deepcopy(model)
+    shard_blocks(model)
+    optimizers = (mf.FusedAdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    against_ddp(ck, rank, world, model, ref, gpt_data, loss=gpt_loss, optimizers=optimizers)
+    ck.true("the fused optimizer's states are DTensors", all(
+        isinstance(s["exp_avg"], DTensor) for s in optimizers[0].state.values()))
+
+
+@cell("fused_adamw_kept_weights")
+def fused_adamw_kept_weights(rank, world, ck):
+    """Weights stay gathered across the step (set_reshard_after_backward(False)): the next forward
+    sees the fused step's update, found through the version counters it bumps, as torch's AdamW's.
+    (FSDP2 itself computes that forward with the weights from before the step.)"""
+    import megatron_fsdp_c as mf
+    losses = {}
+    for name, make in (("fused", mf.FusedAdamW), ("torch", torch.optim.AdamW)):
+        model = gpt()
+        shard_blocks(model)
+        model.set_reshard_after_backward(False)
+        opt = make(model.parameters(), lr=1e-2)
+        losses[name] = []
+        for step in range(3):
+            loss = gpt_loss(model, gpt_data(step, rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.detach())
+    ck.close("losses", torch.stack(losses["fused"]), torch.stack(losses["torch"]), rtol=1e-12, atol=0)
 
 
 @cell("non_root_forward_backward")

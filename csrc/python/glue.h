@@ -6,7 +6,7 @@
  *   torch_memory.h  (torch_memory.c)  <- engine.c
  *   bucket_spec.h   (bucket_spec.c)   <- engine.c
  *   pieces.h        (register fns)    <- module.c, and each piece for its own prototype
- * The pieces (plan.c, kernels.c, host_heap.c, torch_transport.c, nccl_transport_type.c,
+ * The pieces (plan.c, kernels.c, optim.c, host_heap.c, torch_transport.c, nccl_transport_type.c,
  * bucket_spec.c, engine.c) use nothing of each other but those two headers; module.c is the
  * roof and only registers them.
  *

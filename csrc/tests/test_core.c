@@ -16,6 +16,7 @@ int main(void) {
   test_narrow_sums();
   test_hybrid_sharding();
   test_requires_grad_changes();
+  test_adam();
   run_pipeline_cases(&loop_rig, 4, 0);
   run_quantized_cases(&loop_rig, 4, 0);
   pipeline_cases_tail = 3; /* [Note: flag tail]: a reserved tail changes no result */

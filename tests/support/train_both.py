@@ -168,13 +168,13 @@ class TrainBoth:
 # the per-module API (megatron_fsdp_c.per_module.fully_shard) against DDP
 
 
-def against_ddp(ck, rank, world, model, ref, data, *, steps=3, loss=sum_loss, optimizer=adam, grads=True,
-                ddp_kwargs=None) -> TrainBoth:
+def against_ddp(ck, rank, world, model, ref, data, *, steps=3, loss=sum_loss, optimizer=adam, optimizers=None,
+                grads=True, ddp_kwargs=None) -> TrainBoth:
     """`model` (sharded already) and `ref` (its plain copy, put under DDP) train on data(step,
     rank) with zero_grad's set_to_none alternating, as torch's tests do; losses, gradients and
     parameters must match, and the parameters stay DTensors."""
     from torch.distributed.tensor import DTensor
-    pair = TrainBoth(rank, world, model, ref, optimizer=optimizer, ck=ck, ddp_kwargs=ddp_kwargs)
+    pair = TrainBoth(rank, world, model, ref, optimizer=optimizer, optimizers=optimizers, ck=ck, ddp_kwargs=ddp_kwargs)
     pair.run(steps, lambda step, mb: data(step, rank), loss=loss, zero_at_start=True,
              set_to_none=lambda step: step % 2 == 0, check_grads=grads)
     pair.check_params()
@@ -194,9 +194,15 @@ def shard_against_ddp(ck, rank, world, model, shard, data, **kwargs) -> TrainBot
 # the Megatron-FSDP API (megatron_fsdp_c.fully_shard) against DDP
 
 
+REFERENCE_OPTIMIZER = {"fused_adamw": "adamw"}  # what the DDP side of train_pair steps with instead
+
+
 def make_optimizer(name, params):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if name == "fused_adamw":  # its reference side is torch's AdamW (REFERENCE_OPTIMIZER)
+        import megatron_fsdp_c as mf
+        return mf.FusedAdamW(params, lr=1e-2, weight_decay=0.1)
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
@@ -222,7 +228,8 @@ def train_pair(rank, world, strategy, optim="adamw", micro=1, *, cfg=CFG, steps=
     import megatron_fsdp_c as mf
     from . import rank_grid
     setting = (dataclasses.astuple(cfg), dtype, optim, micro, steps, use_no_sync, tuple(freeze), alternate_set_to_none)
-    ref = rank_grid.once(("train_pair DDP",) + setting, _pair_side, rank, world, None, setting)
+    ref_setting = setting[:2] + (REFERENCE_OPTIMIZER.get(optim, optim),) + setting[3:]
+    ref = rank_grid.once(("train_pair DDP",) + ref_setting, _pair_side, rank, world, None, ref_setting)
     return dict(_pair_side(rank, world, lambda model, opt: mf.fully_shard(
         model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, device_mesh=device_mesh_arg(mesh, world),
         **shard_kwargs), setting), ref_losses=ref["losses"], ref_params=ref["params"])

@@ -18,6 +18,8 @@ void test_hybrid_sharding(void);
 void test_hfsdp_quantized(void);
 /* test_trainable.c */
 void test_requires_grad_changes(void);
+/* test_adam.c */
+void test_adam(void);
 /* test_misuse.c */
 void test_pipeline_misuse(void);
 

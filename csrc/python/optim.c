@@ -1,0 +1,124 @@
+/* optim.c: the fused Adam step (csrc/core/adam_cpu.c) on lists of CPU tensors, for
+ * megatron_fsdp_c/fused_adam.py: one call per parameter group, the GIL released while it runs. */
+#include "pieces.h"
+
+#include "../core/mfsdp_adam.h"
+
+/* The i-th tensor of a sequence (None allowed when `optional`), contiguous and on the CPU. */
+static int host_item(module_state* st, PyObject* seq, Py_ssize_t i, const char* what, int optional,
+                     tensor_view* out) {
+  PyObject* t = PySequence_Fast_GET_ITEM(seq, i);
+  if (t == Py_None && optional) {
+    *out = (tensor_view){NULL, -1, 0, -1};
+    return 0;
+  }
+  if (mfsdp_tensor_view(st, t, what, out) < 0) return -1;
+  if (out->device >= 0) {
+    PyErr_Format(PyExc_ValueError, "adam_step_: %s %zd is a CUDA tensor; the fused step runs on host memory", what, i);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject* py_adam_step(PyObject* module, PyObject* args) {
+  module_state* st = mfsdp_module_state(module);
+  PyObject *params, *grads, *avgs, *sqs, *maxs, *steps, *computes = Py_None;
+  mfsdp_adam_config cfg = {0};
+  int threads = 1;
+  if (!PyArg_ParseTuple(args, "OOOOOOdddddpppi|O:adam_step_", &params, &grads, &avgs, &sqs, &maxs, &steps, &cfg.lr,
+                        &cfg.beta1, &cfg.beta2, &cfg.eps, &cfg.weight_decay, &cfg.amsgrad, &cfg.maximize,
+                        &cfg.decoupled, &threads, &computes))
+    return NULL;
+  PyObject* lists[7] = {params, grads, avgs, sqs, maxs == Py_None ? NULL : maxs, steps,
+                        computes == Py_None ? NULL : computes};
+  static const char* names[7] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "computes"};
+  PyObject* fast[7] = {NULL};
+  mfsdp_adam_tensor* ts = NULL;
+  PyObject* result = NULL;
+  Py_ssize_t n = -1;
+  for (int k = 0; k < 7; ++k) {
+    if (!lists[k]) continue;
+    fast[k] = PySequence_Fast(lists[k], "adam_step_: expected sequences");
+    if (!fast[k]) goto exit;
+    if (n >= 0 && PySequence_Fast_GET_SIZE(fast[k]) != n) {
+      PyErr_Format(PyExc_ValueError, "adam_step_: %zd params but %zd %s", n, PySequence_Fast_GET_SIZE(fast[k]),
+                   names[k]);
+      goto exit;
+    }
+    n = PySequence_Fast_GET_SIZE(fast[k]);
+  }
+  if ((cfg.amsgrad != 0) != (maxs != Py_None)) {
+    PyErr_SetString(PyExc_ValueError, "adam_step_: max_exp_avg_sqs are given exactly when amsgrad is set");
+    goto exit;
+  }
+  if (n > INT32_MAX) {
+    PyErr_SetString(PyExc_ValueError, "adam_step_: too many tensors");
+    goto exit;
+  }
+  ts = PyMem_Calloc((size_t)(n ? n : 1), sizeof *ts);
+  if (!ts) {
+    PyErr_NoMemory();
+    goto exit;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    tensor_view v[7];
+    for (int k = 0; k < 7; ++k) {
+      if (k == 5) continue;  /* steps: ints */
+      if (!fast[k]) {
+        v[k] = (tensor_view){NULL, -1, 0, -1};
+        continue;
+      }
+      if (host_item(st, fast[k], i, names[k], k == 6, &v[k]) < 0) goto exit;
+      if (v[k].data && v[k].numel != v[0].numel) {
+        PyErr_Format(PyExc_ValueError, "adam_step_: param %zd has %lld elements but its %s %lld", i,
+                     (long long)v[0].numel, names[k], (long long)v[k].numel);
+        goto exit;
+      }
+    }
+    int ok = 1;
+    for (int k = 2; k <= 4; ++k) ok &= !v[k].data || v[k].dtype == v[0].dtype;
+    if (!ok) {
+      PyErr_Format(PyExc_ValueError, "adam_step_: param %zd is %s but a state of it is not (states follow the param)",
+                   i, mfsdp_dtype_name(v[0].dtype));
+      goto exit;
+    }
+    long long step = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast[5], i));
+    if (step == -1 && PyErr_Occurred()) goto exit;
+    ts[i] = (mfsdp_adam_tensor){.param = v[0].data, .grad = v[1].data, .exp_avg = v[2].data, .exp_avg_sq = v[3].data,
+                                .max_exp_avg_sq = v[4].data, .compute = v[6].data, .n = v[0].numel, .step = step,
+                                .param_dtype = v[0].dtype, .grad_dtype = v[1].dtype, .compute_dtype = v[6].dtype};
+  }
+  mfsdp_status s;
+  Py_BEGIN_ALLOW_THREADS
+  s = mfsdp_adam_step(&cfg, ts, (int32_t)n, threads);
+  Py_END_ALLOW_THREADS
+  if (s != MFSDP_OK) {
+    mfsdp_raise(st, s);
+    goto exit;
+  }
+  result = Py_NewRef(Py_None);
+exit:
+  for (int k = 0; k < 7; ++k) Py_XDECREF(fast[k]);
+  PyMem_Free(ts);
+  return result;
+}
+
+static PyObject* py_adam_isa(PyObject* module, PyObject* unused) {
+  (void)module;
+  (void)unused;
+  return PyUnicode_FromString(mfsdp_adam_isa());
+}
+
+static PyMethodDef optim_methods[] = {
+    {"adam_step_", py_adam_step, METH_VARARGS,
+     "adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, "
+     "amsgrad, maximize, decoupled, threads, computes=None): one fused Adam/AdamW step of a parameter group in "
+     "place ([Note: fused Adam] in csrc/core/mfsdp_adam.h); steps[i] is tensor i's count after this step."},
+    {"adam_isa", py_adam_isa, METH_NOARGS, "adam_isa() -> the fused Adam's SIMD path: avx512, avx2 or portable."},
+    {NULL, NULL, 0, NULL},
+};
+
+int mfsdp_register_optim(PyObject* module, module_state* st) {
+  (void)st;
+  return PyModule_AddFunctions(module, optim_methods);
+}

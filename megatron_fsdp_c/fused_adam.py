@@ -1,0 +1,148 @@
+"""FusedAdam and FusedAdamW: torch's Adam and AdamW as one C pass per parameter group on the CPU.
+
+[Note: the fused optimizer]
+An ordinary torch.optim.Optimizer: param groups, LR schedulers (each step reads
+`group["lr"]`), step hooks, `state_dict()`/`load_state_dict()` and torch's optimizer state-dict
+APIs behave as torch's AdamW's, with the same group keys and the same state ("step" a scalar
+float tensor, "exp_avg", "exp_avg_sq" and with amsgrad "max_exp_avg_sq", each like its
+parameter), so a checkpoint moves between it and torch.optim.AdamW both ways. The arithmetic is
+[Note: fused Adam] in csrc/core/mfsdp_adam.h: torch's single-tensor order, elementwise, on
+`threads` threads (default: torch.get_num_threads()).
+
+It steps host memory only: float32 or float64 parameters (float32 with bf16/fp16 gradients
+too). Under megatron_fsdp_c's fully_shard it steps the local shards ([Note: local-shard step]
+in optimizer.py), so it runs in every strategy; a DTensor parameter of anything else is
+stepped through its local tensor, as every Adam update is elementwise.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.graph import increment_version
+from torch.distributed.tensor import DTensor
+
+from . import _C
+
+__all__ = ["FusedAdam", "FusedAdamW"]
+
+
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _scalar_dtype():
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """torch.optim.Adam's arguments and semantics (decoupled_weight_decay=True is AdamW),
+    stepped by the C kernel of [Note: fused Adam]. `threads`: threads of each step (None:
+    torch.get_num_threads() at the step)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize: bool = False, decoupled_weight_decay: bool = False, threads: Optional[int] = None):
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("FusedAdam: a tensor lr must have one element")
+        if not 0.0 <= float(lr):
+            raise ValueError(f"FusedAdam: invalid learning rate {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"FusedAdam: invalid epsilon {eps}")
+        if not (0.0 <= float(betas[0]) < 1.0 and 0.0 <= float(betas[1]) < 1.0):
+            raise ValueError(f"FusedAdam: invalid betas {betas}: each must be in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"FusedAdam: invalid weight_decay {weight_decay}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"FusedAdam: threads must be >= 1 or None, got {threads}")
+        self.threads = threads
+        # torch's AdamW group keys, so that state dicts move between the two either way
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=None, capturable=False, differentiable=False, fused=None,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
+                               ("differentiable", False), ("fused", None),
+                               ("decoupled_weight_decay", isinstance(self, FusedAdamW))):
+                group.setdefault(key, value)
+
+    def _group_tensors(self, group):
+        """The group's stepping tensors (local shards), its states made on first use."""
+        stepping = []
+        for p in group["params"]:  # every check before any state changes
+            if p.grad is None:
+                continue
+            g = p.grad
+            if g.is_sparse:
+                raise RuntimeError("FusedAdam does not support sparse gradients; use torch.optim.SparseAdam")
+            if p.is_complex():
+                raise RuntimeError("FusedAdam does not step complex parameters; use torch.optim.AdamW")
+            local = _local(p)
+            if local.device.type != "cpu":
+                raise RuntimeError(
+                    f"FusedAdam steps host memory, but a parameter of shape {tuple(p.shape)} is on {local.device}; "
+                    "use torch.optim.AdamW(fused=True) on a GPU")
+            if local.dtype not in (torch.float32, torch.float64):
+                raise RuntimeError(
+                    f"FusedAdam steps float32 and float64 parameters, but one of shape {tuple(p.shape)} is "
+                    f"{local.dtype}; keep float32 main weights (megatron_fsdp_c's MixedPrecisionPolicy does) or use "
+                    "torch.optim.AdamW")
+            if not local.is_contiguous():
+                raise RuntimeError(f"FusedAdam needs contiguous parameters; one of shape {tuple(p.shape)} is not")
+            stepping.append((p, local, g))
+        lists = ([], [], [], [], [] if group["amsgrad"] else None, [])
+        for p, local, g in stepping:
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            lists[0].append(local)
+            lists[1].append(_local(g).contiguous())
+            lists[2].append(_local(state["exp_avg"]))
+            lists[3].append(_local(state["exp_avg_sq"]))
+            if lists[4] is not None:
+                lists[4].append(_local(state["max_exp_avg_sq"]))
+            lists[5].append(int(_local(state["step"]).item()))
+        return lists
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every parameter with a gradient (torch's Adam, see [Note: fused Adam])."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        threads = self.threads or torch.get_num_threads()
+        for group in self.param_groups:
+            if group.get("capturable") or group.get("differentiable"):
+                raise RuntimeError("FusedAdam: capturable and differentiable steps are not supported")
+            params, grads, avgs, sqs, maxs, steps = self._group_tensors(group)
+            if not params:
+                continue
+            beta1, beta2 = (float(b) for b in group["betas"])
+            _C.adam_step_(params, grads, avgs, sqs, maxs, steps, float(group["lr"]), beta1, beta2, float(group["eps"]),
+                          float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
+                          bool(group["decoupled_weight_decay"]), threads)
+            # written in place from C: bump the version counters an in-place op would (the per-module
+            # API finds updated shards by them, [Note: per-module groups] in per_module/_fully_shard.py)
+            increment_version([p for p in group["params"] if p.grad is not None] + params + avgs + sqs + (maxs or []))
+        return loss
+
+
+class FusedAdamW(FusedAdam):
+    """torch.optim.AdamW's arguments and semantics (decoupled weight decay, default 1e-2),
+    stepped by the C kernel of [Note: fused Adam]."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize: bool = False, threads: Optional[int] = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         decoupled_weight_decay=True, threads=threads)
