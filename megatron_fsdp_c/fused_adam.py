@@ -93,26 +93,27 @@ class FusedAdam(torch.optim.Optimizer):
             if not local.is_contiguous():
                 raise RuntimeError(f"FusedAdam needs contiguous parameters; one of shape {tuple(p.shape)} is not")
             stepping.append((p, local, g))
-        lists = ([], [], [], [], [] if group["amsgrad"] else None, [])
+        params, grads, avgs, sqs, maxs, step_ts = [], [], [], [], [] if group["amsgrad"] else None, []
         for p, local, g in stepping:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+            if maxs is not None and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            lists[0].append(local)
-            lists[1].append(_local(g).contiguous())
-            lists[2].append(_local(state["exp_avg"]))
-            lists[3].append(_local(state["exp_avg_sq"]))
-            if lists[4] is not None:
-                lists[4].append(_local(state["max_exp_avg_sq"]))
-            lists[5].append(int(_local(state["step"]).item()))
-        return lists
+            params.append(local)
+            grads.append(_local(g).contiguous())
+            avgs.append(_local(state["exp_avg"]))
+            sqs.append(_local(state["exp_avg_sq"]))
+            if maxs is not None:
+                maxs.append(_local(state["max_exp_avg_sq"]))
+            step_ts.append(state["step"])
+        if not step_ts:
+            return None
+        torch._foreach_add_(step_ts, 1)  # one call for the group's step counters
+        steps = [int(s) for s in torch.stack([_local(t) for t in step_ts]).tolist()]
+        return params, grads, avgs, sqs, maxs, steps
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -125,9 +126,10 @@ class FusedAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             if group.get("capturable") or group.get("differentiable"):
                 raise RuntimeError("FusedAdam: capturable and differentiable steps are not supported")
-            params, grads, avgs, sqs, maxs, steps = self._group_tensors(group)
-            if not params:
+            tensors = self._group_tensors(group)
+            if tensors is None:
                 continue
+            params, grads, avgs, sqs, maxs, steps = tensors
             beta1, beta2 = (float(b) for b in group["betas"])
             _C.adam_step_(params, grads, avgs, sqs, maxs, steps, float(group["lr"]), beta1, beta2, float(group["eps"]),
                           float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),

@@ -61,15 +61,16 @@ static inline __attribute__((always_inline)) void put_copy(void* out, int64_t i,
   if (ct == COPY_F32) ((float*)out)[i] = p;
 }
 
-/* The loop of [Note: fused Adam] over elements [lo, hi) of one tensor. */
-#define ADAM_LOOP(T, SQRT, FMA, GRAD, PUT)                                                   \
+/* The loop of [Note: fused Adam] over elements [lo, hi) of one tensor; SMALL (1-beta1 < 0.5)
+ * and COUPLED (Adam's weight decay) are constants, so each loop computes one lerp branch. */
+#define ADAM_LOOP(T, SQRT, FMA, GRAD, PUT, SMALL, COUPLED)                                   \
   for (int64_t i = lo; i < hi; ++i) {                                                        \
     T g = GRAD * k.sign;                                                                     \
     T pv = p[i] * k.decay;                                                                   \
-    g = k.coupled ? FMA(pv, k.wd, g) : g;                                                    \
+    if (COUPLED) g = FMA(pv, k.wd, g);                                                       \
     T mv = m[i];                                                                             \
     T d = g - mv;                                                                            \
-    mv = k.small ? FMA(k.w, d, mv) : FMA(k.wm1, d, g);                                       \
+    mv = SMALL ? FMA(k.w, d, mv) : FMA(k.wm1, d, g);                                         \
     T vv = v[i] * k.b2;                                                                      \
     vv = FMA(k.c2 * g, g, vv);                                                               \
     m[i] = mv;                                                                               \
@@ -85,6 +86,16 @@ static inline __attribute__((always_inline)) void put_copy(void* out, int64_t i,
     p[i] = pv;                                                                               \
     PUT;                                                                                     \
   }
+#define ADAM_LOOPS(T, SQRT, FMA, GRAD, PUT)            \
+  if (k.small && !k.coupled) {                         \
+    ADAM_LOOP(T, SQRT, FMA, GRAD, PUT, 1, 0)           \
+  } else if (k.small) {                                \
+    ADAM_LOOP(T, SQRT, FMA, GRAD, PUT, 1, 1)           \
+  } else if (!k.coupled) {                             \
+    ADAM_LOOP(T, SQRT, FMA, GRAD, PUT, 0, 0)           \
+  } else {                                             \
+    ADAM_LOOP(T, SQRT, FMA, GRAD, PUT, 0, 1)           \
+  }
 
 static inline __attribute__((always_inline)) void range_f32(const mfsdp_adam_config* c, const mfsdp_adam_tensor* t,
                                                             int64_t lo, int64_t hi, int gt, int ams, int ct) {
@@ -95,7 +106,7 @@ static inline __attribute__((always_inline)) void range_f32(const mfsdp_adam_con
   float* restrict vm = (float*)t->max_exp_avg_sq;
   const void* restrict gr = t->grad;
   void* restrict out = t->compute;
-  ADAM_LOOP(float, sqrtf, fmaf, grad_f32(gr, i, gt), put_copy(out, i, pv, ct))
+  ADAM_LOOPS(float, sqrtf, fmaf, grad_f32(gr, i, gt), put_copy(out, i, pv, ct))
 }
 
 static inline __attribute__((always_inline)) void range_f64(const mfsdp_adam_config* c, const mfsdp_adam_tensor* t,
@@ -106,7 +117,7 @@ static inline __attribute__((always_inline)) void range_f64(const mfsdp_adam_con
   double* restrict v = (double*)t->exp_avg_sq;
   double* restrict vm = (double*)t->max_exp_avg_sq;
   const double* restrict gr = (const double*)t->grad;
-  ADAM_LOOP(double, sqrt, fma, gr[i], (void)0)
+  ADAM_LOOPS(double, sqrt, fma, gr[i], (void)0)
 }
 
 static inline int grad_kind(int32_t dtype) {
