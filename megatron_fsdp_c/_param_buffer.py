@@ -340,7 +340,7 @@ class ParamBuffer:
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
         """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state
         (of `optimizer`), and temporary buffers currently materialised (full weights / gradient
-        buckets)."""
+        buckets); "locations" says on which devices each kind of state lives."""
         nbytes = StorageTally()
         persistent, temporary = {"param": 0, "grad": 0}, 0
         for b, spec in enumerate(self.specs):
@@ -369,7 +369,31 @@ class ParamBuffer:
         report = {"param_bytes": persistent["param"], "grad_bytes": persistent["grad"],
                   "optimizer_state_bytes": optim, "temporary_bytes": temporary}
         report["total_bytes"] = sum(report.values())
+        report["locations"] = self._locations(optimizer)
         return report
+
+    def _locations(self, optimizer) -> dict:
+        """Where each kind of state lives: kind -> sorted device names (empty: none held now)."""
+        found = {"compute_weights": set(), "main_weights": set(), "main_grads": set(), "optimizer_state": set()}
+
+        def first(b, *kinds):
+            for kind in kinds:
+                t = self.engine.tensor(b, kind)
+                if t is not None:
+                    return t
+            return None
+        for b in range(len(self.plan)):
+            for key, t in (("compute_weights", first(b, _C.BUF_WEIGHT)),
+                           ("main_weights", first(b, _C.BUF_MAIN_SHARD, _C.BUF_WEIGHT_SHARD, _C.BUF_WEIGHT)),
+                           ("main_grads", first(b, _C.BUF_OPT_GRAD, _C.BUF_GRAD_SHARD, _C.BUF_GRAD))):
+                if t is not None:
+                    found[key].add(str(t.device))
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:  # not the step counters
+                        found["optimizer_state"].add(str(getattr(v, "_local_tensor", v).device))
+        return {k: sorted(v) for k, v in found.items()}
 
     def placement(self, r: ParamRecord):
         sharded = self.strategy_of_unit(r.unit) != ShardingStrategy.NO_SHARD

@@ -62,3 +62,6 @@ def test_parity_with_ddp(world, strategy, optim, micro):
         else:
             assert result["params"]["tok.weight"].dtype == torch.float64
             assert_match(result, rtol=RTOL, atol=ATOL)
+        if optim == "fused_adamw":  # host memory throughout ([Note: the fused optimizer])
+            assert result["memory"]["locations"] == dict.fromkeys(
+                ("compute_weights", "main_weights", "main_grads", "optimizer_state"), ["cpu"]), result["memory"]

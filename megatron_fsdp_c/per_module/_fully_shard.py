@@ -75,7 +75,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     than 0 must split evenly over the shard group: NotImplementedError otherwise; a tensor-parallel
     parameter takes dim 0 only), laid out as [Note: chunked layout] in csrc/core/mfsdp_layout.h
     says, with one all-gather and one reduce-scatter per bucket as for Shard(0). offload_policy
-    takes torch's default OffloadPolicy() (CPUOffloadPolicy is not supported yet).
+    takes torch's OffloadPolicy(), and CPUOffloadPolicy() on CPU meshes ([Note: CPU offload] in
+    _policy.py).
 
     Beyond torch's arguments: zero_dp_strategy (default "optim_grads_params") gives the group
     Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2); and
@@ -119,7 +120,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
         reshard_after_forward = post_forward_world(reshard_after_forward, mesh)
     group = form_group(modules, mesh, strategy, mp_policy, reshard_after_forward, ignored, shard_placement_fn,
-                       spmd_mesh, quantized_comm_policy)
+                       spmd_mesh, quantized_comm_policy, offload_policy)
     register_torch_state(group)
     for m in group.modules:
         m.__class__ = fsdp_class(type(m))

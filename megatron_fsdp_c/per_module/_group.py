@@ -18,7 +18,7 @@ from .._extensions import check_local_shard, is_extension
 from .._param_buffer import local_shape
 from ..no_shard import is_no_shard
 from ._mesh import mesh_and_context
-from ._policy import check_param_dtype, param_policy, sharded_dtype
+from ._policy import check_offload, check_param_dtype, param_policy, sharded_dtype
 from .._tensor_parallel import TPSpec, dtensor_tp_spec, spmd_layout
 
 __all__ = ["Origin", "ShardGroup", "check_extension_use", "check_origins", "form_group", "group_of", "refresh_places"]
@@ -52,6 +52,7 @@ class ShardGroup:
     tp_specs: List[Optional[TPSpec]] = dataclasses.field(default_factory=list)  # per place: a TP parameter's
                                            # spec ([Note: tensor parallelism] in ../_tensor_parallel.py), or None
     quant_policy: Optional[object] = None  # its QuantizedCommPolicy (fully_shard's quantized_comm_policy)
+    offload_policy: Optional[object] = None  # torch's OffloadPolicy or CPUOffloadPolicy ([Note: CPU offload] in _policy.py)
     # (id(module), attribute) -> (SPMD mesh, placements) of a parameter that came as a DTensor with
     # dp_mesh_dims ([Note: SPMD compute parameters] in _root.py)
     spmd_specs: dict = dataclasses.field(default_factory=dict)
@@ -257,7 +258,7 @@ def check_extension_use(what: str, ctx: DistContext, tp, spmd: bool, dim, quant)
 
 def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: ShardingStrategy, mp_policy,
                reshard_after_forward: Optional[bool], ignored: set, shard_placement_fn,
-               spmd_mesh: Optional[DeviceMesh] = None, quant_policy=None) -> ShardGroup:
+               spmd_mesh: Optional[DeviceMesh] = None, quant_policy=None, offload_policy=None) -> ShardGroup:
     """One fully_shard call's group: its parameters become DTensor Parameters on the modules, and
     each module points at the group (`_mfsdp_group`). The arguments are checked already; `mesh` is
     the data-parallel mesh (dp_mesh_of's, when `spmd_mesh` carried dp_mesh_dims). Every parameter
@@ -280,6 +281,7 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: S
     else:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ctx = mesh_and_context(mesh, device_type)
+    check_offload(offload_policy, ctx.device, f"this {type(modules[0]).__name__}")
 
     # Each DTensor made here carries the Origin of the parameter it came from: a parameter registered
     # in two groups (tied weights split across fully_shard calls) becomes two DTensors with one
@@ -322,7 +324,7 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: S
     group = ShardGroup(modules, [(mod, attr, converted[id(p)]) for mod, attr, p in places], ctx, strategy,
                        mp_policy, reshard_after_forward, tp_specs=[tp_of[id(p)] for _, _, p in places],
                        spmd_specs=spmd_specs, compute_dtypes=compute_dtypes, quant_policy=quant_policy,
-                       param_policies={(id(mod), attr): policies[id(p)] for mod, attr, p in places
+                       offload_policy=offload_policy, param_policies={(id(mod), attr): policies[id(p)] for mod, attr, p in places
                                        if policies[id(p)] is not mp_policy})
     for m in modules:
         m._mfsdp_group = group

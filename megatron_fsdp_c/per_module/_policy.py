@@ -143,14 +143,30 @@ def check_policies(mp_policy, offload_policy, shard_placement_fn) -> None:
     if not (isinstance(mp_policy, OurPolicy) or is_torch_policy(mp_policy)):
         raise TypeError("mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy or "
                         f"megatron_fsdp_c.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if offload_policy is not None:
-        if type(offload_policy).__name__ == "CPUOffloadPolicy":
-            raise NotImplementedError("offload_policy=CPUOffloadPolicy() is not yet supported by megatron_fsdp_c: "
-                                      "leave offload_policy at its default (OffloadPolicy() or None)")
-        if type(offload_policy).__name__ != "OffloadPolicy":
-            raise TypeError(f"offload_policy must be torch's OffloadPolicy() or None, got {type(offload_policy).__name__}")
+    if offload_policy is not None and type(offload_policy).__name__ not in ("OffloadPolicy", "CPUOffloadPolicy"):
+        raise TypeError("offload_policy must be torch's OffloadPolicy(), CPUOffloadPolicy() or None, got "
+                        f"{type(offload_policy).__name__}")
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError("shard_placement_fn must be a callable (parameter -> None or Shard(dim))")
+
+
+def is_cpu_offload(offload_policy) -> bool:
+    return type(offload_policy).__name__ == "CPUOffloadPolicy"
+
+
+def check_offload(offload_policy, device: torch.device, what: str) -> None:
+    """[Note: CPU offload]
+    torch's CPUOffloadPolicy keeps the sharded parameters, their gradients and the optimizer state
+    in host memory and steps the optimizer there. On a CPU mesh the engine's every buffer is host
+    memory already, so the policy holds as it is (pin_memory has no accelerator to pin for, and is
+    ignored where FSDP2 raises). On a GPU the engine would have to keep its main weights and main
+    gradients in (pinned) host memory and move them around each collective; that path is not
+    built yet, so the policy is refused there rather than silently kept on the device."""
+    if is_cpu_offload(offload_policy) and device.type != "cpu":
+        raise NotImplementedError(
+            f"offload_policy=CPUOffloadPolicy() for {what} on {device}: megatron_fsdp_c keeps main weights, gradients "
+            "and optimizer state on the device for now (CPU offload runs on CPU meshes only); use OffloadPolicy(), "
+            "or torch's fully_shard for offloaded GPU training")
 
 
 def check_quant_policy(quant, mp_policy) -> None:
