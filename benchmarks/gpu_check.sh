@@ -8,8 +8,9 @@
 #   1. build   170 s  the CUDA build in place (MFSDP_CUDA=1) against the machine's torch; the
 #                     libraries it maps (one libnccl, torch's; no libcudart.so); tests/test_cuda.py
 #                     and tests/test_cuda_setup.py
-#   2. kernels  50 s  kernel GB/s against a device-to-device copy and torch's .to(bf16), 1 MB-1 GB
-#                     (benchmarks/kernels.py)
+#   2. kernels  62 s  kernel GB/s against a device-to-device copy and torch's .to(bf16), 1 MB-1 GB
+#                     (benchmarks/kernels.py); the host's optimizer step, FusedAdamW against
+#                     torch's fused CPU AdamW, 100M parameters (benchmarks/optimizer.py, ~10 s)
 #   3. train   160 s  the training step at world 1, DDP, FSDP2, Megatron-FSDP and both our APIs,
 #                     the small GPT and the ~1B GPT (benchmarks/gpu_train.py)
 #   4. profile  60 s  a torch-profiler trace of 3 steps of ours on the ~1B GPT, in numbers
@@ -82,6 +83,8 @@ EOF
 
 kernels_stage() {
   "$PY" benchmarks/kernels.py --json "$OUT/kernels.json"
+  say "host optimizer step (the CPU offload's side)"
+  "$PY" benchmarks/optimizer.py --sizes 100 --repeats 5 --kinds fused,ours
 }
 
 train_stage() {
@@ -98,7 +101,7 @@ profile_stage() {
 
 rm -f "$OUT/stages.txt"
 stage build 170 build_stage
-stage kernels 50 kernels_stage
+stage kernels 62 kernels_stage
 stage train 160 train_stage
 stage profile 60 profile_stage
 "$PY" benchmarks/gpu_summary.py "$OUT"

@@ -4,6 +4,7 @@ bandwidth yardstick.
 
     python benchmarks/optimizer.py                       # 10M, 30M and 100M fp32 parameters
     python benchmarks/optimizer.py --sizes 10 --threads 2
+    python benchmarks/optimizer.py --sizes 100 --repeats 5 --kinds fused,ours   # the GPU check's host
 
 Each optimizer steps one flat fp32 parameter split into 64 tensors (a model's shapes do not
 matter to an elementwise step; the count of tensors sets the per-tensor overhead) with a fixed
@@ -58,13 +59,17 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--tensors", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--kinds", default="foreach,fused,ours", help="which of foreach, fused, ours to run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    kinds = {
-        "torch foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-        "torch fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-        "ours (FusedAdamW)": lambda ps: mf.FusedAdamW(ps, lr=1e-3, threads=args.threads),
+    every = {
+        "foreach": ("torch foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
+        "fused": ("torch fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
+        "ours": ("ours (FusedAdamW)", lambda ps: mf.FusedAdamW(ps, lr=1e-3, threads=args.threads)),
     }
+    kinds = dict(every[k] for k in args.kinds.split(","))
+    if not {"fused", "ours"} <= set(args.kinds.split(",")):
+        ap.error("--kinds must include fused and ours (the table compares them)")
     print(f"threads {args.threads}, {args.tensors} tensors, SIMD path {mf._C.adam_isa()}, torch {torch.__version__}")
     print()
     print("| params | triad GB/s | " + " | ".join(f"{k} ms (GB/s, steps/s)" for k in kinds)
