@@ -41,7 +41,9 @@ class FusedAdam(torch.optim.Optimizer):
     torch.get_num_threads() at the step)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize: bool = False, decoupled_weight_decay: bool = False, threads: Optional[int] = None):
+                 foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
+                 threads: Optional[int] = None):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("FusedAdam: a tensor lr must have one element")
         if not 0.0 <= float(lr):
@@ -52,12 +54,16 @@ class FusedAdam(torch.optim.Optimizer):
             raise ValueError(f"FusedAdam: invalid betas {betas}: each must be in [0, 1)")
         if not 0.0 <= weight_decay:
             raise ValueError(f"FusedAdam: invalid weight_decay {weight_decay}")
+        if capturable or differentiable:
+            raise ValueError("FusedAdam: capturable=True and differentiable=True are not supported (it steps host "
+                             "memory in C); use torch.optim.AdamW for those")
         if threads is not None and threads < 1:
             raise ValueError(f"FusedAdam: threads must be >= 1 or None, got {threads}")
         self.threads = threads
-        # torch's AdamW group keys, so that state dicts move between the two either way
+        # torch's AdamW group keys, so that state dicts move between the two either way (foreach and
+        # fused are accepted as torch's arguments and kept; the step is fused either way)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        foreach=None, capturable=False, differentiable=False, fused=None,
+                        foreach=foreach, capturable=False, differentiable=False, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
 
@@ -145,6 +151,8 @@ class FusedAdamW(FusedAdam):
     stepped by the C kernel of [Note: fused Adam]."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize: bool = False, threads: Optional[int] = None):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                 foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None, threads: Optional[int] = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, threads=threads)

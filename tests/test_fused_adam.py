@@ -175,6 +175,9 @@ def test_refusals_name_the_problem():
         mf.FusedAdamW([p], betas=(1.0, 0.999))
     with pytest.raises(ValueError, match="threads"):
         mf.FusedAdamW([p], threads=0)
+    with pytest.raises(ValueError, match="capturable"):
+        mf.FusedAdamW([p], capturable=True)
+    mf.FusedAdamW([p], fused=True, foreach=False)  # torch's arguments a script may pass along
     e = nn.Embedding(10, 3, sparse=True)
     e(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
