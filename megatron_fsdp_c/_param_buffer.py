@@ -31,6 +31,7 @@ from . import _C
 from ._common import ShardingStrategy, contiguous_stride, move_storage
 from ._distributed import DistContext, check_quant_transport
 from ._extensions import ROLE_EXTENSION, ROLE_PARAMS, ROLE_PAYLOAD, values_of, repoint
+from ._memory_report import StorageTally, memory_report
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy, bucket_dtypes
 from ._param_record import ParamRecord, as_dtype, into_engine, rows_of, collect_params, engine_dtype, local_shape
 from ._tensor_parallel import spmd_layout
@@ -47,24 +48,6 @@ def wire_fields(quant: Optional[QuantizedCommPolicy]) -> dict:
     code = lambda m: 0 if m is None else 1 + _C.QUANT_MODES[m]  # noqa: E731
     return {"wire_weights": code(quant.weights), "wire_grads": code(quant.grads),
             "wire_outer_weights": code(quant.outer_weights), "wire_block": quant.block}
-
-
-class StorageTally:
-    """Counts bytes of storage, each storage once: views, aliases and DTensor local tensors
-    share their owner's bytes; released (0-byte) storage counts nothing."""
-
-    def __init__(self):
-        self.seen = set()
-
-    def __call__(self, t) -> int:
-        if t is None:
-            return 0
-        t = t._local_tensor if hasattr(t, "_local_tensor") else t
-        s = t.untyped_storage()
-        if s.nbytes() == 0 or s.data_ptr() in self.seen:
-            return 0
-        self.seen.add(s.data_ptr())
-        return s.nbytes()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,62 +321,8 @@ class ParamBuffer:
         return sum(tally(self.engine.tensor(b, kind)) for b in range(len(self.plan)) for kind in kinds)
 
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
-        """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state
-        (of `optimizer`), and temporary buffers currently materialised (full weights / gradient
-        buckets); "locations" says on which devices each kind of state lives."""
-        nbytes = StorageTally()
-        persistent, temporary = {"param": 0, "grad": 0}, 0
-        for b, spec in enumerate(self.specs):
-            t = lambda kind: self.engine.tensor(b, kind)  # noqa: E731
-            weight_full = t(_C.BUF_WEIGHT)
-            if spec["weights_sharded"]:
-                temporary += nbytes(weight_full)
-            else:
-                persistent["param"] += nbytes(weight_full)
-            temporary += nbytes(t(_C.BUF_GATHER))
-            persistent["param"] += nbytes(t(_C.BUF_WEIGHT_SHARD)) + nbytes(t(_C.BUF_MAIN_SHARD))
-            grad_full = t(_C.BUF_GRAD)
-            if spec["grad_mode"] == _C.GRAD_SCATTER_ACCUMULATE:
-                temporary += nbytes(grad_full)
-            else:
-                persistent["grad"] += nbytes(grad_full)
-            persistent["grad"] += nbytes(t(_C.BUF_GRAD_SHARD)) + nbytes(t(_C.BUF_OPT_GRAD))
-            temporary += nbytes(t(_C.BUF_COMM)) + nbytes(t(_C.BUF_EXCHANGE))
-            temporary += sum(nbytes(t(kind)) for kind in (_C.BUF_GATHER_WIRE, _C.BUF_GRAD_WIRE, _C.BUF_OUTER_WIRE))
-        optim = 0
-        if optimizer is not None:
-            for state in optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        optim += nbytes(v)
-        report = {"param_bytes": persistent["param"], "grad_bytes": persistent["grad"],
-                  "optimizer_state_bytes": optim, "temporary_bytes": temporary}
-        report["total_bytes"] = sum(report.values())
-        report["locations"] = self._locations(optimizer)
-        return report
-
-    def _locations(self, optimizer) -> dict:
-        """Where each kind of state lives: kind -> sorted device names (empty: none held now)."""
-        found = {"compute_weights": set(), "main_weights": set(), "main_grads": set(), "optimizer_state": set()}
-
-        def first(b, *kinds):
-            for kind in kinds:
-                t = self.engine.tensor(b, kind)
-                if t is not None:
-                    return t
-            return None
-        for b in range(len(self.plan)):
-            for key, t in (("compute_weights", first(b, _C.BUF_WEIGHT)),
-                           ("main_weights", first(b, _C.BUF_MAIN_SHARD, _C.BUF_WEIGHT_SHARD, _C.BUF_WEIGHT)),
-                           ("main_grads", first(b, _C.BUF_OPT_GRAD, _C.BUF_GRAD_SHARD, _C.BUF_GRAD))):
-                if t is not None:
-                    found[key].add(str(t.device))
-        if optimizer is not None:
-            for state in optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:  # not the step counters
-                        found["optimizer_state"].add(str(getattr(v, "_local_tensor", v).device))
-        return {k: sorted(v) for k, v in found.items()}
+        """What this rank holds now, and where (see _memory_report.memory_report)."""
+        return memory_report(self.engine, self.specs, optimizer)
 
     def placement(self, r: ParamRecord):
         sharded = self.strategy_of_unit(r.unit) != ShardingStrategy.NO_SHARD

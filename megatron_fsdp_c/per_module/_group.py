@@ -280,8 +280,8 @@ def form_group(modules: List[nn.Module], mesh: Optional[DeviceMesh], strategy: S
         device_type = mesh.device_type  # a meta-device module: it will live where the mesh is
     else:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_offload(offload_policy, torch.device(device_type), f"this {type(modules[0]).__name__}")
     ctx = mesh_and_context(mesh, device_type)
-    check_offload(offload_policy, ctx.device, f"this {type(modules[0]).__name__}")
 
     # Each DTensor made here carries the Origin of the parameter it came from: a parameter registered
     # in two groups (tied weights split across fully_shard calls) becomes two DTensors with one
