@@ -23,12 +23,15 @@ from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
 
 from . import _C
+from ._extensions import values_of
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
 
 def _local(t):
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """The plain tensor the step writes: a DTensor's local tensor, or the values of an extension
+    subclass (torchao's float8 and int8 training weights: [Note: extension parameters])."""
+    return values_of(t._local_tensor if isinstance(t, DTensor) else t)
 
 
 def _scalar_dtype():

@@ -92,16 +92,21 @@ def vs_fsdp2(rank, world, ck, kind, bf16=False):
 @cell("vs_reference[scaled-no_shard]", kind="scaled", zero_dp_strategy="no_shard")
 @cell("vs_reference[scaled-hsdp]", worlds=(4,), kind="scaled", hsdp=True)
 @cell("vs_reference[float8-keep_weights]", kind="float8", reshard_after_forward=False)
-def vs_reference(rank, world, ck, kind, **kw):
+@cell("vs_reference[float8-fused_adamw]", kind="float8", fused=True)  # FusedAdamW steps the subclass's values
+def vs_reference(rank, world, ck, kind, fused=False, **kw):
     dim = 67  # 67 and 134 rows: uneven pieces over 2 and 4 ranks
     ours = shard(build(kind, dim, torch.float64), "ours", world, **kw)
+    opt = None
+    if fused:
+        import megatron_fsdp_c as mf
+        opt = mf.FusedAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)  # train()'s AdamW, fused
     ref = build(kind, dim, torch.float64, reference=True)
     if kw.get("zero_dp_strategy") != "no_shard":
         pieces = world // 2 if kw.get("hsdp") else world
         uneven = [n for n, p in ours.named_parameters() if p.shape[0] % pieces]
         ck.true("some subclass weights are unevenly sharded",
                 any(n.endswith(("up.weight", "down.weight")) for n in uneven), str(uneven))
-    check_against_reference(ck, train(ours, kind, rank, world, dtype=torch.float64),
+    check_against_reference(ck, train(ours, kind, rank, world, dtype=torch.float64, opt=opt),
                             train(ref, kind, rank, world, dtype=torch.float64, every_rank=True), world)
 
 

@@ -13,6 +13,11 @@ static int host_item(module_state* st, PyObject* seq, Py_ssize_t i, const char* 
     return 0;
   }
   if (mfsdp_tensor_view(st, t, what, out) < 0) return -1;
+  if (out->data == NULL && out->numel > 0) {
+    PyErr_Format(PyExc_ValueError, "adam_step_: %s %zd has no storage of its own (a tensor subclass?); the fused "
+                 "step takes plain tensors", what, i);
+    return -1;
+  }
   if (out->device >= 0) {
     PyErr_Format(PyExc_ValueError, "adam_step_: %s %zd is a CUDA tensor; the fused step runs on host memory", what, i);
     return -1;
