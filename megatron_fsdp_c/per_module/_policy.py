@@ -161,7 +161,11 @@ def check_offload(offload_policy, device: torch.device, what: str) -> None:
     memory already, so the policy holds as it is (pin_memory has no accelerator to pin for, and is
     ignored where FSDP2 raises). On a GPU the engine would have to keep its main weights and main
     gradients in (pinned) host memory and move them around each collective; that path is not
-    built yet, so the policy is refused there rather than silently kept on the device."""
+    built yet, so the policy is refused there rather than silently kept on the device. The step
+    runs when the user calls optimizer.step(), after the whole backward, as FSDP2's: gradient
+    clipping (which needs the global norm before any step) and accumulation over microbatches
+    (which must wait for the last one) hold as without offload. Stepping each bucket as its
+    gradients land, overlapped with the backward, is not built either."""
     if is_cpu_offload(offload_policy) and device.type != "cpu":
         raise NotImplementedError(
             f"offload_policy=CPUOffloadPolicy() for {what} on {device}: megatron_fsdp_c keeps main weights, gradients "
