@@ -26,10 +26,11 @@ class StorageTally:
         return s.nbytes()
 
 
-def memory_report(engine, specs, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+def memory_report(engine, specs, optimizer: Optional[torch.optim.Optimizer] = None, locations: bool = False) -> dict:
     """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state (of
-    `optimizer`), and temporary buffers currently materialised (full weights / gradient buckets);
-    "locations" says on which devices each kind of state lives."""
+    `optimizer`), and temporary buffers currently materialised (full weights / gradient buckets),
+    every value a byte count; with `locations`, also "locations": on which devices each kind of
+    state lives (where_held)."""
     nbytes = StorageTally()
     persistent, temporary = {"param": 0, "grad": 0}, 0
     for b, spec in enumerate(specs):
@@ -58,11 +59,12 @@ def memory_report(engine, specs, optimizer: Optional[torch.optim.Optimizer] = No
     report = {"param_bytes": persistent["param"], "grad_bytes": persistent["grad"],
               "optimizer_state_bytes": optim, "temporary_bytes": temporary}
     report["total_bytes"] = sum(report.values())
-    report["locations"] = locations(engine, len(specs), optimizer)
+    if locations:
+        report["locations"] = where_held(engine, len(specs), optimizer)
     return report
 
 
-def locations(engine, n_buckets: int, optimizer) -> dict:
+def where_held(engine, n_buckets: int, optimizer) -> dict:
     """Where each kind of state lives: kind -> sorted device names (empty: none held now)."""
     found = {"compute_weights": set(), "main_weights": set(), "main_grads": set(), "optimizer_state": set()}
 

@@ -229,10 +229,11 @@ class EngineOwner:
         return {r.name: r.grad_dtensor.full_tensor().clone() for r in self.param_buffer.records
                 if r.grad_dtensor is not None}
 
-    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None, locations: bool = False) -> dict:
         """Bytes this rank holds now: parameters (compute + main), gradients, optimizer state,
-        and temporary buffers currently materialised (full weights / gradient buckets)."""
-        return self.param_buffer.memory_report(optimizer)
+        and temporary buffers currently materialised (full weights / gradient buckets); with
+        `locations`, also on which devices each kind of state lives."""
+        return self.param_buffer.memory_report(optimizer, locations)
 
     def comm_stats(self, bucket: int = -1) -> dict:
         """Collectives issued so far (counts and bytes), for one bucket or all."""

@@ -320,9 +320,9 @@ class ParamBuffer:
         tally = StorageTally()
         return sum(tally(self.engine.tensor(b, kind)) for b in range(len(self.plan)) for kind in kinds)
 
-    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
-        """What this rank holds now, and where (see _memory_report.memory_report)."""
-        return memory_report(self.engine, self.specs, optimizer)
+    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None, locations: bool = False) -> dict:
+        """What this rank holds now, and with `locations` where (see _memory_report.memory_report)."""
+        return memory_report(self.engine, self.specs, optimizer, locations)
 
     def placement(self, r: ParamRecord):
         sharded = self.strategy_of_unit(r.unit) != ShardingStrategy.NO_SHARD

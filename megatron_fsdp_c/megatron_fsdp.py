@@ -403,12 +403,17 @@ class MegatronFSDP(EngineOwner, nn.Module):
             out.update(EngineOwner.full_grads(o))
         return out
 
-    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None, locations: bool = False) -> dict:
         """Bytes this rank holds now (both engines' buffers with expt_device_mesh; the optimizer's
-        states counted once)."""
-        report = self.param_buffer.memory_report(optimizer)
+        states counted once), every value a byte count; with `locations`, also "locations": on
+        which devices each kind of state lives (compute and main weights, main gradients,
+        optimizer state)."""
+        report = self.param_buffer.memory_report(optimizer, locations)
         if self.expert_owner is not None:
-            extra = self.expert_owner.param_buffer.memory_report(None)
+            extra = self.expert_owner.param_buffer.memory_report(None, locations)
             for k in ("param_bytes", "grad_bytes", "temporary_bytes", "total_bytes"):
                 report[k] += extra[k]
+            if locations:
+                for kind, devices in extra["locations"].items():
+                    report["locations"][kind] = sorted(set(report["locations"][kind]) | set(devices))
         return report

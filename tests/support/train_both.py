@@ -261,7 +261,7 @@ def _pair_side(rank, world, shard, setting):
                                                                for k, v in fsdp.comm_stats().items()}))
     if not ours:
         return dict(losses=pair.ref_losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
-    return dict(losses=pair.losses, params=fsdp.full_parameters(), per_step=per_step, memory=fsdp.memory_report(opt),
+    return dict(losses=pair.losses, params=fsdp.full_parameters(), per_step=per_step, memory=fsdp.memory_report(opt, locations=True),
                 model=fsdp)
 
 
