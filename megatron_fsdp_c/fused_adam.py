@@ -79,7 +79,8 @@ class FusedAdam(torch.optim.Optimizer):
                 group.setdefault(key, value)
 
     def _group_tensors(self, group):
-        """The group's stepping tensors (local shards), its states made on first use."""
+        """The group's parameters with a gradient and their stepping tensors (local shards), its
+        states made on first use; None when no parameter has a gradient."""
         stepping = []
         for p in group["params"]:  # every check before any state changes
             if p.grad is None:
@@ -101,6 +102,10 @@ class FusedAdam(torch.optim.Optimizer):
                     "torch.optim.AdamW")
             if not local.is_contiguous():
                 raise RuntimeError(f"FusedAdam needs contiguous parameters; one of shape {tuple(p.shape)} is not")
+            if g.dtype != local.dtype and not (local.dtype == torch.float32 and g.dtype in (torch.bfloat16, torch.float16)):
+                raise RuntimeError(
+                    f"FusedAdam: a {local.dtype} parameter of shape {tuple(p.shape)} has a {g.dtype} gradient; it takes "
+                    "gradients of the parameter's dtype (or bf16/fp16 ones for float32 parameters)")
             stepping.append((p, local, g))
         params, grads, avgs, sqs, maxs, step_ts = [], [], [], [], [] if group["amsgrad"] else None, []
         for p, local, g in stepping:
@@ -122,7 +127,7 @@ class FusedAdam(torch.optim.Optimizer):
             return None
         torch._foreach_add_(step_ts, 1)  # one call for the group's step counters
         steps = [int(s) for s in torch.stack([_local(t) for t in step_ts]).tolist()]
-        return params, grads, avgs, sqs, maxs, steps
+        return [p for p, _, _ in stepping], params, grads, avgs, sqs, maxs, steps
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -138,14 +143,14 @@ class FusedAdam(torch.optim.Optimizer):
             tensors = self._group_tensors(group)
             if tensors is None:
                 continue
-            params, grads, avgs, sqs, maxs, steps = tensors
+            stepped, params, grads, avgs, sqs, maxs, steps = tensors
             beta1, beta2 = (float(b) for b in group["betas"])
             _C.adam_step_(params, grads, avgs, sqs, maxs, steps, float(group["lr"]), beta1, beta2, float(group["eps"]),
                           float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
                           bool(group["decoupled_weight_decay"]), threads)
             # written in place from C: bump the version counters an in-place op would (the per-module
             # API finds updated shards by them, [Note: per-module groups] in per_module/_fully_shard.py)
-            increment_version([p for p in group["params"] if p.grad is not None] + params + avgs + sqs + (maxs or []))
+            increment_version(stepped + params + avgs + sqs + (maxs or []))
         return loss
 
 

@@ -178,6 +178,12 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="capturable"):
         mf.FusedAdamW([p], capturable=True)
     mf.FusedAdamW([p], fused=True, foreach=False)  # torch's arguments a script may pass along
+    if hasattr(nn.Parameter(torch.randn(1)), "grad_dtype"):  # torch >= 2.13 lets a gradient's dtype differ
+        w = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        w.grad_dtype = None
+        w.grad = torch.randn(4)
+        with pytest.raises(RuntimeError, match="float32 gradient"):
+            mf.FusedAdamW([w]).step()
     e = nn.Embedding(10, 3, sparse=True)
     e(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
