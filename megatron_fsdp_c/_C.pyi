@@ -234,9 +234,12 @@ class Engine:
         outer_transport: _Transport | None = None,
         outer_world: int = 1,
         outer_sharded: bool = False,
+        pin_host: bool = False,
     ) -> None:
         """device: torch.device of every buffer (a CUDA device needs the CUDA build); transport
-        over the data-parallel ranks; outer_*: hybrid sharding across replicas (HFSDP: sharded)."""
+        over the data-parallel ranks; outer_*: hybrid sharding across replicas (HFSDP: sharded);
+        pin_host: a CUDA engine's host buffers of offloaded buckets (a spec's "offload") are pinned
+        ([Note: offloaded buckets] in csrc/comm/buffers.c)."""
 
     # loading parameters
     def init_begin(self, bucket: int, direct: bool = False, /) -> None:

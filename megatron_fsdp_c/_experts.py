@@ -165,14 +165,15 @@ class ExpertOwner(EngineOwner):
 
     def __init__(self, wrapper, records: List[ParamRecord], ctx: DistContext, units: List[nn.Module], *,
                  strategy: int, policy, bucket_cap: int, reduce_queue_bytes, grad_prescale: float, reduce_op: str,
-                 single_rank_collectives: bool, quant_policy):
+                 single_rank_collectives: bool, quant_policy, offload_fraction: float = 0.0):
         self._wrapper = weakref.proxy(wrapper)  # the wrapper owns this engine
         self.dist_ctx = ctx
         self._holds_dist_params = False
         check_same_model(records, ctx)  # the ranks of one expert mesh hold the same experts
         buf = ParamBuffer(records, strategy, policy, ctx, bucket_cap=bucket_cap, reduce_queue_bytes=reduce_queue_bytes,
                           grad_prescale=grad_prescale, reduce_op=reduce_op,
-                          single_rank_collectives=single_rank_collectives, quant_policy=quant_policy)
+                          single_rank_collectives=single_rank_collectives, quant_policy=quant_policy,
+                          offload_fraction=offload_fraction, pin_host=True)
         buf.load_params()
         buf.build_dist_params(wrapper)  # the optimizer finds the wrapper from them
         for r in records:  # the mark stays visible on model.parameters() (Megatron's optimizers read it)

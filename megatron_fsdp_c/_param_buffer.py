@@ -50,6 +50,35 @@ def wire_fields(quant: Optional[QuantizedCommPolicy]) -> dict:
             "wire_outer_weights": code(quant.outer_weights), "wire_block": quant.block}
 
 
+def check_offload_device(device: torch.device, what: str, fix: str) -> None:
+    """Offload is refused on a GPU (see [Note: offloaded buckets] in csrc/comm/buffers.c): the
+    engine's data path for it is built and tested on the emulated device, but has not run on a
+    GPU yet, so it is not offered there rather than offered untried."""
+    if device.type != "cpu":
+        raise NotImplementedError(
+            f"{what} on {device}: megatron_fsdp_c runs CPU offload on CPU meshes only for now (its GPU path awaits "
+            f"its first run on a GPU); use {fix}, or torch's fully_shard with CPUOffloadPolicy for offloaded GPU "
+            "training")
+
+
+def offload_buckets(plan: List[dict], units: Optional[List[UnitConfig]], fraction: float) -> set:
+    """The buckets whose optimizer-side buffers live in host memory: a unit's when its UnitConfig
+    says offload; without units, the first buckets in plan order until `fraction` of the
+    parameters' elements is offloaded (Megatron's optimizer_offload_fraction, honoured to a
+    bucket: the last one may pass it). Payload buckets (extension parameters' gather inputs) are
+    no optimizer's: they stay."""
+    params = [b for b, bp in enumerate(plan) if bp["role"] != ROLE_PAYLOAD]
+    if units is not None:
+        return {b for b in params if plan[b]["unit"] >= 0 and units[plan[b]["unit"]].offload}
+    total, chosen, done = sum(plan[b]["weight_size"] for b in params), set(), 0
+    for b in params:
+        if done >= fraction * total or fraction <= 0:
+            break
+        chosen.add(b)
+        done += plan[b]["weight_size"]
+    return chosen
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitConfig:
     """How one unit's buckets are built where units differ (the per-module API: one per group,
@@ -59,6 +88,7 @@ class UnitConfig:
     strategy: ShardingStrategy
     quant: Optional[QuantizedCommPolicy]
     policies: Dict[torch.dtype, MixedPrecisionPolicy]
+    offload: bool = False  # CPUOffloadPolicy ([Note: offloaded buckets] in csrc/comm/buffers.c)
 
 
 class ParamBuffer:
@@ -66,12 +96,16 @@ class ParamBuffer:
     strategy, policy and quant_policy hold for every unit, unless `units` gives each unit its own
     (UnitConfig, by unit index). `payloads`: (unit, PayloadInput) of the extension parameters'
     all-gather inputs, each an item of a payload bucket ([Note: extension parameters] in
-    _extensions.py); their (bucket, item) is set here."""
+    _extensions.py); their (bucket, item) is set here. `offload_fraction` (without `units`) and
+    each UnitConfig's `offload` say which buckets keep their main weights, main gradients and
+    optimizer gradients in host memory, pinned on a GPU when `pin_host` ([Note: offloaded
+    buckets] in csrc/comm/buffers.c; offload_buckets)."""
 
     def __init__(self, records: List[ParamRecord], strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
                  ctx: DistContext, *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float,
                  reduce_op: str, single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None,
-                 units: Optional[List[UnitConfig]] = None, payloads=()):
+                 units: Optional[List[UnitConfig]] = None, payloads=(), offload_fraction: float = 0.0,
+                 pin_host: bool = False):
         self.single_rank_collectives = single_rank_collectives
         self.records = records
         self.strategy = strategy
@@ -102,6 +136,7 @@ class ParamBuffer:
         self.train_error: Dict[int, str] = {}  # bucket -> why its parameters cannot start training
         n_records = len(records)
         named = lambda bp: [records[pi] for pi in bp["params"] if pi < n_records]  # noqa: E731 (payloads have no record)
+        offloaded = offload_buckets(self.plan, units, offload_fraction)
         for b, bp in enumerate(self.plan):
             first = named(bp)[0] if named(bp) else None
             dtype = dtype_of[bp["dtype"]]
@@ -110,7 +145,7 @@ class ParamBuffer:
                                      policy if unit is None or bp["role"] == ROLE_PAYLOAD else unit.policies[dtype],
                                      quant_policy if unit is None else unit.quant,
                                      first.name if first is not None else "",
-                                     any(r.trains_later for r in named(bp)))
+                                     any(r.trains_later for r in named(bp)), b in offloaded)
             specs.append(spec)
             for i, (pi, local) in enumerate(zip(bp["params"], bp["local"])):
                 if pi >= n_records:
@@ -132,7 +167,7 @@ class ParamBuffer:
         self.engine = _C.Engine(engine_specs, ctx.world, ctx.rank, grad_prescale, reduce_op, int(reduce_queue_bytes),
                                 ctx.device, ctx.transport, single_rank_collectives,
                                 outer_transport=ctx.outer_transport, outer_world=ctx.outer_world,
-                                outer_sharded=ctx.outer_sharded)
+                                outer_sharded=ctx.outer_sharded, pin_host=pin_host)
         self.bucket_units = [bp["unit"] for bp in self.plan]
         self.bucket_roles = [bp["role"] for bp in self.plan]
 
@@ -141,7 +176,7 @@ class ParamBuffer:
 
     def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: ShardingStrategy,
                      policy: MixedPrecisionPolicy, quant: Optional[QuantizedCommPolicy], name: str,
-                     trains_later: bool) -> dict:
+                     trains_later: bool, offload: bool) -> dict:
         """The engine's spec of bucket `b`: every floating bucket gets the gradient mode it trains
         with, a frozen one marked `frozen` (no gradient memory until a parameter of it starts
         training, [Note: changing requires_grad] in _trainable.py); train_error[b] says why one cannot."""
@@ -170,7 +205,7 @@ class ParamBuffer:
                                 and strategy == ShardingStrategy.OPTIM_GRADS_PARAMS),
             weights_regather=int(sharded and strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)),
             trainable_mode=grad_mode, frozen=int(not bp["requires_grad"]),
-            sum_in_comm_dtype=int(policy.sum_in_comm_dtype),
+            sum_in_comm_dtype=int(policy.sum_in_comm_dtype), offload=int(offload),
             grad_mode=grad_mode if bp["requires_grad"] else _C.GRAD_NONE,
             **wire_fields(wire),
         )

@@ -17,6 +17,7 @@ import torch.nn as nn
 from ._common import ShardingStrategy, parse_strategy
 from ._distributed import make_dist_context, resolve_device
 from ._experts import expert_context
+from ._param_buffer import check_offload_device
 from .optimizer import fully_shard_optimizer, remap_optimizer
 from .megatron_fsdp import MegatronFSDP
 from ._tensor_parallel import other_dims, tp_mesh_of
@@ -143,6 +144,8 @@ def fully_shard_model(
     quantized_comm_policy: Optional[QuantizedCommPolicy] = None,
     expt_device_mesh=None,
     hybrid_fsdp_expt_group=None,
+    optimizer_cpu_offload: bool = False,
+    optimizer_offload_fraction: float = 1.0,
     trains_later: Iterable[nn.Parameter] = (),
     **unsupported,
 ) -> MegatronFSDP:
@@ -181,6 +184,12 @@ def fully_shard_model(
     tokens), expert_dp/dp with average_in_collective, 1 with calculate_per_token_loss. An expert
     mesh without marked parameters, or marked parameters without one, is an error; see [Note:
     expert data-parallel mesh] in _experts.py.
+    optimizer_cpu_offload, optimizer_offload_fraction: Megatron-core's CPU offload of the
+    optimizer (its OptimizerConfig names): main weights, main gradients and the optimizer's state
+    live in host memory, and the optimizer steps there (megatron_fsdp_c.FusedAdamW is the fast
+    one); the first buckets holding `optimizer_offload_fraction` of the parameters' elements are
+    offloaded (to a bucket), the rest stay on the device. CPU meshes only for now ([Note:
+    offloaded buckets] in csrc/comm/buffers.c).
     trains_later: frozen parameters (requires_grad=False) that will train later, e.g. those an
     optimizer holds: their main weights are planned in the policy's dtype ([Note: changing
     requires_grad] in _trainable.py). fully_shard passes its optimizer's frozen parameters.
@@ -208,10 +217,15 @@ def fully_shard_model(
             "zero_dp_strategy='optim_grads_params' (3) needs fsdp_unit_modules: the classes gathered and released "
             "together, e.g. fsdp_unit_modules=[TransformerBlock]. Without units use zero_dp_strategy 'optim_grads' (2)"
         )
+    offload_fraction = _offload_fraction(optimizer_cpu_offload, optimizer_offload_fraction)
     device = resolve_device(device)  # "cuda" means the current GPU, resolved once for every layer below
+    if offload_fraction > 0 and device is not None:  # before the module moves
+        check_offload_device(device, "optimizer_cpu_offload=True", "optimizer_cpu_offload=False")
     if device is not None and not init_model_with_meta_device:
         module.to(device)
     param_device = _check_params(module, init_model_with_meta_device, device)
+    if offload_fraction > 0:
+        check_offload_device(param_device, "optimizer_cpu_offload=True", "optimizer_cpu_offload=False")
     units = find_units(module, classes)
     if disable_bucketing:
         bucket_size = None
@@ -235,7 +249,18 @@ def fully_shard_model(
         init_model_with_meta_device=init_model_with_meta_device, single_rank_collectives=single_rank_collectives,
         tp_mesh=tp_mesh, unnamed_dims=other_dims(device_mesh, dp_dims),
         quantized_comm_policy=quantized_comm_policy, expert_ctx=expert_ctx, trains_later=trains_later,
+        offload_fraction=offload_fraction,
     )
+
+
+def _offload_fraction(offload, fraction) -> float:
+    """The fraction of the parameters whose optimizer side is offloaded (0: none), checked."""
+    if not isinstance(offload, bool):
+        raise TypeError(f"optimizer_cpu_offload must be True or False, got {offload!r}")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"optimizer_offload_fraction must be a number from 0 to 1 (the share of the parameters whose "
+                         f"optimizer side lives in host memory), got {fraction!r}")
+    return float(fraction) if offload else 0.0
 
 
 def _check_quant_policy(quant, policy: MixedPrecisionPolicy, hfsdp: bool) -> None:

@@ -53,7 +53,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
                  bucket_size: Optional[int] = None, reduce_queue_bytes: Optional[int] = None,
                  init_model_with_meta_device: bool = False, single_rank_collectives: bool = False,
                  tp_mesh=None, unnamed_dims=(), quantized_comm_policy=None, expert_ctx: Optional[DistContext] = None,
-                 trains_later=()):
+                 trains_later=(), offload_fraction: float = 0.0):
         super().__init__()
         self.module = module
         self.dist_ctx = dist_ctx
@@ -101,7 +101,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
         buf = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx, bucket_cap=cap,
                           reduce_queue_bytes=reduce_queue_bytes, grad_prescale=prescale, reduce_op=op,
                           single_rank_collectives=single_rank_collectives, quant_policy=quantized_comm_policy,
-                          payloads=self.extensions.payloads())
+                          payloads=self.extensions.payloads(), offload_fraction=offload_fraction, pin_host=True)
         self.init_peak_bytes = None
         if init_model_with_meta_device:
             self.init_peak_bytes = buf.load_from_meta(module, dist_ctx.device)
@@ -117,7 +117,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
                 self, expert_records, expert_ctx, fsdp_unit_modules, strategy=zero_dp_strategy,
                 policy=mixed_precision_policy, bucket_cap=cap, reduce_queue_bytes=reduce_queue_bytes,
                 grad_prescale=scale, reduce_op=expert_op, single_rank_collectives=single_rank_collectives,
-                quant_policy=quantized_comm_policy)
+                quant_policy=quantized_comm_policy, offload_fraction=offload_fraction)
         self._record_of = {id(r.dist_param): (o, r) for o in self.owners() for r in o.param_buffer.records}
         register_model_hooks(self)
         self.register_forward_pre_hook(torch.compiler.disable(self._root_pre_forward, recursive=True), prepend=True)

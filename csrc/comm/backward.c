@@ -174,7 +174,7 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
                                       pl_at(&bk->buf[MFSDP_BUF_GRAD_SHARD], bk->sub_start), bk->spec.grad_dtype,
                                       bk->sub_size, 1.0));
   }
-  return MFSDP_OK;
+  return pl_host_wait_offloaded(p);
 }
 
 mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
@@ -200,7 +200,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->sub_size));
     bk->gstate = MFSDP_G_CLEAN;
   }
-  return MFSDP_OK;
+  return pl_host_wait_offloaded(p);
 }
 
 mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const int32_t* items, int32_t n) {

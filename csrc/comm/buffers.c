@@ -7,7 +7,30 @@
  * copies) keep one tensor object for the life of the model and only resize its storage between
  * 0 and full size. Parameter views and tensors autograd saved for backward point into that
  * storage object, so they stay valid across release and re-gather: no per-parameter work on
- * the hot path. */
+ * the hot path.
+ *
+ * [Note: offloaded buckets]
+ * CPU offload (spec.offload: FSDP2's CPUOffloadPolicy, Megatron's optimizer_cpu_offload) keeps
+ * what the optimizer owns in host memory: MAIN_SHARD, the main gradients GRAD_SHARD (ZeRO-2/3)
+ * and OPT_GRAD, each an owner of its own made by the backend's host memory ops. The device
+ * keeps only the temporaries of the collectives (GATHER or WEIGHT, GRAD, COMM, EXCHANGE) and
+ * persistent compute weights (ZeRO-1/2, no_shard). No copy step is added: the paths that already
+ * move data between these buffers do it, as kernels that reach the host memory in place (pinned,
+ * mapped memory on a GPU), in stream order:
+ *   - a gather casts this rank's rows from the host MAIN_SHARD into the device gather buffer
+ *     ([Note: cast on gather] in weights.c: an offloaded bucket always casts on gather, so no
+ *     WEIGHT_SHARD stays on the device); unsharded buckets copy it into WEIGHT at
+ *     install_main_weights;
+ *   - ZeRO-2/3 add each backward's reduced slice into the host GRAD_SHARD (finish_accumulate);
+ *     no_shard/ZeRO-1 reduce in the device GRAD and copy their shard into the host OPT_GRAD at
+ *     the sync (mfsdp_pipeline_sync_grads).
+ * The host reads and writes these buffers itself (the optimizer step, clipping, checkpoints)
+ * only after mfsdp_pipeline_sync_grads or mfsdp_pipeline_zero_grads returned: both end with the
+ * kernels' host_wait when a bucket is offloaded, so nothing queued before reads or writes them
+ * any more. What the host writes (the step) the device reads later, in stream order: the next
+ * gather or install_main_weights is queued after it returns. Host buffers are never temporary:
+ * nothing frees one while a copy reads it. On the CPU both memory ops make host memory, and the
+ * same copies run (the staging path the CPU suite covers). */
 #include "pipeline_internal.h"
 
 #include <stdlib.h>
@@ -27,7 +50,8 @@ mfsdp_status pl_materialize(mfsdp_pipeline* p, bucket* bk, int kind) {
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "buffer kind %d does not exist in this bucket", kind);
   int o = bk->owner[kind];
   if (bk->materialized[o]) return MFSDP_OK;
-  MFSDP_CHECK(p->be.memory->materialize(p->be.memory_ctx, &bk->buf[o]));
+  void* ctx;
+  MFSDP_CHECK(pl_memory_of(p, bk, o, &ctx)->materialize(ctx, &bk->buf[o]));
   bk->materialized[o] = 1;
   refresh_views(bk, o);
   return MFSDP_OK;
@@ -37,7 +61,8 @@ mfsdp_status pl_release(mfsdp_pipeline* p, bucket* bk, int kind) {
   if (!bk->present[kind]) return MFSDP_OK;
   int o = bk->owner[kind];
   if (!bk->materialized[o] || !bk->temporary[o]) return MFSDP_OK;
-  MFSDP_CHECK(p->be.memory->release(p->be.memory_ctx, &bk->buf[o]));
+  void* ctx;
+  MFSDP_CHECK(pl_memory_of(p, bk, o, &ctx)->release(ctx, &bk->buf[o]));
   bk->materialized[o] = 0;
   refresh_views(bk, o);
   return MFSDP_OK;
@@ -49,7 +74,26 @@ static mfsdp_status add_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t n
   bk->owner[kind] = (int8_t)kind;
   bk->materialized[kind] = 1;
   bk->temporary[kind] = (int8_t)temporary;
+  bk->host[kind] = 0;
   return MFSDP_OK;
+}
+
+/* A persistent owner in the host memory: an offloaded bucket's ([Note: offloaded buckets]). */
+static mfsdp_status add_host_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype) {
+  const mfsdp_memory_ops* m = p->be.host_memory ? p->be.host_memory : p->be.memory;
+  void* ctx = p->be.host_memory ? p->be.host_memory_ctx : p->be.memory_ctx;
+  MFSDP_CHECK(m->create(ctx, numel, dtype, &bk->buf[kind]));
+  bk->present[kind] = 1;
+  bk->owner[kind] = (int8_t)kind;
+  bk->materialized[kind] = 1;
+  bk->temporary[kind] = 0;
+  bk->host[kind] = 1;
+  return MFSDP_OK;
+}
+
+/* An owner of the optimizer's (MAIN_SHARD, GRAD_SHARD, OPT_GRAD): in host memory when offloaded. */
+static mfsdp_status add_kept_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype) {
+  return bk->spec.offload ? add_host_owner(p, bk, kind, numel, dtype) : add_owner(p, bk, kind, numel, dtype, 0);
 }
 
 static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, int64_t offset, int64_t numel) {
@@ -58,7 +102,8 @@ static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, in
   if (of == o && offset == 0 && numel == bk->buf[o].numel) {
     bk->buf[kind] = bk->buf[o]; /* the same range: share the handle, destroy only once */
   } else {
-    MFSDP_CHECK(p->be.memory->create_view(p->be.memory_ctx, &bk->buf[o], base, numel, &bk->buf[kind]));
+    void* ctx;
+    MFSDP_CHECK(pl_memory_of(p, bk, o, &ctx)->create_view(ctx, &bk->buf[o], base, numel, &bk->buf[kind]));
   }
   bk->present[kind] = 1;
   bk->owner[kind] = (int8_t)o;
@@ -72,9 +117,10 @@ static void drop_buffer(mfsdp_pipeline* p, bucket* bk, int kind) {
   int shared = 0;
   for (int j = 0; j < MFSDP_BUF_COUNT; ++j)
     if (j != kind && bk->present[j] && bk->buf[j].handle == bk->buf[kind].handle) shared = 1;
-  if (!shared) p->be.memory->destroy(p->be.memory_ctx, &bk->buf[kind]);
+  void* ctx;
+  if (!shared) pl_memory_of(p, bk, kind, &ctx)->destroy(ctx, &bk->buf[kind]);
   memset(&bk->buf[kind], 0, sizeof bk->buf[kind]);
-  bk->present[kind] = bk->materialized[kind] = bk->temporary[kind] = 0;
+  bk->present[kind] = bk->materialized[kind] = bk->temporary[kind] = bk->host[kind] = 0;
   bk->owner[kind] = -1;
   bk->view_offset[kind] = 0;
 }
@@ -131,6 +177,8 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
   /* a bucket that can train keeps main weights of its own dtype, also while frozen: unfreezing
    * then changes no weight buffer (the optimizer's parameters keep their tensors) */
   int wide_main = s->grad_mode != MFSDP_GRAD_NONE && s->main_dtype != s->param_dtype;
+  /* an offloaded bucket's main weights are a host copy of their own ([Note: offloaded buckets]) */
+  int own_main = wide_main || s->offload;
   /* The main weights inside WEIGHT (pl_main_in_weight) must be one run per item: an item sharded
    * on a dim other than 0 has its rows in several, so its bucket keeps a main shard of its own. */
   int runs = 0;
@@ -140,7 +188,7 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
   if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, bk->full_size, s->param_dtype, 1));
   bk->gather_kind = bk->present[MFSDP_BUF_GATHER] ? MFSDP_BUF_GATHER : MFSDP_BUF_WEIGHT;
   /* HFSDP keeps the whole collective shard: the replicas' all-gather fills it once per step */
-  int keeps_shard = s->weights_sharded && (!wide_main || bk->subs > 1);
+  int keeps_shard = s->weights_sharded && (!own_main || bk->subs > 1);
   if (keeps_shard)
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, shard, s->param_dtype, 0));
   else
@@ -149,9 +197,9 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
   /* a quantized gather overwrites this rank's rows with their dequantized values: main weights
    * that would live there get storage of their own ([Note: quantized communication] in wire.c);
    * so do main weights whose items run in several pieces (`runs` above) */
-  if (wide_main || (runs && bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded) ||
+  if (own_main || (runs && bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded) ||
       (bk->q_weights >= 0 && !keeps_shard) || bk->q_outer >= 0)
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_MAIN_SHARD, sub, s->main_dtype, 0));
+    MFSDP_CHECK(add_kept_owner(p, bk, MFSDP_BUF_MAIN_SHARD, sub, s->main_dtype));
   else if (!(bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded)) /* else: pl_main_in_weight */
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
   if (bk->n_trainable > 0) MFSDP_CHECK(pl_create_grad_buffers(p, bk));
@@ -176,15 +224,17 @@ mfsdp_status pl_create_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
   int64_t shard = bk->shard_size, sub = bk->sub_size, full = bk->full_size;
   if (s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_SHARD, shard, s->grad_dtype, 0));
+    MFSDP_CHECK(add_kept_owner(p, bk, MFSDP_BUF_GRAD_SHARD, shard, s->grad_dtype));
   } else { /* persistent full gradients accumulate locally until the step's reduction */
     MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, full, s->grad_dtype, 0));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, bk->shard_start, shard));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, shard));
   }
   if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SUB, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
-  if (s->main_dtype != s->grad_dtype)
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype, 0));
+  /* offloaded no_shard/ZeRO-1: the main gradients are a view of the device GRAD, so the
+   * optimizer's gradients are a host copy made at the sync */
+  if (s->main_dtype != s->grad_dtype || (s->offload && s->grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE))
+    MFSDP_CHECK(add_kept_owner(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype));
   else
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
   if (bk->flags) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_FLAGS, MFSDP_FLAG_TAIL * (int64_t)s->layout.n_items, MFSDP_F32, 0));

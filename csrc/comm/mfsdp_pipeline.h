@@ -44,7 +44,9 @@
  *   OUTER_WIRE, OUTER_WIRE_SUB  HFSDP with quantized weights across replicas: the replicas'
  *                 all-gather output (one piece per replica, uint8, temporary) and this rank's.
  *   FLAGS         float32, 3 per item: this rank's used-parameter flags and trainable check,
- *                 copied into every shard's tail at each launch ([Note: used-flag tail] in reduce.c). */
+ *                 copied into every shard's tail at each launch ([Note: used-flag tail] in reduce.c).
+ * An offloaded bucket (spec.offload) keeps MAIN_SHARD, GRAD_SHARD and OPT_GRAD in host memory,
+ * each with storage of its own ([Note: offloaded buckets] in buffers.c). */
 #ifndef MFSDP_PIPELINE_H
 #define MFSDP_PIPELINE_H
 
@@ -132,6 +134,8 @@ typedef struct mfsdp_bucket_spec {
   int32_t sum_in_comm_dtype; /* a comm dtype narrower than the gradients is summed by the collective in
                                 it (NCCL's and torch FSDP2's numbers), not by the exchange reduction
                                 ([Note: exchange reduction] in reduce.c); quantized wires ignore it */
+  int32_t offload;          /* main weights, main gradients and the optimizer's gradients live in the
+                               backend's host memory ([Note: offloaded buckets] in buffers.c) */
 } mfsdp_bucket_spec;
 
 typedef struct mfsdp_pipeline_config {
@@ -157,6 +161,11 @@ typedef struct mfsdp_backend {
   void* kernels_ctx;
   const mfsdp_transport_ops* outer; /* hybrid sharding: the transport over the replicas (NULL: none) */
   void* outer_ctx;
+  /* Offloaded buckets' host buffers ([Note: offloaded buckets] in buffers.c): memory the kernels
+   * reach in place (pinned, mapped host memory on a GPU). NULL: `memory` serves them too (the
+   * CPU, where every buffer is host memory). */
+  const mfsdp_memory_ops* host_memory;
+  void* host_memory_ctx;
 } mfsdp_backend;
 
 /* Collective accounting, per bucket and summed over the pipeline. Each kind of collective has a

@@ -41,8 +41,9 @@ static mfsdp_status check_spec(const mfsdp_pipeline_config* cfg, const mfsdp_buc
   if (st != MFSDP_OK) return MFSDP_FAIL(st, "bucket %d: %s", i, mfsdp_last_error());
   if (!mfsdp_dtype_valid(s->param_dtype) || s->grad_mode < MFSDP_GRAD_NONE ||
       s->grad_mode > MFSDP_GRAD_SCATTER_ACCUMULATE || (s->frozen != 0 && s->frozen != 1) ||
-      (s->sum_in_comm_dtype != 0 && s->sum_in_comm_dtype != 1))
-    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d: bad dtype, grad mode, frozen or sum_in_comm_dtype flag", i);
+      (s->sum_in_comm_dtype != 0 && s->sum_in_comm_dtype != 1) || (s->offload != 0 && s->offload != 1))
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT,
+                      "bucket %d: bad dtype, grad mode, frozen, sum_in_comm_dtype or offload flag", i);
   if (s->grad_mode != MFSDP_GRAD_NONE &&
       (!mfsdp_dtype_is_float(s->main_dtype) || !mfsdp_dtype_is_float(s->grad_dtype) ||
        !mfsdp_dtype_is_float(s->comm_dtype) || !mfsdp_dtype_is_float(s->param_dtype)))
@@ -160,8 +161,10 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
     for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
       for (int j = 0; j < k; ++j)
         if (bk->present[k] && bk->present[j] && bk->buf[j].handle == bk->buf[k].handle) shared[k] = 1;
-    for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
-      if (bk->present[k] && !shared[k]) p->be.memory->destroy(p->be.memory_ctx, &bk->buf[k]);
+    for (int k = 0; k < MFSDP_BUF_COUNT; ++k) {
+      void* ctx;
+      if (bk->present[k] && !shared[k]) pl_memory_of(p, bk, k, &ctx)->destroy(ctx, &bk->buf[k]);
+    }
     free(bk->numels);
     free(bk->pieces);
     free(bk->param_offsets);

@@ -80,6 +80,7 @@ typedef struct bucket {
   int64_t view_offset[MFSDP_BUF_COUNT]; /* element offset into the owner */
   int8_t temporary[MFSDP_BUF_COUNT];    /* owner whose storage is released between uses */
   int8_t materialized[MFSDP_BUF_COUNT];
+  int8_t host[MFSDP_BUF_COUNT];         /* owner in the backend's host memory ([Note: offloaded buckets]) */
   int32_t wstate;
   int8_t keep_weights; /* ZeRO-3: reshard leaves WEIGHT allocated, stale ([Note: kept full weights] in weights.c) */
   mfsdp_work* gather_work;
@@ -182,7 +183,24 @@ static inline int64_t pl_piece_size(const bucket* bk, int32_t i, int32_t r) {
   return ru.count * ru.len;
 }
 
-/* The main weights have storage of their own (a wider dtype than the compute weights). */
+/* The memory ops (and their context) that made buffer `kind`'s storage: the host memory for an
+ * offloaded bucket's host buffers ([Note: offloaded buckets] in buffers.c), else the device's. */
+static inline const mfsdp_memory_ops* pl_memory_of(const mfsdp_pipeline* p, const bucket* bk, int kind, void** ctx) {
+  int host = bk->owner[kind] >= 0 && bk->host[bk->owner[kind]] && p->be.host_memory != NULL;
+  *ctx = host ? p->be.host_memory_ctx : p->be.memory_ctx;
+  return host ? p->be.host_memory : p->be.memory;
+}
+
+/* When a bucket is offloaded, the host waits for the kernels queued so far: its host buffers are
+ * the host's to read and write ([Note: offloaded buckets] in buffers.c). */
+static inline mfsdp_status pl_host_wait_offloaded(mfsdp_pipeline* p) {
+  for (int32_t i = 0; i < p->n; ++i)
+    if (p->b[i].spec.offload) return p->be.kernels->host_wait(p->be.kernels_ctx);
+  return MFSDP_OK;
+}
+
+/* The main weights have storage of their own (a wider dtype than the compute weights, or an
+ * offloaded bucket's host copy). */
 static inline int pl_own_main(const bucket* bk) {
   return bk->present[MFSDP_BUF_MAIN_SHARD] && bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD;
 }

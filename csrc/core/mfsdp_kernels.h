@@ -62,6 +62,10 @@ typedef struct mfsdp_kernel_ops {
    * (one device-to-host copy on a GPU; the pipeline's only read of device memory: the used-
    * parameter flags it decodes, mfsdp_pipeline_read_flags). */
   mfsdp_status (*to_host)(void* ctx, void* host_dst, const void* src, int64_t bytes);
+  /* The host waits until everything queued before it has run (the current stream's work on a
+   * GPU; nothing to wait for on the CPU): offloaded buckets' host memory is then the host's
+   * ([Note: offloaded buckets] in csrc/comm/buffers.c). */
+  mfsdp_status (*host_wait)(void* ctx);
 } mfsdp_kernel_ops;
 
 /* The CPU table (cpu_table.c): the kernels below and the quantized ones of mfsdp_quant.h. */

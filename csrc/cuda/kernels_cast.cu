@@ -249,6 +249,16 @@ mfsdp_status op_to_host(void* ctx, void* host_dst, const void* src, int64_t byte
   return MFSDP_OK;
 }
 
+/* The host waits for the stream (mfsdp_kernel_ops.host_wait): offloaded buckets' host memory,
+ * which kernels queued on it read and write in place, is the host's again. */
+mfsdp_status op_host_wait(void* ctx) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  DeviceGuard guard(c);
+  MFSDP_CHECK(guard.enter());
+  CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  return MFSDP_OK;
+}
+
 /* A bucket's gradients: one launch per run of one source dtype (see [Note: pack table]). */
 mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items, int32_t n, double alpha,
                      int accumulate) {

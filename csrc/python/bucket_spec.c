@@ -62,7 +62,8 @@ static int dict_long_or(PyObject* d, const char* key, long long fallback, long l
 /* A bucket dict as _C.plan makes it (tail_offset and tail optional, plus the dtypes and modes the wrapper adds, and optionally
  * its quantized wires: wire_weights, wire_grads, wire_outer_weights as mfsdp_wire_spec codes, and
  * wire_block; "frozen", default 0: [Note: requires_grad changes] in csrc/comm/trainable.c; and
- * "sum_in_comm_dtype", default 0: [Note: exchange reduction] in csrc/comm/reduce.c). */
+ * "sum_in_comm_dtype", default 0: [Note: exchange reduction] in csrc/comm/reduce.c; "offload",
+ * default 0: [Note: offloaded buckets] in csrc/comm/buffers.c). */
 static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
   if (!PyDict_Check(d)) {
     PyErr_SetString(PyExc_TypeError, "bucket spec must be a dict");
@@ -105,6 +106,11 @@ static int parse_spec(PyObject* d, mfsdp_bucket_spec* s) {
   if (narrow != NULL) {
     int flag = PyObject_IsTrue(narrow); /* -1: the error is set */
     s->sum_in_comm_dtype = flag > 0;
+  }
+  PyObject* offload = PyErr_Occurred() ? NULL : PyDict_GetItemString(d, "offload");
+  if (offload != NULL) {
+    int flag = PyObject_IsTrue(offload); /* -1: the error is set */
+    s->offload = flag > 0;
   }
   if (PyErr_Occurred()) {
     free_spec(s);

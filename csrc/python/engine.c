@@ -13,9 +13,11 @@ typedef struct engine_object {
   PyObject_HEAD
   mfsdp_pipeline* pipeline;
   torch_memory memory;
+  torch_memory host_memory; /* offloaded buckets' host buffers, CUDA engines only ([Note: offloaded buckets]) */
   PyObject* transport;
   PyObject* outer_transport; /* hybrid sharding: the transport across replicas (NULL: none) */
   PyObject* device;
+  PyObject* host_device;    /* torch.device('cpu'): host_memory's, CUDA engines only */
   PyObject* current_stream; /* torch.cuda.current_stream, CUDA engines only */
   void* kernels_ctx;
   int busy;                 /* a pipeline call is running ([Note: engine calls]) */
@@ -104,16 +106,18 @@ PyDoc_STRVAR(engine_doc,
              "outer_transport, outer_world: hybrid sharding, the replicas across which reduced gradients\n"
              "are also all-reduced ([Note: hybrid sharding] in csrc/comm/replicas.c). outer_sharded:\n"
              "HFSDP, sharded buckets also split over the replicas ([Note: optimizer sharded across\n"
-             "replicas]): their specs have dp_world * outer_world shards.");
+             "replicas]): their specs have dp_world * outer_world shards. pin_host: on a CUDA device,\n"
+             "offloaded buckets' host buffers are pinned ([Note: offloaded buckets] in\n"
+             "csrc/comm/buffers.c; on the CPU every buffer is host memory already).");
 
 static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   engine_object* e = (engine_object*)self;
   module_state* st = engine_state(self);
   static char* kwlist[] = {"buckets", "dp_world",  "dp_rank",    "grad_prescale",   "reduce_op",   "reduce_queue_bytes",
                            "device",  "transport", "force_comm", "outer_transport", "outer_world", "outer_sharded",
-                           NULL};
+                           "pin_host", NULL};
   PyObject *specs_obj, *device, *transport, *outer = Py_None;
-  int dp_world, dp_rank, force_comm = 0, outer_world = 1, outer_sharded = 0;
+  int dp_world, dp_rank, force_comm = 0, outer_world = 1, outer_sharded = 0, pin_host = 0;
   double prescale;
   const char* op;
   long long queue_bytes;
@@ -121,9 +125,9 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     PyErr_SetString(PyExc_RuntimeError, "Engine is already initialised");
     return -1;
   }
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiidsLOO|pOip:Engine", kwlist, &specs_obj, &dp_world, &dp_rank,
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiidsLOO|pOipp:Engine", kwlist, &specs_obj, &dp_world, &dp_rank,
                                    &prescale, &op, &queue_bytes, &device, &transport, &force_comm, &outer,
-                                   &outer_world, &outer_sharded))
+                                   &outer_world, &outer_sharded, &pin_host))
     return -1;
   for (int k = 0; k < 2; ++k) {
     PyObject* t = k == 0 ? transport : outer;
@@ -167,6 +171,10 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
     Py_XSETREF(e->current_stream, cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL);
     Py_XDECREF(cuda);
     if (e->current_stream == NULL) return -1;
+    PyObject* cpu = PyObject_CallMethod(st->torch, "device", "s", "cpu");
+    if (cpu == NULL) return -1;
+    Py_XSETREF(e->host_device, cpu);
+    mfsdp_torch_host_memory_init(&e->host_memory, st, e->host_device, pin_host);
   }
   e->kernels_ctx = kernels_ctx;
 
@@ -181,7 +189,8 @@ static int engine_init(PyObject* self, PyObject* args, PyObject* kwds) {
   transport_object* t = (transport_object*)transport;
   transport_object* o = (transport_object*)e->outer_transport;
   mfsdp_backend be = {&mfsdp_torch_memory_ops, &e->memory, t->ops, t->ctx, kernels, kernels_ctx,
-                      o ? o->ops : NULL, o ? o->ctx : NULL};
+                      o ? o->ops : NULL, o ? o->ctx : NULL,
+                      is_cuda ? &mfsdp_torch_memory_ops : NULL, is_cuda ? &e->host_memory : NULL};
   mfsdp_pipeline_config cfg = {dp_world, dp_rank, prescale, reduce_op, queue_bytes, force_comm, outer_world, outer_sharded};
   mfsdp_status s = mfsdp_pipeline_create(&cfg, &be, specs, n, &e->pipeline);
   mfsdp_free_bucket_specs(specs, n); /* the pipeline keeps copies */
@@ -204,6 +213,7 @@ static int engine_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(e->transport);
   Py_VISIT(e->outer_transport);
   Py_VISIT(e->device);
+  Py_VISIT(e->host_device);
   Py_VISIT(e->current_stream);
   return 0;
 }
@@ -214,6 +224,7 @@ static int engine_clear(PyObject* self) {
   Py_CLEAR(e->transport);
   Py_CLEAR(e->outer_transport);
   Py_CLEAR(e->device);
+  Py_CLEAR(e->host_device);
   Py_CLEAR(e->current_stream);
   return 0;
 }

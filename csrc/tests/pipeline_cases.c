@@ -49,6 +49,8 @@ typedef struct pipe_case {
   int direct_init;   /* initialise shards directly (meta-device path) */
   int blocked;       /* items sharded on an inner dim: BLOCKED's outers ([Note: chunked layout]) */
   int keep;          /* ZeRO-3 keeps its full weights' memory when resharded ([Note: kept full weights]) */
+  int offload;       /* main weights and gradients in host memory ([Note: offloaded buckets] in buffers.c): the
+                        host reads and writes them right after sync_grads / zero_grads, without a sync of its own */
 } pipe_case;
 
 typedef struct pipe_thread {
@@ -122,6 +124,11 @@ static void* pipe_worker(void* arg) {
     CHECK(0, "%s rank %d: rig %s setup failed: %s", c->name, r, t->rig->name, mfsdp_last_error());
     goto out;
   }
+  spec.offload = c->offload;
+  if (c->offload) { /* host memory: plain heap blocks, device -1 (the rig's device memory says its device) */
+    be.host_memory = &heap_memory_ops;
+    be.host_memory_ctx = NULL;
+  }
   double prescale = c->per_token || c->op == MFSDP_REDUCE_AVG ? 1.0 : 1.0 / W;
   mfsdp_pipeline_config cfg = {W, r, prescale, c->op, 1 << 20, t->force_comm};
   CHECK_OK(mfsdp_pipeline_create(&cfg, &be, &spec, 1, &p));
@@ -142,9 +149,20 @@ static void* pipe_worker(void* arg) {
   const mfsdp_buffer* weight = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT);
   if (spec.weights_sharded)
     CHECK(weight->data == NULL && mfsdp_pipeline_weight_state(p, 0) == MFSDP_W_EMPTY, "ZeRO-3 releases weights");
-  if (spec.weights_sharded && c->main_dtype != c->param_dtype) /* cast on gather: the main shard is the only copy */
+  /* cast on gather: the main shard is the only copy */
+  if (spec.weights_sharded && (c->main_dtype != c->param_dtype || c->offload))
     CHECK(mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_WEIGHT_SHARD)->data == NULL, "%s: no compute-dtype shard is held",
           c->name);
+  for (int k = 0; c->offload && k < MFSDP_BUF_COUNT; ++k) { /* the optimizer's buffers, and only they, on the host */
+    const mfsdp_buffer* b = mfsdp_pipeline_buffer(p, 0, k);
+    int host = k == MFSDP_BUF_MAIN_SHARD || k == MFSDP_BUF_OPT_GRAD ||
+               (k == MFSDP_BUF_GRAD_SHARD && c->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE);
+    if (b != NULL)
+      CHECK(host ? b->device == -1 : b->device == weight->device, "%s rank %d: buffer kind %d on device %d (%s)",
+            c->name, r, k, b->device, host ? "host memory expected" : "the device's expected");
+    else
+      CHECK(!host, "%s rank %d: no buffer of kind %d", c->name, r, k);
+  }
 
   /* gather: every item whole (parameter-major), padding zero */
   int32_t ids[1] = {0};
@@ -206,7 +224,7 @@ static void* pipe_worker(void* arg) {
     for (int i = 0; i < L->n_items; ++i) free(grads[i]);
   }
   CHECK_OK(mfsdp_pipeline_sync_grads(p));
-  t->rig->rank_sync(dev);
+  if (!c->offload) t->rig->rank_sync(dev);
   const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_OPT_GRAD);
   double scale = c->op == MFSDP_REDUCE_AVG ? 1.0 / W : prescale;
   double tol = tolerance(c->comm_dtype) + tolerance(c->grad_dtype);
@@ -276,10 +294,10 @@ static void* pipe_worker(void* arg) {
           "%s rank %d: keep off releases the resharded weights", c->name, r);
   }
   CHECK_OK(mfsdp_pipeline_zero_grads(p));
-  t->rig->rank_sync(dev);
-  const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_GRAD_SHARD);
+  if (!c->offload) t->rig->rank_sync(dev);
+  const mfsdp_buffer* gs = mfsdp_pipeline_buffer(p, 0, c->offload ? MFSDP_BUF_OPT_GRAD : MFSDP_BUF_GRAD_SHARD);
   double gsum = 0;
-  for (int64_t k = 0; k < L->shard_size; ++k) gsum += fabs(load_as_double(gs->data, c->grad_dtype, k));
+  for (int64_t k = 0; k < L->shard_size && k < gs->numel; ++k) gsum += fabs(load_as_double(gs->data, gs->dtype, k));
   CHECK(gsum == 0.0, "%s: zero_grads leaves %g", c->name, gsum);
   mfsdp_comm_stats st;
   mfsdp_pipeline_stats(p, -1, &st);
@@ -346,6 +364,13 @@ void run_pipeline_cases(const pipe_rig* rig, int max_world, int force_comm) {
         /* the full weights kept across reshards (gathered into the same memory), and a cast on gather */
         {"zero3 keep weights", world, RSA, 1, 0, 2, 0, F, F, F, F, SUM, 0, -1, 0, 0, 1},
         {"zero3 keep weights bf16 + fp32 main blocked", world, RSA, 1, 0, 1, 0, B, F, F, F, SUM, 0, -1, 0, 1, 1},
+        /* offloaded: the optimizer's buffers in host memory, read by the host straight after the pipeline returns */
+        {"zero3 offload", world, RSA, 1, 0, 2, 0, F, F, F, F, SUM, 0, -1, 0, 0, 0, 1},
+        {"zero3 offload bf16 compute, comm", world, RSA, 1, 0, 2, 0, B, F, F, B, SUM, 0, -1, 0, 0, 0, 1},
+        {"zero3 offload direct init blocked", world, RSA, 1, 0, 1, 0, B, F, F, F, SUM, 0, -1, 1, 1, 0, 1},
+        {"zero2 offload", world, RSA, 0, 1, 2, 0, F, F, F, F, AVG, 0, -1, 0, 0, 0, 1},
+        {"zero1 offload", world, RSI, 0, 1, 3, 0, F, F, F, F, SUM, 0, -1, 0, 0, 0, 1},
+        {"no_shard offload bf16 comm", world, AR, 0, 0, 2, 1, B, F, F, B, SUM, 0, -1, 0, 0, 0, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) run_pipe_case(&cases[k], rig, force_comm);
   }

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from .._param_buffer import check_offload_device
 from .._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..mixed_precision import QuantizedCommPolicy
@@ -157,20 +158,19 @@ def is_cpu_offload(offload_policy) -> bool:
 def check_offload(offload_policy, device: torch.device, what: str) -> None:
     """[Note: CPU offload]
     torch's CPUOffloadPolicy keeps the sharded parameters, their gradients and the optimizer state
-    in host memory and steps the optimizer there. On a CPU mesh the engine's every buffer is host
-    memory already, so the policy holds as it is (pin_memory has no accelerator to pin for, and is
-    ignored where FSDP2 raises). On a GPU the engine would have to keep its main weights and main
-    gradients in (pinned) host memory and move them around each collective; that path is not
-    built yet, so the policy is refused there rather than silently kept on the device. The step
-    runs when the user calls optimizer.step(), after the whole backward, as FSDP2's: gradient
-    clipping (which needs the global norm before any step) and accumulation over microbatches
-    (which must wait for the last one) hold as without offload. Stepping each bucket as its
-    gradients land, overlapped with the backward, is not built either."""
-    if is_cpu_offload(offload_policy) and device.type != "cpu":
-        raise NotImplementedError(
-            f"offload_policy=CPUOffloadPolicy() for {what} on {device}: megatron_fsdp_c keeps main weights, gradients "
-            "and optimizer state on the device for now (CPU offload runs on CPU meshes only); use OffloadPolicy(), "
-            "or torch's fully_shard for offloaded GPU training")
+    in host memory and steps the optimizer there. The policy marks the group's buckets offloaded
+    ([Note: offloaded buckets] in csrc/comm/buffers.c): the main weights, main gradients and the
+    optimizer's gradients are host buffers of their own, the sharded parameters and their .grad
+    views of them, and the gathers and reductions copy between them and the device's collective
+    buffers. On a CPU mesh both are host memory and the same copies run (pin_memory has no
+    accelerator to pin for, and is ignored where FSDP2 raises). On a GPU the policy is refused
+    until that path has run on one (check_offload_device). The step runs when the user calls
+    optimizer.step(), after the whole backward, as FSDP2's: gradient clipping (which needs the
+    global norm before any step) and accumulation over microbatches (which must wait for the last
+    one) hold as without offload. Stepping each bucket as its gradients land, overlapped with the
+    backward, is not built."""
+    if is_cpu_offload(offload_policy):
+        check_offload_device(device, f"offload_policy=CPUOffloadPolicy() for {what}", "OffloadPolicy()")
 
 
 def check_quant_policy(quant, mp_policy) -> None:

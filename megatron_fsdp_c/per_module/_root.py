@@ -20,7 +20,7 @@ from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from .._param_buffer import ParamBuffer, ParamRecord, UnitConfig
 from ._group import ShardGroup, check_extension_use, check_origins, group_of, refresh_places
 from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
-from ._policy import cast_floats, compute_dtype, engine_policy, is_torch_policy
+from ._policy import cast_floats, compute_dtype, engine_policy, is_cpu_offload, is_torch_policy
 from ._registration import Registration, to_sharded_hook
 from ._step_end import StepEnd
 
@@ -61,7 +61,8 @@ class RootState(Registration, StepEnd, EngineOwner):
             if g is not None and g in groups:  # (groups on another mesh are another engine's)
                 ends[groups.index(g)] = k
         records, by_param, spmd_specs, exts = [], {}, {}, []
-        units = [UnitConfig(g.strategy, g.quant_policy, {}) for g in groups]  # what the buffer builds each group with
+        # what the buffer builds each group with
+        units = [UnitConfig(g.strategy, g.quant_policy, {}, is_cpu_offload(g.offload_policy)) for g in groups]
         for u, g in enumerate(groups):
             for (mod, attr, dp), tp in zip(g.places, g.tp_specs):
                 name = fqn(mod, attr)
@@ -104,7 +105,8 @@ class RootState(Registration, StepEnd, EngineOwner):
             plan_inputs(exts, shard_mesh(ctx), ctx.group, ctx.world, ctx.rank)
         buf = ParamBuffer(records, ShardingStrategy.OPTIM_GRADS_PARAMS, OurPolicy(), ctx, bucket_cap=0,
                           reduce_queue_bytes=None, grad_prescale=1.0 / ctx.dp_world, reduce_op="sum", units=units,
-                          payloads=[(e.record.unit, i) for e in exts for i in e.inputs])
+                          payloads=[(e.record.unit, i) for e in exts for i in e.inputs],
+                          pin_host=any(getattr(g.offload_policy, "pin_memory", False) for g in groups))
         buf.load_locals()
         buf.build_dist_params(self, existing=True)
         self._setup_host_heap(ctx.device)
@@ -249,6 +251,8 @@ class RootState(Registration, StepEnd, EngineOwner):
             self.param_buffer.engine.zero_item_grads(b, items)
 
     def _after_backward(self, synced: bool) -> None:
+        if synced:  # the optimizer's gradients of their own, filled (offloaded no_shard/ZeRO-1: [Note: CPU offload])
+            self.param_buffer.engine.sync_grads()
         synced_units = {u for u, g in enumerate(self.groups) if not g.hold}
         self.held_units = {u for u in self.held_units if u not in synced_units}
         self.held_units |= {u for u, g in enumerate(self.groups) if u not in synced_units and g.unit_state.grad_buckets}
