@@ -68,32 +68,27 @@ mfsdp_status pl_release(mfsdp_pipeline* p, bucket* bk, int kind) {
   return MFSDP_OK;
 }
 
-static mfsdp_status add_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype, int temporary) {
-  MFSDP_CHECK(p->be.memory->create(p->be.memory_ctx, numel, dtype, &bk->buf[kind]));
-  bk->present[kind] = 1;
+/* A new owner buffer, in the backend's host memory when `host` ([Note: offloaded buckets]). */
+static mfsdp_status make_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype, int temporary,
+                               int host) {
+  bk->host[kind] = (int8_t)host;
   bk->owner[kind] = (int8_t)kind;
+  void* ctx;
+  MFSDP_CHECK(pl_memory_of(p, bk, kind, &ctx)->create(ctx, numel, dtype, &bk->buf[kind]));
+  bk->present[kind] = 1;
   bk->materialized[kind] = 1;
   bk->temporary[kind] = (int8_t)temporary;
-  bk->host[kind] = 0;
   return MFSDP_OK;
 }
 
-/* A persistent owner in the host memory: an offloaded bucket's ([Note: offloaded buckets]). */
-static mfsdp_status add_host_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype) {
-  const mfsdp_memory_ops* m = p->be.host_memory ? p->be.host_memory : p->be.memory;
-  void* ctx = p->be.host_memory ? p->be.host_memory_ctx : p->be.memory_ctx;
-  MFSDP_CHECK(m->create(ctx, numel, dtype, &bk->buf[kind]));
-  bk->present[kind] = 1;
-  bk->owner[kind] = (int8_t)kind;
-  bk->materialized[kind] = 1;
-  bk->temporary[kind] = 0;
-  bk->host[kind] = 1;
-  return MFSDP_OK;
+static mfsdp_status add_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype, int temporary) {
+  return make_owner(p, bk, kind, numel, dtype, temporary, 0);
 }
 
-/* An owner of the optimizer's (MAIN_SHARD, GRAD_SHARD, OPT_GRAD): in host memory when offloaded. */
+/* An owner of the optimizer's (MAIN_SHARD, GRAD_SHARD, OPT_GRAD): persistent, in host memory
+ * when the bucket is offloaded. */
 static mfsdp_status add_kept_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype) {
-  return bk->spec.offload ? add_host_owner(p, bk, kind, numel, dtype) : add_owner(p, bk, kind, numel, dtype, 0);
+  return make_owner(p, bk, kind, numel, dtype, 0, bk->spec.offload);
 }
 
 static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, int64_t offset, int64_t numel) {
