@@ -113,7 +113,7 @@ BAD_INPUT = {
     "offload_policy of another kind": (TypeError, r"offload_policy must be torch's OffloadPolicy\(\), "
                                                   r"CPUOffloadPolicy\(\) or None, got str"),
     "CPUOffloadPolicy() on a cuda mesh": (NotImplementedError, r"CPUOffloadPolicy\(\) for this Linear on cuda.*"
-                                                               r"CPU offload runs on CPU meshes only"),
+                                                               r"CPU offload on CPU meshes only"),
     "a parameter in groups on two meshes": (ValueError, r"in groups on two different meshes.*one fully_shard call"),
     "a 3-D mesh": (ValueError, r"fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh.*takes a 1-D mesh "
                                r"\(FSDP\) or a 2-D \(replicate, shard\) mesh \(HSDP\)"),
