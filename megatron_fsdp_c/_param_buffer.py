@@ -72,7 +72,7 @@ def offload_buckets(plan: List[dict], units: Optional[List[UnitConfig]], fractio
         return {b for b in params if plan[b]["unit"] >= 0 and units[plan[b]["unit"]].offload}
     total, chosen, done = sum(plan[b]["weight_size"] for b in params), set(), 0
     for b in params:
-        if done >= fraction * total or fraction <= 0:
+        if done >= fraction * total:  # (fraction 0: none)
             break
         chosen.add(b)
         done += plan[b]["weight_size"]

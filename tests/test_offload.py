@@ -34,8 +34,9 @@ def staged(buf) -> list:
     offloaded bucket keeps in host memory ([Note: offloaded buckets])."""
     out = []
     for b in range(len(buf.specs)):
-        ptr = lambda kind: (lambda t: None if t is None else t.untyped_storage().data_ptr())(  # noqa: E731
-            buf.engine.tensor(b, kind))
+        def ptr(kind):
+            t = buf.engine.tensor(b, kind)
+            return None if t is None else t.untyped_storage().data_ptr()
         collective = {ptr(k) for k in (_C.BUF_WEIGHT, _C.BUF_GATHER, _C.BUF_WEIGHT_SHARD, _C.BUF_GRAD)}
         main, opt_grad = ptr(_C.BUF_MAIN_SHARD), ptr(_C.BUF_OPT_GRAD)
         out.append(main is not None and main not in collective and (opt_grad is None or opt_grad not in collective))
