@@ -290,6 +290,9 @@ class Engine:
         """Flush and finish this backward's reductions."""
     def sync_grads(self) -> None:
         """Reduce pending no_shard/ZeRO-1 gradients once, finish all reductions, fill OPT_GRAD."""
+    def finish_grads(self, bucket: int, /) -> bool:
+        """True when the bucket's optimizer gradient of this syncing backward is final and the host's
+        to read before sync_grads ([Note: a bucket's gradients before the sync] in csrc/comm/backward.c)."""
     def zero_grads(self) -> None:
         """Zero the main gradient buffers."""
     def zero_item_grads(self, bucket: int, items: Sequence[int], /) -> None:

@@ -13,10 +13,11 @@ decides *how*. Every hook is a few dictionary lookups and one call into the engi
                      seal the buckets of units that did not run) gather the unit again
                      (+ prefetch the previous unit); wait; _unit_unsharded
   param grad hook    hand the gradient to the engine (packs it; reduces in the shared order)
-  post-backward      identity autograd.Function on the unit's inputs: reshard the unit
+  post-backward      identity autograd.Function on the unit's inputs: reshard the unit; a stepping
+                     optimizer steps the buckets of the unit before it ([Note: stepping in backward])
   final callback     engine.end_backward (leftovers, wait reductions), release everything,
                      _unit_resharded, sync gradients if this backward syncs, swap the distributed
-                     params back (MegatronFSDP)
+                     params back (MegatronFSDP); a stepping optimizer steps the buckets left
 Activation recomputation re-runs a unit's forward inside backward: then there is no prefetch
 and no release in the post-forward (the backward that follows needs the weights).
 
@@ -55,6 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._common import grad_tensors, in_backward, logger, weak_call
 from ._extensions import plain_grad
+from ._backward_step import BackwardSteps
 from ._pass_state import PassState, UnitState
 
 if TYPE_CHECKING:
@@ -163,8 +165,9 @@ class HookManager:
         self.on_gathering = getattr(owner, "_unit_gathering", None)
         self.on_unsharded = getattr(owner, "_unit_unsharded", None)
         self.on_resharded = getattr(owner, "_unit_resharded", None)
+        self.backward_steps = BackwardSteps(owner)  # [Note: stepping in backward] in _backward_step.py
         self.grouped: List[UnitState] = []  # units of several modules (members > 1): completed at the root post-forward
-        self._set_reduce_order(buf, self.ends)
+        self.engine.set_reduce_order(buf.reduce_order())
         self.register_module_hooks = register_module_hooks
         self._register()
 
@@ -188,14 +191,6 @@ class HookManager:
         for pos, unit in enumerate(self.bwd_seq):
             unit.bpos = pos
         self.pass_state.bwd_next = self.pass_state.bwd_done = len(self.bwd_seq)
-
-    def _set_reduce_order(self, buf, ends) -> None:
-        """Reductions in the order backward completes buckets: the unit whose forward ended last
-        first, then the buckets outside every unit (see [Note: collective order] in
-        csrc/comm/reduce.c)."""
-        units = buf.bucket_units
-        order = sorted(range(len(buf.plan)), key=lambda b: (units[b] < 0, -ends.get(units[b], -1), -b))
-        self.engine.set_reduce_order(order)
 
     # -- registration ---------------------------------------------------------------------
     def _register(self) -> None:
@@ -235,7 +230,9 @@ class HookManager:
 
     # -- the shared gather order ------------------------------------------------------------
     def gather(self, unit: UnitState) -> None:
-        """Starts `unit`'s gathers (every one goes through here, after the owner's `_unit_gathering`)."""
+        """Starts `unit`'s gathers (every one goes through here, after the owner's `_unit_gathering`
+        and the steps in flight: [Note: stepping in backward] in _backward_step.py)."""
+        self.backward_steps.join()
         if self.on_gathering is not None:
             self.on_gathering(unit)
         self.engine.unshard(unit.buckets)
@@ -296,6 +293,7 @@ class HookManager:
 
     # -- forward --------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
+        self.backward_steps.join()
         if not in_backward():
             self.pass_state.fwd_next = self.pass_state.fwd_done = 0
         if self.root_buckets:
@@ -374,9 +372,10 @@ class HookManager:
             return
         owner, now = self.owner, self.pass_state
         owner._before_backward()
-        now.in_backward = True
-        now.sync = owner._should_sync()
-        self.engine.begin_backward(now.sync)
+        sync = owner._should_sync()
+        self.backward_steps.begin(sync)  # may refuse the backward: before anything starts
+        now.in_backward, now.sync = True, sync
+        self.engine.begin_backward(sync)
         now.bwd_next = now.bwd_done = len(self.bwd_seq)
         if now.ran:  # units that ran in no forward since the last backward get no gradient: they may
             skipped = [b for u in self.fwd_seq if u.index not in now.ran for b in u.grad_buckets]  # reduce in turn
@@ -412,6 +411,7 @@ class HookManager:
     def post_backward(self, unit: UnitState) -> None:
         if unit.reshard_after_backward:
             self._reshard(unit)
+        self.backward_steps.unit_done(unit)
 
     def grad_hook(self, index: int, bucket: int, item: int, param: torch.Tensor, *, to_local=None) -> None:
         self.start_backward()
@@ -447,3 +447,4 @@ class HookManager:
         finally:
             self.pass_state.in_backward = False
         self.owner._after_backward(self.pass_state.sync)
+        self.backward_steps.backward_done()

@@ -200,6 +200,18 @@ class EngineOwner:
             self._trainable_tracker.disagreement()
         return bytes(used)
 
+    def _grads_due(self, records) -> Optional[bytearray]:
+        """A byte per record index, 1 where the coming `_attach_grads` will give `.grad` (what a
+        bucket stepped in the backward steps, [Note: stepping in backward] in _backward_step.py),
+        changing nothing; None when the flags arrive only at the sync."""
+        used = bytes(self._used) if self.dist_ctx.dp_world == 1 else self._reduced_flags(records)
+        if used is None:
+            return None
+        due = bytearray(len(self._used))
+        for r in records:
+            due[r.index] = used[r.index] or self._has_grad[r.index]
+        return due
+
     def _attach_grads(self, records) -> None:
         """`.grad` of each distributed parameter of `records`: its gradient DTensor once some
         rank used it, None until then (see [Note: unused parameters]). With nothing to attach (every

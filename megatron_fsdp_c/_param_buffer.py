@@ -423,6 +423,14 @@ class ParamBuffer:
     def buckets_of_unit(self, unit: int) -> tuple:
         return tuple(b for b, u in enumerate(self.bucket_units) if u == unit)
 
+    def reduce_order(self) -> list:
+        """Buckets in the order a backward completes them, the order every rank reduces in ([Note:
+        collective order] in csrc/comm/reduce.c): the unit whose forward started last first (units
+        are in forward order), then the buckets outside every unit. A unit containing others (the
+        per-module API's root group) completes after them, as its earliest-used parameter does."""
+        units = self.bucket_units
+        return sorted(range(len(self.plan)), key=lambda b: (units[b] < 0, -units[b], -b))
+
     def weight_sharded_buckets(self) -> tuple:
         return tuple(b for b, s in enumerate(self.specs) if s["weights_sharded"])
 

@@ -12,10 +12,14 @@ parameter), so a checkpoint moves between it and torch.optim.AdamW both ways. Th
 It steps host memory only: float32 or float64 parameters (float32 with bf16/fp16 gradients
 too). Under megatron_fsdp_c's fully_shard it steps the local shards ([Note: local-shard step]
 in optimizer.py), so it runs in every strategy; a DTensor parameter of anything else is
-stepped through its local tensor, as every Adam update is elementwise.
+stepped through its local tensor, as every Adam update is elementwise. With
+`step_in_backward=True` it steps each bucket of a megatron_fsdp_c model inside the backward, as
+the bucket's gradients land ([Note: stepping in backward] in _backward_step.py).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import math
 from typing import Optional
 
 import torch
@@ -23,6 +27,7 @@ from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
 
 from . import _C
+from ._backward_step import register_stepper
 from ._extensions import values_of
 
 __all__ = ["FusedAdam", "FusedAdamW"]
@@ -34,6 +39,26 @@ def _local(t):
     return values_of(t._local_tensor if isinstance(t, DTensor) else t)
 
 
+_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+
+
+def _hyper(group) -> tuple:
+    """A group's step hyperparameters, as the step reads them."""
+    return tuple(float(group["lr"]) if k == "lr" else tuple(float(b) for b in group[k]) if k == "betas" else group[k]
+                 for k in _HYPER)
+
+
+# A stepped gradient must keep its norm to this (float64 sums of the same values in another order
+# differ far less; a clipping coefficient this close to 1 changes no step measurably).
+FINGERPRINT_RTOL = 1e-10
+
+
+def _fingerprint(grad: torch.Tensor) -> float:
+    """A gradient's fingerprint: its norm in float64. Version counters cannot tell (a DTensor's
+    foreach ops, as torch's clip_grad_norm_ runs, bump no version of the local tensors)."""
+    return float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+
+
 def _scalar_dtype():
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
@@ -41,12 +66,14 @@ def _scalar_dtype():
 class FusedAdam(torch.optim.Optimizer):
     """torch.optim.Adam's arguments and semantics (decoupled_weight_decay=True is AdamW),
     stepped by the C kernel of [Note: fused Adam]. `threads`: threads of each step (None:
-    torch.get_num_threads() at the step)."""
+    torch.get_num_threads() at the step). `step_in_backward`: step each bucket of a megatron_fsdp_c
+    model inside the backward, as its gradients land ([Note: stepping in backward] in
+    _backward_step.py); optimizer.step() then steps the rest."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
-                 threads: Optional[int] = None):
+                 threads: Optional[int] = None, step_in_backward: bool = False):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("FusedAdam: a tensor lr must have one element")
         if not 0.0 <= float(lr):
@@ -62,30 +89,39 @@ class FusedAdam(torch.optim.Optimizer):
                              "memory in C); use torch.optim.AdamW for those")
         if threads is not None and threads < 1:
             raise ValueError(f"FusedAdam: threads must be >= 1 or None, got {threads}")
+        if not isinstance(step_in_backward, bool):
+            raise TypeError(f"FusedAdam: step_in_backward must be True or False, got {step_in_backward!r}")
         self.threads = threads
+        self.step_in_backward = step_in_backward
+        self._worker = None  # the thread of the steps taken in a backward, made at the first
+        self._pending = []  # their futures, joined before anything reads what they write
+        self._stepped = {}  # id(local gradient) -> [local gradient, its fingerprint, group hyperparameters]
         # torch's AdamW group keys, so that state dicts move between the two either way (foreach and
         # fused are accepted as torch's arguments and kept; the step is fused either way)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=False, differentiable=False, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
+        if step_in_backward:
+            register_stepper(self)
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("step_in_backward", False)
+        self.__dict__.setdefault("_worker", None)
+        self.__dict__.setdefault("_pending", [])
+        self.__dict__.setdefault("_stepped", {})
         for group in self.param_groups:
             for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
                                ("differentiable", False), ("fused", None),
                                ("decoupled_weight_decay", isinstance(self, FusedAdamW))):
                 group.setdefault(key, value)
 
-    def _group_tensors(self, group):
-        """The group's parameters with a gradient and their stepping tensors (local shards), its
-        states made on first use; None when no parameter has a gradient."""
+    def _tensors(self, group, pairs):
+        """The stepping tensors (local shards) of `pairs` (parameter, gradient) of `group`, their
+        states made on first use and their step counts advanced; None when there are none."""
         stepping = []
-        for p in group["params"]:  # every check before any state changes
-            if p.grad is None:
-                continue
-            g = p.grad
+        for p, g in pairs:  # every check before any state changes
             if g.is_sparse:
                 raise RuntimeError("FusedAdam does not support sparse gradients; use torch.optim.SparseAdam")
             if p.is_complex():
@@ -129,29 +165,105 @@ class FusedAdam(torch.optim.Optimizer):
         steps = [int(s) for s in torch.stack([_local(t) for t in step_ts]).tolist()]
         return [p for p, _, _ in stepping], params, grads, avgs, sqs, maxs, steps
 
+    def _update(self, group, tensors):
+        """The C step of `tensors` (from _tensors) with the group's hyperparameters, as a call."""
+        stepped, params, grads, avgs, sqs, maxs, steps = tensors
+        lr, (beta1, beta2), eps, weight_decay, amsgrad, maximize, decoupled = _hyper(group)
+        # written in place from C: bump the version counters an in-place op would (the per-module
+        # API finds updated shards by them, [Note: per-module groups] in per_module/_fully_shard.py)
+        increment_version(stepped + params + avgs + sqs + (maxs or []))
+        threads = self.threads or torch.get_num_threads()
+        return lambda: _C.adam_step_(params, grads, avgs, sqs, maxs, steps, lr, beta1, beta2, eps, weight_decay,
+                                     bool(amsgrad), bool(maximize), bool(decoupled), threads)
+
+    def _step_in_backward(self, group_index: int, pairs) -> None:
+        """Steps (parameter, gradient DTensor) pairs of one group on the worker thread, from a
+        backward ([Note: stepping in backward] in _backward_step.py). The worker takes each
+        gradient's fingerprint before the step reads it; optimizer.step() compares."""
+        group = self.param_groups[group_index]
+        tensors = self._tensors(group, pairs)
+        if tensors is None:
+            return
+        grads, update = tensors[2], self._update(group, tensors)
+        entries = [[grad, None, _hyper(group)] for grad in grads]
+        for e in entries:
+            self._stepped[id(e[0])] = e
+
+        def job():
+            for e in entries:
+                e[1] = _fingerprint(e[0])
+            update()
+
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsdp-adam")
+        self._pending.append(self._worker.submit(job))
+
+    def _stepped_in_backward(self, grad) -> bool:
+        """Whether a backward stepped the parameter of gradient `grad` since the last step()."""
+        return id(_local(grad)) in self._stepped
+
+    def _join(self) -> None:
+        """Waits for the steps taken in backward (re-raising the first error)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def _stepped_already(self, group_index, group, p, g) -> bool:
+        """Whether a backward stepped `p` since the last optimizer.step(), checking that nothing
+        the step read has changed since ([Note: stepping in backward] in _backward_step.py)."""
+        done = self._stepped.pop(id(_local(g)), None)
+        if done is None:
+            return False
+        local, seen, hyper = done
+        now = _fingerprint(local)
+        if not math.isclose(now, seen, rel_tol=FINGERPRINT_RTOL, abs_tol=0.0):
+            raise RuntimeError(
+                f"FusedAdam(step_in_backward=True): the gradient of a parameter of shape {tuple(p.shape)} changed "
+                f"(its norm from {seen!r} to {now!r}) between the backward, which already stepped it, and "
+                "optimizer.step() (gradient clipping, GradScaler.unscale_ or a hook writing gradients?). Make the "
+                "optimizer with step_in_backward=False to change gradients before the step")
+        if _hyper(group) != hyper:
+            raise RuntimeError(
+                f"FusedAdam(step_in_backward=True): parameter group {group_index}'s hyperparameters changed between "
+                f"the backward, which already stepped with {dict(zip(_HYPER, hyper))}, and optimizer.step(). Set "
+                "them before the backward (LR schedulers step after optimizer.step()), or make the optimizer with "
+                "step_in_backward=False")
+        return True
+
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of every parameter with a gradient (torch's Adam, see [Note: fused Adam])."""
+        """One step of every parameter with a gradient (torch's Adam, see [Note: fused Adam]),
+        but those a backward stepped already ([Note: stepping in backward] in _backward_step.py)."""
+        self._join()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        threads = self.threads or torch.get_num_threads()
-        for group in self.param_groups:
-            if group.get("capturable") or group.get("differentiable"):
-                raise RuntimeError("FusedAdam: capturable and differentiable steps are not supported")
-            tensors = self._group_tensors(group)
-            if tensors is None:
-                continue
-            stepped, params, grads, avgs, sqs, maxs, steps = tensors
-            beta1, beta2 = (float(b) for b in group["betas"])
-            _C.adam_step_(params, grads, avgs, sqs, maxs, steps, float(group["lr"]), beta1, beta2, float(group["eps"]),
-                          float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
-                          bool(group["decoupled_weight_decay"]), threads)
-            # written in place from C: bump the version counters an in-place op would (the per-module
-            # API finds updated shards by them, [Note: per-module groups] in per_module/_fully_shard.py)
-            increment_version(stepped + params + avgs + sqs + (maxs or []))
+        try:
+            for gi, group in enumerate(self.param_groups):
+                if group.get("capturable") or group.get("differentiable"):
+                    raise RuntimeError("FusedAdam: capturable and differentiable steps are not supported")
+                pairs = [(p, p.grad) for p in group["params"] if p.grad is not None]
+                if self._stepped:
+                    pairs = [(p, g) for p, g in pairs if not self._stepped_already(gi, group, p, g)]
+                tensors = self._tensors(group, pairs)
+                if tensors is not None:
+                    self._update(group, tensors)()
+        finally:
+            self._stepped.clear()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._join()
+        super().zero_grad(set_to_none)
+
+    def state_dict(self):
+        self._join()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._join()
+        super().load_state_dict(state_dict)
 
 
 class FusedAdamW(FusedAdam):
@@ -160,7 +272,8 @@ class FusedAdamW(FusedAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
-                 differentiable: bool = False, fused: Optional[bool] = None, threads: Optional[int] = None):
+                 differentiable: bool = False, fused: Optional[bool] = None, threads: Optional[int] = None,
+                 step_in_backward: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, threads=threads)
+                         decoupled_weight_decay=True, threads=threads, step_in_backward=step_in_backward)

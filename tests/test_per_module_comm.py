@@ -22,6 +22,8 @@ Behaviours (cell names):
   strategy's synced backward (1-D, and HSDP at world 4) issues only the engine's own reductions
   (CommDebugMode's counts equal comm_stats'); int8 gradients (ZeRO-3) issue no all-reduce either:
   synced_backward_collectives
+- each group's reduction is issued while the backward of the groups before it runs (the root
+  group, which completes last, waits for no other): reductions_overlap_backward
 """
 import pytest
 import torch
@@ -201,6 +203,28 @@ def synced_backward_collectives(rank, world, ck):
                      "are the engine's", (ag, rs, ar),
                      (d["all_gathers"] + d["outer_all_gathers"], d["reduce_scatters"] + d["outer_reduce_scatters"],
                       d["all_reduces"] + d["outer_all_reduces"]))
+
+
+@cell("reductions_overlap_backward")
+def reductions_overlap_backward(rank, world, ck):
+    """Each group's reduce-scatter is issued while the backward of the groups before it runs, as
+    FSDP2's post-backward issues it: when the first block's backward starts, the last block's
+    gradients are reducing already, though the root group (which contains every block and
+    completes last) comes first in no order ([Note: collective order] in csrc/comm/reduce.c)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+    for layer in model[1:]:  # the root keeps the first layer (an embedding's place): its gradients come last
+        fully_shard(layer)
+    fully_shard(model)
+    x = normal_batch(0, rank, (4, 8)).float()
+    model(x).sum().backward()  # the lazy init
+    engine = model._mfsdp_group.owner.param_buffer.engine
+    last = model[3]._mfsdp_group.unit_state.grad_buckets
+    seen = []
+    model[1].register_full_backward_pre_hook(lambda mod, grad: seen.append([engine.grad_state(b) for b in last]))
+    model(x).sum().backward()
+    ck.true("the last block's gradients left for reduction before the first block's backward",
+            len(seen) == 1 and all(state in ("reducing", "clean") for state in seen[0]), str(seen))
 
 
 @pytest.mark.parametrize("name,world", rank_grid.params(CELLS, CELLS.keys()))

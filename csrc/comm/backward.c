@@ -177,6 +177,30 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
   return pl_host_wait_offloaded(p);
 }
 
+/* [Note: a bucket's gradients before the sync]
+ * An optimizer that steps each bucket as its gradients land (ZeRO-Offload's overlap,
+ * [Note: stepping in backward] in megatron_fsdp_c/_backward_step.py) asks for one bucket's
+ * optimizer gradient before sync_grads. It is final, and the host's to read, once the bucket's
+ * reduction in this syncing backward has completed and landed in GRAD_SHARD, when that buffer is
+ * also the optimizer's (OPT_GRAD aliases it) and no reduction across replicas still follows.
+ * Anything else (no_shard/ZeRO-1 sums reduced at the sync, a bucket on hold, HSDP/HFSDP, an
+ * OPT_GRAD of its own, a reduction not yet launched) answers "not ready", and the caller steps it
+ * after the sync as usual. Completing a reduction issues no collective, so every rank may ask
+ * about any bucket at any time without changing the collective order. */
+mfsdp_status mfsdp_pipeline_finish_grads(mfsdp_pipeline* p, int32_t b, int* ready) {
+  *ready = 0;
+  MFSDP_CHECK(pl_healthy(p));
+  MFSDP_CHECK(pl_check_bucket(p, b));
+  bucket* bk = &p->b[b];
+  if (!p->sync || !bk->launched || bk->hold || bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE ||
+      (p->cfg.outer_world > 1 && p->be.outer != NULL) || bk->owner[MFSDP_BUF_OPT_GRAD] != MFSDP_BUF_GRAD_SHARD)
+    return MFSDP_OK;
+  if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(pl_complete_until(p, b));
+  if (bk->spec.offload) MFSDP_CHECK(p->be.kernels->host_wait(p->be.kernels_ctx));
+  *ready = 1;
+  return MFSDP_OK;
+}
+
 mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
   MFSDP_CHECK(pl_healthy(p));
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "zero_grad inside a backward pass");

@@ -266,6 +266,10 @@ mfsdp_status mfsdp_pipeline_set_reduce_order(mfsdp_pipeline* p, const int32_t* o
 /* Reduce whatever no_shard / ZeRO-1 gradients are not yet reduced (exactly once per step),
  * finish every in-flight reduction, and fill OPT_GRAD. */
 mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p);
+/* *ready = 1 when bucket b's optimizer gradient of this syncing backward is final and the
+ * host's to read before sync_grads (completing its reduction); 0 when it is final only after
+ * sync_grads. See [Note: a bucket's gradients before the sync] in backward.c. */
+mfsdp_status mfsdp_pipeline_finish_grads(mfsdp_pipeline* p, int32_t b, int* ready);
 mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p);
 /* Zeroes the main gradients of some items only (one optimizer of several over one model);
  * `items` are distinct. */

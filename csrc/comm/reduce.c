@@ -8,7 +8,9 @@
  * that got no tokens here), and so may autograd's order. Gathers run in the order the caller
  * lists them (the hooks keep one shared unit order, see [Note: gather order] in _hooks.py).
  * Reductions follow one launch order shared by every rank (`order`: by default later units
- * first, the order backward normally completes them, then buckets outside every unit): a
+ * first, the order backward normally completes them, then buckets outside every unit; the
+ * wrappers give the units whose forwards start later first, as a unit containing others completes
+ * after them, ParamBuffer.reduce_order): a
  * complete bucket waits until every bucket before it in that order has been launched, and in
  * every backward each bucket that reduces is launched exactly once -- complete, sealed (its
  * unit did not run here, mfsdp_pipeline_seal), or at the end of backward with zeros for what

@@ -527,6 +527,16 @@ static PyObject* engine_read_flags(PyObject* self, PyObject* arg) {
   return NULL;
 }
 
+static PyObject* engine_finish_grads(PyObject* self, PyObject* arg) {
+  engine_object* e = (engine_object*)self;
+  long b = PyLong_AsLong(arg);
+  if (PyErr_Occurred() || !ready(e)) return NULL;
+  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+  int done = 0;
+  mfsdp_status st = ENGINE_CALL(e, mfsdp_pipeline_finish_grads(e->pipeline, (int32_t)b, &done));
+  return st == MFSDP_OK ? PyBool_FromLong(done) : fail(self, st);
+}
+
 static PyObject* engine_stats(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b = -1;
@@ -621,6 +631,9 @@ static PyMethodDef engine_methods[] = {
      "set_reduce_order(buckets): the order every rank launches gradient reductions in (a permutation)."},
     {"sync_grads", engine_sync_grads, METH_NOARGS,
      "sync_grads(): reduce pending no_shard/ZeRO-1 gradients once, finish all reductions, fill OPT_GRAD."},
+    {"finish_grads", engine_finish_grads, METH_O,
+     "finish_grads(bucket) -> bool: True when the bucket's optimizer gradient of this syncing backward is\n"
+     "final and the host's to read before sync_grads ([Note: a bucket's gradients before the sync])."},
     {"zero_grads", engine_zero_grads, METH_NOARGS, "zero_grads(): zero the main gradient buffers."},
     {"zero_item_grads", engine_zero_item_grads, METH_VARARGS,
      "zero_item_grads(bucket, items): zero the main gradients of some items of a bucket."},

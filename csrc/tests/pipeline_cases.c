@@ -207,6 +207,9 @@ static void* pipe_worker(void* arg) {
   }
 
   /* gradients: several microbatches, items in reverse order (as autograd delivers them) */
+  int final_early = 0; /* the last backward's gradients final before sync_grads (below) */
+  void* early = NULL;   /* offloaded: the host's copy of them, taken straight after finish_grads */
+  size_t early_bytes = 0;
   for (int mb = 0; mb < c->micro; ++mb) {
     int last = mb == c->micro - 1;
     CHECK_OK(mfsdp_pipeline_begin_backward(p, c->sync_each || last));
@@ -219,11 +222,26 @@ static void* pipe_worker(void* arg) {
         CHECK(mfsdp_pipeline_grad_ready(p, 0, i, g, MFSDP_F32, L->numels[i], NULL) == MFSDP_ERR_INVALID_STATE,
               "a gradient reported twice is refused");
     }
+    /* [Note: a bucket's gradients before the sync]: in a syncing backward a complete ZeRO-2/3
+     * bucket whose OPT_GRAD is its GRAD_SHARD is final (offloaded: the host's) before end_backward */
+    int ready = -1;
+    CHECK_OK(mfsdp_pipeline_finish_grads(p, 0, &ready));
+    int want = (c->sync_each || last) && c->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && c->main_dtype == c->grad_dtype;
+    CHECK(ready == want, "%s rank %d microbatch %d: finish_grads says %d, not %d", c->name, r, mb, ready, want);
+    final_early = ready;
+    if (ready && c->offload) { /* the host's at once: a copy now must equal the values after everything */
+      const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_OPT_GRAD);
+      early_bytes = (size_t)og->numel * (size_t)mfsdp_dtype_size(og->dtype);
+      free(early);
+      early = malloc(early_bytes);
+      if (early) memcpy(early, og->data, early_bytes);
+    }
     CHECK_OK(mfsdp_pipeline_end_backward(p));
     t->rig->rank_sync(dev); /* packs may still read the gradients */
     for (int i = 0; i < L->n_items; ++i) free(grads[i]);
   }
-  CHECK_OK(mfsdp_pipeline_sync_grads(p));
+  if (!(final_early && c->offload)) /* else the host reads what finish_grads made final, with no sync at all */
+    CHECK_OK(mfsdp_pipeline_sync_grads(p));
   if (!c->offload) t->rig->rank_sync(dev);
   const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_OPT_GRAD);
   double scale = c->op == MFSDP_REDUCE_AVG ? 1.0 / W : prescale;
@@ -250,6 +268,10 @@ static void* pipe_worker(void* arg) {
     }
   }
   CHECK(wrong == 0, "%s rank %d: %d reduced gradients wrong", c->name, r, wrong);
+  if (final_early && c->offload)
+    CHECK(early && memcmp(early, og->data, early_bytes) == 0,
+          "%s rank %d: the host read other gradients straight after finish_grads than after end_backward", c->name, r);
+  free(early);
   if (pipeline_cases_tail >= 3) { /* every rank used and trains every item ([Note: used-flag tail] in reduce.c) */
     int64_t off;
     int32_t n, every;

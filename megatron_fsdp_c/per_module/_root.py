@@ -216,6 +216,7 @@ class RootState(Registration, StepEnd, EngineOwner):
             if g.post_optim_event is not None:
                 g.post_optim_event.wait()
                 g.post_optim_event = None
+        self.hooks.backward_steps.join()  # the shards it refreshes: [Note: stepping in backward]
         self._refresh_changed_weights()
         self.hooks.root_pre_forward()
 

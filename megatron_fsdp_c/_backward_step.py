@@ -1,0 +1,137 @@
+"""Stepping each bucket inside the backward, as its gradients land (the engine side).
+
+[Note: stepping in backward]
+`FusedAdam(..., step_in_backward=True)` steps a bucket's parameters as soon as the bucket's
+gradient shard is final on the host, while the backward of earlier layers still runs: ZeRO-
+Offload's overlap, which makes an offloaded host step cost little when the GPU computes. The step
+runs on the optimizer's worker thread (the C step releases the GIL), so the autograd thread
+goes on with the backward meanwhile. Each bucket is finished one unit late (after the next
+unit's backward), so its reduction overlaps that unit's backward as before. It is the step
+`optimizer.step()` would take, exactly:
+- Only a syncing backward steps (the last microbatch), so accumulation with sync off (no_sync,
+  set_requires_gradient_sync(False)) waits for the last microbatch. A second syncing backward
+  before `optimizer.step()` raises: its parameters were stepped already.
+- Only buckets the engine calls final before the sync step there ([Note: a bucket's gradients
+  before the sync] in csrc/comm/backward.c: ZeRO-2/3 without replicas), and only parameters with
+  host main weights; every other parameter is stepped by `optimizer.step()` as usual. HSDP and
+  no_shard/ZeRO-1 therefore step after the backward (their gradients are final only at the sync).
+- A parameter is stepped when the sync will give it a gradient: the used flags its bucket's
+  reduction carried ([Note: unused parameters] in _owner.py), or a gradient kept since.
+- Hyperparameters (the LR a scheduler set) are read when the bucket steps. `optimizer.step()`
+  then waits for those steps and steps the rest. It raises when a stepped parameter's gradient
+  changed since (gradient clipping, GradScaler.unscale_, a hook writing it), or its group's
+  hyperparameters did: clipping needs the global norm before any step, so it takes
+  step_in_backward=False (stepping after the backward), as does anything else that edits
+  gradients between backward and step.
+- The stepped weights are the worker's until it is joined: every gather of the engine, the
+  root's pre-forward, `optimizer.step()`, `zero_grad()` and the optimizer's state dicts join
+  first.
+Runs where main weights are host memory: CPU meshes (offloaded or not). On a GPU (offload there is
+refused for now), `finish_grads` of an offloaded bucket would synchronize the whole stream from
+the autograd thread; before offload on a GPU is turned on, that wait must become an event after
+the bucket's copy to the host, waited by the worker.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional
+
+__all__ = ["BackwardSteps", "register_stepper"]
+
+# The optimizers made with step_in_backward=True (weakly: an optimizer dropped stops stepping).
+_STEPPERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_stepper(optimizer) -> None:
+    _STEPPERS.add(optimizer)
+
+
+class BackwardSteps:
+    """One per HookManager: the buckets of this backward that optimizers step as they land.
+    The optimizer's side is `_step_in_backward(group_index, [(param, grad DTensor)])` and
+    `_join()` (megatron_fsdp_c/fused_adam.py)."""
+
+    def __init__(self, owner):  # an EngineOwner (_owner.py)
+        self.owner = owner
+        self.plan: Optional[Dict[int, list]] = None  # bucket -> [(record, optimizer, group index)] still to step
+        self.waiting: List[int] = []  # the buckets of the unit whose backward ended last
+        self.busy: list = []  # optimizers with steps submitted in this pass
+        # buckets stepped in the last syncing backward: while it ran, and at its end
+        self.counts = {"during": 0, "at_end": 0}
+
+    def begin(self, sync: bool) -> None:
+        """At the start of a backward, before the engine's: which buckets' parameters a stepping
+        optimizer holds. Raises (nothing launched yet) when one of them was stepped in an earlier
+        backward and optimizer.step() has not come since."""
+        self.plan, self.waiting = None, []
+        if sync:
+            self.counts = {"during": 0, "at_end": 0}
+        if not sync or not _STEPPERS:
+            return
+        where = {}
+        for opt in list(_STEPPERS):
+            for gi, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    where[id(p)] = (opt, gi)
+        plan: Dict[int, list] = {}
+        trainable = self.owner._trainable
+        for r in self.owner.param_buffer.records:
+            hit = where.get(id(r.dist_param))
+            if hit is None or r.grad_dtensor is None or not trainable[r.index]:
+                continue
+            if r.dist_param._local_tensor.device.type != "cpu":  # the fused step refuses it at optimizer.step()
+                continue
+            plan.setdefault(r.bucket, []).append((r,) + hit)
+        for entries in plan.values():
+            for r, opt, _ in entries:
+                if opt._stepped_in_backward(r.grad_dtensor):
+                    raise RuntimeError(
+                        "FusedAdam(step_in_backward=True): a second backward that syncs gradients came before "
+                        "optimizer.step(), but the first one already stepped its parameters. Accumulate gradients "
+                        "with sync off on all microbatches but the last (no_sync(), or "
+                        "set_requires_gradient_sync(False)), call optimizer.step() after each syncing backward, or "
+                        "make the optimizer with step_in_backward=False")
+        self.plan = plan or None
+
+    def unit_done(self, unit) -> None:
+        """After a unit's backward: step the buckets of the unit before it (one unit late, so a
+        reduction overlaps the next unit's backward) whose gradients are final."""
+        if self.plan is None:
+            return
+        self._finish(self.waiting, "during")
+        self.waiting = [b for b in unit.grad_buckets if b in self.plan]
+
+    def backward_done(self) -> None:
+        """At the end of the backward (every reduction in): step what is left."""
+        if self.plan is None:
+            return
+        try:
+            self._finish(list(self.plan), "at_end")
+        finally:
+            self.plan, self.waiting = None, []
+
+    def join(self) -> None:
+        """Waits for every step submitted in this pass (re-raising a step's error)."""
+        busy, self.busy = self.busy, []
+        for opt in busy:
+            opt._join()
+
+    def _finish(self, buckets, when: str) -> None:
+        engine = self.owner.param_buffer.engine
+        for b in buckets:
+            entries = self.plan.get(b)
+            if not entries or not engine.finish_grads(b):
+                continue  # not final yet (or only at the sync): stepped later, or by optimizer.step()
+            del self.plan[b]
+            self.counts[when] += 1
+            due = self.owner._grads_due([r for r, _, _ in entries])
+            if due is None:
+                continue  # the bucket's flags travel at the sync: optimizer.step() steps it
+            steps: Dict[tuple, list] = {}
+            for r, opt, gi in entries:
+                if due[r.index]:
+                    steps.setdefault((id(opt), gi), [opt, gi, []])[2].append((r.dist_param, r.grad_dtensor))
+            for opt, gi, pairs in steps.values():
+                opt._step_in_backward(gi, pairs)
+                if opt not in self.busy:
+                    self.busy.append(opt)
