@@ -25,7 +25,8 @@ unit's backward), so its reduction overlaps that unit's backward as before. It i
   gradients between backward and step.
 - The stepped weights are the worker's until it is joined: every gather of the engine, the
   root's pre-forward, `optimizer.step()`, `zero_grad()` and the optimizer's state dicts join
-  first.
+  first (a gather only when it reads a bucket still being stepped: never in the backward that
+  stepped it, whose gathers are of buckets not yet final).
 Runs where main weights are host memory: CPU meshes (offloaded or not). On a GPU (offload there is
 refused for now), `finish_grads` of an offloaded bucket would synchronize the whole stream from
 the autograd thread; before offload on a GPU is turned on, that wait must become an event after
@@ -56,8 +57,10 @@ class BackwardSteps:
         self.plan: Optional[Dict[int, list]] = None  # bucket -> [(record, optimizer, group index)] still to step
         self.waiting: List[int] = []  # the buckets of the unit whose backward ended last
         self.busy: list = []  # optimizers with steps submitted in this pass
-        # buckets stepped in the last syncing backward: while it ran, and at its end
-        self.counts = {"during": 0, "at_end": 0}
+        self.stepping: set = set()  # their buckets, until joined
+        # buckets stepped in the last syncing backward: while it ran, and at its end; gathers that
+        # waited for a step, and that went on while steps ran
+        self.counts = {"during": 0, "at_end": 0, "waits": 0, "passed": 0}
 
     def begin(self, sync: bool) -> None:
         """At the start of a backward, before the engine's: which buckets' parameters a stepping
@@ -65,7 +68,7 @@ class BackwardSteps:
         backward and optimizer.step() has not come since."""
         self.plan, self.waiting = None, []
         if sync:
-            self.counts = {"during": 0, "at_end": 0}
+            self.counts = {"during": 0, "at_end": 0, "waits": 0, "passed": 0}
         if not sync or not _STEPPERS:
             return
         where = {}
@@ -110,9 +113,16 @@ class BackwardSteps:
         finally:
             self.plan, self.waiting = None, []
 
-    def join(self) -> None:
-        """Waits for every step submitted in this pass (re-raising a step's error)."""
+    def join(self, buckets=None) -> None:
+        """Waits for every step submitted in this pass (re-raising a step's error); with
+        `buckets`, only when one of them is being stepped (a gather in the backward reads no
+        bucket stepped there, so the steps go on under the backward)."""
+        if buckets is not None and self.busy:
+            self.counts["waits" if not self.stepping.isdisjoint(buckets) else "passed"] += 1
+        if buckets is not None and self.stepping.isdisjoint(buckets):
+            return
         busy, self.busy = self.busy, []
+        self.stepping.clear()
         for opt in busy:
             opt._join()
 
@@ -124,6 +134,7 @@ class BackwardSteps:
                 continue  # not final yet (or only at the sync): stepped later, or by optimizer.step()
             del self.plan[b]
             self.counts[when] += 1
+            self.stepping.add(b)
             due = self.owner._grads_due([r for r, _, _ in entries])
             if due is None:
                 continue  # the bucket's flags travel at the sync: optimizer.step() steps it

@@ -232,7 +232,7 @@ class HookManager:
     def gather(self, unit: UnitState) -> None:
         """Starts `unit`'s gathers (every one goes through here, after the owner's `_unit_gathering`
         and the steps in flight: [Note: stepping in backward] in _backward_step.py)."""
-        self.backward_steps.join()
+        self.backward_steps.join(unit.buckets)
         if self.on_gathering is not None:
             self.on_gathering(unit)
         self.engine.unshard(unit.buckets)

@@ -25,6 +25,7 @@ CELLS = rank_grid.Cells(__name__)
 cell = recorder_cells(CELLS)
 MICRO = 2
 STEPS = 3
+LAYERS = 5  # enough units that the backward gathers more while the first steps run
 
 
 class Named(nn.Module):
@@ -51,7 +52,7 @@ def schedule(opt):
 
 def sharded(api: str, strategy, offload: bool, step_in_backward: bool, mesh=None):
     """The test GPT sharded by `api`, its FusedAdamW and the model to train (the wrapper)."""
-    model = gpt()
+    model = gpt(layers=LAYERS)
     if api == "per_module":  # the optimizer on the sharded parameters, as with FSDP2
         kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=False)) if offload else {}
         shard_blocks(model, zero_dp_strategy=strategy, **kw, **(dict(mesh=mesh) if mesh is not None else {}))
@@ -94,11 +95,11 @@ def against_ddp(rank, world, ck, api, strategy, offload, in_backward=True, hsdp=
         model, opt = sharded(api, strategy, offload, step_in_backward, mesh)
         ref = ref_opt = None  # the second run: the same script alone
         if step_in_backward:
-            ref = gpt() if api == "per_module" else Named(gpt())
+            ref = gpt(layers=LAYERS) if api == "per_module" else Named(gpt(layers=LAYERS))
             ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2)
         scheds = [schedule(o) for o in (opt, ref_opt) if o is not None]
         quiet, before_micro = quiet_of(api, model)
-        seen = {"during": 0, "at_end": 0, "moved": True, "still": True}
+        seen = {"during": 0, "at_end": 0, "waits": 0, "passed": 0, "moved": True, "still": True}
 
         def snapshot(step, mb):
             if before_micro:
@@ -115,6 +116,8 @@ def against_ddp(rank, world, ck, api, strategy, offload, in_backward=True, hsdp=
             for s in steppers(model):
                 seen["during"] += s.counts["during"]
                 seen["at_end"] += s.counts["at_end"]
+                seen["waits"] += s.counts["waits"]
+                seen["passed"] += s.counts["passed"]
 
         pair = TrainBoth(rank, world, model, ref, optimizers=(opt, ref_opt), ck=ck if step_in_backward else None)
         pair.run(STEPS, lambda step, mb: gpt_data(10 * step + mb, rank), micro=MICRO, loss=gpt_loss, quiet=quiet,
@@ -127,6 +130,9 @@ def against_ddp(rank, world, ck, api, strategy, offload, in_backward=True, hsdp=
                         (seen["during"] > 0 or strategy in (2, "optim_grads")) and seen["at_end"] > 0,
                         f"{seen['during']} {seen['at_end']}")
                 ck.true("every weight stepped before optimizer.step()", seen["moved"])
+                ck.true("gathers of the backward went on while steps ran, none waited for one",
+                        seen["waits"] == 0 and (seen["passed"] > 0 or strategy in (2, "optim_grads")),
+                        f"{seen['waits']} waited, {seen['passed']} went on while steps ran")
             else:
                 ck.true("no bucket stepped in the backward", seen["during"] == seen["at_end"] == 0,
                         f"{seen['during']} {seen['at_end']}")
