@@ -19,7 +19,8 @@ Behaviours (cell names):
 - state_dict()/get_model_state_dict full and sharded, a DCP checkpoint of ours loaded by FSDP2 and
   FSDP2's by ours, set_model_state_dict from a full state dict, clip_grad_norm_: state[...]
 - Shard(1) under every zero_dp_strategy (Replicate where the strategy does not shard) against
-  DDP: strategies[...]; on an HSDP (replicate, shard) mesh: hsdp
+  DDP, also with torch's foreach Adam (whose step bumps no DTensor version counter):
+  strategies[...]; on an HSDP (replicate, shard) mesh: hsdp
 - the refusals FSDP2 makes, with its exception types and messages (a dim past the last,
   uneven sharding on a dim other than 0), leaving the module as it was: refusals
 """
@@ -211,10 +212,17 @@ def state(rank, world, ck, which):
 @cell("strategies[optim]", worlds=(2, 4), strategy="optim")
 @cell("strategies[optim_grads]", strategy="optim_grads")
 @cell("strategies[optim_grads_params]", strategy="optim_grads_params")
-def strategies(rank, world, ck, strategy):
+@cell("strategies[no_shard, foreach]", strategy="no_shard", foreach=True)
+@cell("strategies[optim, foreach]", strategy="optim", foreach=True)
+@cell("strategies[optim_grads, foreach]", strategy="optim_grads", foreach=True)
+def strategies(rank, world, ck, strategy, foreach=False):
+    """`foreach`: torch's foreach Adam (its default on a GPU), whose step bumps no version counter of
+    a DTensor: the kept full weights are refreshed all the same ([Note: stepped parameters])."""
     placement = PLACEMENTS["largest"]
+    optimizer = (lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, foreach=foreach))
     model = shard_against_ddp(ck, rank, world, gpt(), lambda m: shard_blocks(
-        m, shard_placement_fn=placement, zero_dp_strategy=strategy), gpt_data, loss=gpt_loss).model
+        m, shard_placement_fn=placement, zero_dp_strategy=strategy), gpt_data, loss=gpt_loss,
+        optimizer=optimizer).model
     for name, p in model.named_parameters():
         want = "Replicate()" if strategy == "no_shard" else f"Shard(dim={placement(p).dim})"
         ck.equal(f"{name}: placement", repr(p.placements[-1]), want)

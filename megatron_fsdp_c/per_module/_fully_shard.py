@@ -18,9 +18,10 @@ its own after lazy init), so an optimizer made before the first forward keeps wo
 on a step runs exactly as under fully_shard_model: the same hooks and shared collective orders
 (see [Note: gather order] in ../_hooks.py), buckets, kernels and transports.
 
-The user's optimizer steps the DTensor parameters directly, so the engine notices the update
-through the parameters' version counters at the next forward and refreshes what it keeps
-gathered (ZeRO-1/2 full weights, a group that does not reshard, a cast compute copy).
+The user's optimizer steps the DTensor parameters directly, so the engine notices the update at
+the next forward (the optimizer's step or the parameters' version counters, [Note: stepped
+parameters] in _stepped.py) and refreshes what it keeps gathered (ZeRO-1/2 full weights, a group
+that does not reshard, a cast compute copy).
 
 This module is the entry point (fully_shard); a group's formation and DTensor conversion are in
 _group.py, the root state (lazy init, the forward hooks) in _root.py, the policy checks and casts

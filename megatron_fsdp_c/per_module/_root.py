@@ -23,6 +23,7 @@ from ._lazy_init import check_materialised, check_meshes, groups_under, post_ord
 from ._policy import cast_floats, compute_dtype, engine_policy, is_cpu_offload, is_torch_policy
 from ._registration import Registration, to_sharded_hook
 from ._step_end import StepEnd
+from ._stepped import watch_optimizer_steps
 
 __all__ = ["RootState", "build_states", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
 
@@ -120,6 +121,8 @@ class RootState(Registration, StepEnd, EngineOwner):
             self._unit_records[r.unit].append(r)
         self._unsharded = [False] * len(groups)  # fully_shard registered the sharded parameters
         self._seen = [r.dist_param._version for r in records]
+        self._optimizer_stepped = False  # [Note: stepped parameters] in _stepped.py
+        watch_optimizer_steps()
         self.report_nan_in_param_grad = False
         self.pass_root = None
         for u, g in enumerate(groups):
@@ -224,11 +227,14 @@ class RootState(Registration, StepEnd, EngineOwner):
         self.pass_root = None
         return self.hooks.root_post_forward(output)  # each group registered by its own flags
 
+    def _note_optimizer_step(self) -> None:
+        self._optimizer_stepped = True
+
     def _refresh_changed_weights(self) -> None:
         """An optimizer (or a load) changed some local shards in place since the last forward:
         spread them to what the engine keeps gathered or cast (see [Note: per-module groups] in
         _fully_shard.py)."""
-        changed = False
+        changed, self._optimizer_stepped = self._optimizer_stepped, False  # [Note: stepped parameters]
         for r in self.param_buffer.records:
             v = r.dist_param._version
             if v != self._seen[r.index]:
