@@ -18,7 +18,7 @@ from megatron_fsdp_c.testing import Block
 
 from support import rank_grid
 from support.checks import full, recorder_cells, verify
-from support.tiny_models import gpt, gpt_data, gpt_loss, shard_blocks
+from support.tiny_models import Named, gpt, gpt_data, gpt_loss, shard_blocks
 from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
@@ -26,17 +26,6 @@ cell = recorder_cells(CELLS)
 MICRO = 2
 STEPS = 3
 LAYERS = 5  # enough units that the backward gathers more while the first steps run
-
-
-class Named(nn.Module):
-    """The reference with its parameters named as MegatronFSDP names its own ('module.' + name)."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args):
-        return self.module(*args)
 
 
 def groups(model: nn.Module) -> list:

@@ -19,7 +19,7 @@ from megatron_fsdp_c.testing import Block
 
 from support import rank_grid
 from support.checks import full, recorder_cells, verify
-from support.tiny_models import gpt, gpt_data, gpt_loss, shard_blocks
+from support.tiny_models import Named, gpt, gpt_data, gpt_loss, shard_blocks
 from support.train_both import TrainBoth
 
 CELLS = rank_grid.Cells(__name__)
@@ -99,17 +99,6 @@ def _offloaded_run(rank, impl):
         opt.zero_grad()
         losses.append(loss.detach())
     return torch.stack(losses), {n: full(p) for n, p in model.named_parameters()}
-
-
-class Named(nn.Module):
-    """The reference with its parameters named as MegatronFSDP names its own ('module.' + name)."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args):
-        return self.module(*args)
 
 
 @cell("megatron[0]", worlds=(2, 4), strategy=0)

@@ -91,6 +91,17 @@ static mfsdp_status engine_leave(engine_object* e, mfsdp_status s) {
  * `call` is evaluated only after the engine was entered. */
 #define ENGINE_CALL(e, call) (engine_enter(e) ? engine_leave((e), (call)) : MFSDP_ERR_PYTHON)
 
+/* A method's one argument as a bucket id of a ready engine; -1 with the Python error set. */
+static long bucket_arg(engine_object* e, PyObject* arg) {
+  long b = PyLong_AsLong(arg);
+  if (PyErr_Occurred() || !ready(e)) return -1;
+  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) {
+    PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+    return -1;
+  }
+  return b;
+}
+
 static PyObject* none_or_fail(PyObject* self, mfsdp_status s) {
   return s == MFSDP_OK ? Py_NewRef(Py_None) : fail(self, s);
 }
@@ -487,27 +498,24 @@ static PyObject* engine_local_piece(PyObject* self, PyObject* args) {
 
 static PyObject* engine_weight_state(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
-  long b = PyLong_AsLong(arg);
-  if (PyErr_Occurred() || !ready(e)) return NULL;
-  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+  long b = bucket_arg(e, arg);
+  if (b < 0) return NULL;
   static const char* names[] = {"empty", "gathering", "ready", "stale"};
   return PyUnicode_FromString(names[mfsdp_pipeline_weight_state(e->pipeline, (int32_t)b)]);
 }
 
 static PyObject* engine_grad_state(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
-  long b = PyLong_AsLong(arg);
-  if (PyErr_Occurred() || !ready(e)) return NULL;
-  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+  long b = bucket_arg(e, arg);
+  if (b < 0) return NULL;
   static const char* names[] = {"clean", "dirty", "reducing", "reduced"};
   return PyUnicode_FromString(names[mfsdp_pipeline_grad_state(e->pipeline, (int32_t)b)]);
 }
 
 static PyObject* engine_read_flags(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
-  long b = PyLong_AsLong(arg);
-  if (PyErr_Occurred() || !ready(e)) return NULL;
-  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+  long b = bucket_arg(e, arg);
+  if (b < 0) return NULL;
   int64_t offset = 0;
   int32_t n = 0, every_rank = 1;
   mfsdp_status st = mfsdp_pipeline_flag_tail(e->pipeline, (int32_t)b, &offset, &n, &every_rank);
@@ -529,9 +537,8 @@ static PyObject* engine_read_flags(PyObject* self, PyObject* arg) {
 
 static PyObject* engine_finish_grads(PyObject* self, PyObject* arg) {
   engine_object* e = (engine_object*)self;
-  long b = PyLong_AsLong(arg);
-  if (PyErr_Occurred() || !ready(e)) return NULL;
-  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+  long b = bucket_arg(e, arg);
+  if (b < 0) return NULL;
   int done = 0;
   mfsdp_status st = ENGINE_CALL(e, mfsdp_pipeline_finish_grads(e->pipeline, (int32_t)b, &done));
   return st == MFSDP_OK ? PyBool_FromLong(done) : fail(self, st);

@@ -110,6 +110,17 @@ def gpt_loss(m, xy):
     return m(*xy)
 
 
+class Named(nn.Module):
+    """The reference with its parameters named as MegatronFSDP names its own ('module.' + name)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*args)
+
+
 def shard_blocks(model, **kw):
     """The per-module API's usual grouping: every block, then the root."""
     from megatron_fsdp_c.per_module import fully_shard
