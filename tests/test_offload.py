@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 import megatron_fsdp_c as mf
