@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The GPU check: one command on a lent GPU machine, about 7.5 minutes (the device tool's
-# timeout_s 480), in four stages, each with its own time budget (enforced here: a stage that runs
+# timeout_s 480), in five stages, each with its own time budget (enforced here: a stage that runs
 # over is killed and reported, and the later stages keep their own budgets) and its own log in
 # $OUT; a one-screen summary at the end (benchmarks/gpu_summary.py), so the reply's output tail
 # holds the result even if no file comes back.
 #
-#   1. build   170 s  the CUDA build in place (MFSDP_CUDA=1) against the machine's torch; the
+#   1. build   160 s  the CUDA build in place (MFSDP_CUDA=1) against the machine's torch; the
 #                     libraries it maps (one libnccl, torch's; no libcudart.so); tests/test_cuda.py
-#                     and tests/test_cuda_setup.py
-#   2. kernels  62 s  kernel GB/s against a device-to-device copy and torch's .to(bf16), 1 MB-1 GB
+#                     (offload on the GPU included) and tests/test_cuda_setup.py
+#   2. kernels  45 s  kernel GB/s against a device-to-device copy and torch's .to(bf16), 1 MB-1 GB
 #                     (benchmarks/kernels.py); the host's optimizer step, FusedAdamW against
 #                     torch's fused CPU AdamW, 100M parameters (benchmarks/optimizer.py, ~10 s)
-#   3. train   160 s  the training step at world 1, DDP, FSDP2, Megatron-FSDP and both our APIs,
+#   3. train   140 s  the training step at world 1, DDP, FSDP2, Megatron-FSDP and both our APIs,
 #                     the small GPT and the ~1B GPT (benchmarks/gpu_train.py)
-#   4. profile  60 s  a torch-profiler trace of 3 steps of ours on the ~1B GPT, in numbers
+#   4. offload  70 s  CPU offload on the ~1B GPT at world 1: FSDP2 + CPUOffloadPolicy + torch's
+#                     fused CPU AdamW against ours stepping inside the backward and after it
+#                     (benchmarks/gpu_train.py --frameworks fsdp2_offload,...): step time, GPU
+#                     peak memory, how much of the host step the backward hides
+#   5. profile  45 s  a torch-profiler trace of 3 steps of ours on the ~1B GPT, in numbers
 #                     (benchmarks/gpu_profile.py)
 #
 #   benchmarks/gpu_check.sh                    # on the device: run(command=..., carry=[".whl"])
@@ -89,8 +93,13 @@ kernels_stage() {
 
 train_stage() {
   [ "$DRY_RUN" = 1 ] && { say "smoke (CPU)"; "$PY" benchmarks/gpu_train.py --smoke; }
-  "$PY" benchmarks/gpu_train.py --models gpt-large,gpt-small --steps 10 --warmup 3 --deadline 125 \
+  "$PY" benchmarks/gpu_train.py --models gpt-large,gpt-small --steps 10 --warmup 3 --deadline 110 \
     --json "$OUT/train.json"
+}
+
+offload_stage() {
+  "$PY" benchmarks/gpu_train.py --models gpt-large --frameworks fsdp2_offload,ours_offload,ours_offload_after \
+    --steps 4 --warmup 1 --deadline 50 --json "$OUT/offload.json"
 }
 
 profile_stage() {
@@ -100,9 +109,10 @@ profile_stage() {
 }
 
 rm -f "$OUT/stages.txt"
-stage build 170 build_stage
-stage kernels 62 kernels_stage
-stage train 160 train_stage
-stage profile 60 profile_stage
+stage build 160 build_stage
+stage kernels 45 kernels_stage
+stage train 140 train_stage
+stage offload 70 offload_stage
+stage profile 45 profile_stage
 "$PY" benchmarks/gpu_summary.py "$OUT"
 echo "[gpu_check] done in $((SECONDS - START)) s"

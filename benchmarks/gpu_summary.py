@@ -1,6 +1,6 @@
 """The GPU check's one-screen summary (benchmarks/gpu_check.sh): each stage's exit and time, the
 build's library check and GPU tests, the kernels' goals, the training table with ratios to DDP and
-the issue's goals, and the profile's numbers. Merges the stages' JSON files into OUT/summary.json
+the issue's goals, CPU offload against FSDP2's, and the profile's numbers. Merges the stages' JSON files into OUT/summary.json
 (the device tool brings back at most 8 files).
 
     python benchmarks/gpu_summary.py OUT
@@ -42,10 +42,31 @@ def training_goals(rows):
     return out
 
 
+def offload_lines(rows):
+    """The offload stage: each configuration's step, peak and host step, then ours against FSDP2 and
+    the share of the host step the backward hid."""
+    got = {r["framework"]: r for r in rows if "step_ms" in r}
+    lines = []
+    for r in rows:
+        if "step_ms" in r:
+            lines.append(f"    {r['framework']:<20} {r['step_ms']:>8.1f} ms, host step after the backward "
+                         f"{r['opt_ms']:>7.1f} ms, peak {r['peak_gib'] if r['peak_gib'] is None else round(r['peak_gib'], 2)} GiB")
+        else:
+            lines.append(f"    {r['framework']:<20} {r['skipped'][:70]}")
+    ours, after, fsdp2 = got.get("ours_offload"), got.get("ours_offload_after"), got.get("fsdp2_offload")
+    if ours and fsdp2:
+        lines.append(f"    ours / FSDP2 + CPUOffloadPolicy: step {ours['step_ms'] / fsdp2['step_ms']:.2f}x, peak "
+                     f"{ours['peak_gib']:.2f} vs {fsdp2['peak_gib']:.2f} GiB")
+    if ours and after and after["opt_ms"] > 0:
+        lines.append(f"    host step hidden under the backward: {100 * (1 - ours['opt_ms'] / after['opt_ms']):.0f}% "
+                     f"({after['opt_ms']:.1f} ms after the backward without, {ours['opt_ms']:.1f} ms with)")
+    return lines
+
+
 def main():
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "bench_out")
     summary = {"stages": [], "kernels": load(out / "kernels.json"), "train": load(out / "train.json"),
-               "profile": load(out / "profile.json")}
+               "offload": load(out / "offload.json"), "profile": load(out / "profile.json")}
     print("=" * 100)
     print("GPU check summary")
     for line in (out / "stages.txt").read_text().splitlines() if (out / "stages.txt").exists() else []:
@@ -81,6 +102,10 @@ def main():
             print(f"    goal {g['goal']}: {'-' if g['met'] is None else 'MET' if g['met'] else 'MISSED'} ({g['detail']})")
     else:
         print("  training: no result")
+    o = summary["offload"]
+    print("  CPU offload, ~1B GPT:" if o else "  CPU offload: no result")
+    for line in offload_lines(o["rows"]) if o else []:
+        print(line)
     p = summary["profile"]
     if p and p.get("kernels"):
         print(f"  profile ({p['model']}, {p['steps']} steps): {p['profiled_wall_ms_per_step']:.1f} ms a step, GPU busy "
@@ -96,7 +121,7 @@ def main():
         print(f"  profile: {p.get('note') if p else 'no result'}")
     print("=" * 100)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    for name in ("kernels.json", "train.json", "profile.json", "stages.txt"):  # merged: 8 files come back at most
+    for name in ("kernels.json", "train.json", "offload.json", "profile.json", "stages.txt"):  # merged: 8 files come back at most
         (out / name).unlink(missing_ok=True)
 
 

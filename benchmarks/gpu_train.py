@@ -17,6 +17,17 @@ was built (left_before_gib: what earlier configurations left, reported beside it
 
 Each configuration runs under the stage's deadline (--deadline, seconds from start): one that
 would start past it is skipped and reported, so the stage ends with a table.
+
+CPU offload (the GPU check's offload stage, `--frameworks` from OFFLOAD): main weights, gradients
+and AdamW state in pinned host memory, the same bf16/fp32 policy, the per-module API on both sides:
+- fsdp2_offload: torch's FSDP2 with CPUOffloadPolicy() and torch's fused CPU AdamW, stepping after
+  the backward (as FSDP2 does);
+- ours_offload: ours with CPUOffloadPolicy() and FusedAdamW(step_in_backward=True), each bucket
+  stepped on the host as its gradients land ([Note: stepping in backward]);
+- ours_offload_after: the same with step_in_backward=False.
+For these the host step is timed apart (opt_ms: optimizer.step() after the backward and a device
+sync), and hidden = 1 - ours_offload's opt_ms / ours_offload_after's: the share of the host step
+the backward hid.
 """
 import argparse
 import contextlib
@@ -38,6 +49,7 @@ from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch  # noqa: E402
 from bench_worker import MODELS  # noqa: E402
 
 FRAMEWORKS = ["ddp", "fsdp2", "megatron_fsdp", "ours", "ours_per_module"]
+OFFLOAD = ["fsdp2_offload", "ours_offload", "ours_offload_after"]
 SMOKE = dict(cfg=GPTConfig(vocab=128, seq=16, d=32, heads=2, layers=2), batch=2)
 
 
@@ -53,19 +65,25 @@ def build(framework, spec, device):
         runner = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(runner.parameters(), lr=1e-4)
         autocast = torch.autocast(device.type, dtype=bf16)
-    elif framework in ("fsdp2", "ours_per_module"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        if framework == "fsdp2":
+    elif framework in ("fsdp2", "ours_per_module") or framework in OFFLOAD:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+        if framework.startswith("fsdp2"):
             from torch.distributed.fsdp import fully_shard
         else:
             from megatron_fsdp_c.per_module import fully_shard
         policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if framework in OFFLOAD else OffloadPolicy()
         for m in model.modules():
             if isinstance(m, Block):
-                fully_shard(m, mp_policy=policy)
-        runner = fully_shard(model, mp_policy=policy)
-        opt = torch.optim.AdamW(runner.parameters(), lr=1e-4)
-        if framework == "ours_per_module":
+                fully_shard(m, mp_policy=policy, offload_policy=offload)
+        runner = fully_shard(model, mp_policy=policy, offload_policy=offload)
+        if framework == "fsdp2_offload":
+            opt = torch.optim.AdamW(runner.parameters(), lr=1e-4, fused=True)
+        elif framework in OFFLOAD:
+            opt = mfsdp.FusedAdamW(runner.parameters(), lr=1e-4, step_in_backward=framework == "ours_offload")
+        else:
+            opt = torch.optim.AdamW(runner.parameters(), lr=1e-4)
+        if not framework.startswith("fsdp2"):
             close = lambda: mfsdp.close(runner)  # noqa: E731
     elif framework == "megatron_fsdp":
         import megatron_fsdp
@@ -94,12 +112,21 @@ def run(framework, model_name, spec, device, warmup, steps):
     base = torch.cuda.memory_allocated() if cuda else 0
     runner, opt, autocast, close, n_params = build(framework, spec, device)
 
+    opt_times = []
+
     def step(i):
         x, y = batch(spec["cfg"], spec["batch"], seed=1000 * i, device=device)
         with autocast if autocast is not None else contextlib.nullcontext():
             loss = runner(x, y)
         loss.backward()
-        opt.step()
+        if framework in OFFLOAD:  # the host step apart: what is left of it once the backward ended
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.step()
+            opt_times.append(time.perf_counter() - t0)
+        else:
+            opt.step()
         opt.zero_grad()
         return loss
 
@@ -119,6 +146,8 @@ def run(framework, model_name, spec, device, warmup, steps):
     row = dict(framework=framework, model=model_name, params=n_params, step_ms=1e3 * statistics.median(times), steps=steps,
                peak_gib=(torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None,
                left_before_gib=base / 2**30, last_loss=losses[-1])
+    if opt_times:
+        row["opt_ms"] = 1e3 * statistics.median(opt_times[warmup:])
     close()
     runner = opt = None  # freed before the next configuration is built
     gc.collect()
@@ -129,15 +158,16 @@ def run(framework, model_name, spec, device, warmup, steps):
 
 def table(rows):
     """Markdown: step time, its ratio to DDP's on the same model, peak memory."""
-    out = ["| model | framework | step ms (median) | / DDP | peak GiB |", "|---|---|---|---|---|"]
+    out = ["| model | framework | step ms (median) | / DDP | peak GiB | host step ms |", "|---|---|---|---|---|---|"]
     ddp = {r["model"]: r["step_ms"] for r in rows if r["framework"] == "ddp" and "step_ms" in r}
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['model']} | {r['framework']} | {r['skipped']} | | |")
+            out.append(f"| {r['model']} | {r['framework']} | {r['skipped']} | | | |")
             continue
         ratio = f"{r['step_ms'] / ddp[r['model']]:.2f}x" if r["model"] in ddp else "-"
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
-        out.append(f"| {r['model']} | {r['framework']} | {r['step_ms']:.1f} | {ratio} | {peak} |")
+        host = f"{r['opt_ms']:.1f}" if "opt_ms" in r else ""
+        out.append(f"| {r['model']} | {r['framework']} | {r['step_ms']:.1f} | {ratio} | {peak} | {host} |")
     return "\n".join(out)
 
 
@@ -162,10 +192,13 @@ def main():
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     models = {"smoke": SMOKE} if args.smoke else {m: MODELS[m] for m in args.models.split(",")}
+    frameworks = args.frameworks.split(",")
+    if args.smoke:
+        frameworks += [f for f in OFFLOAD if f not in frameworks]
     steps, warmup = (2, 1) if args.smoke else (args.steps, args.warmup)
     rows = []
     for name, spec in models.items():
-        for fw in args.frameworks.split(","):
+        for fw in frameworks:
             if time.monotonic() - start > args.deadline:
                 rows.append(dict(framework=fw, model=name, skipped="skipped: the stage's deadline"))
                 continue

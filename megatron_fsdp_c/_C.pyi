@@ -293,6 +293,9 @@ class Engine:
     def finish_grads(self, bucket: int, /) -> bool:
         """True when the bucket's optimizer gradient of this syncing backward is final and the host's
         to read before sync_grads ([Note: a bucket's gradients before the sync] in csrc/comm/backward.c)."""
+    def wait_grads(self, bucket: int, /) -> None:
+        """Wait until what finish_grads made final has landed in host memory (an offloaded bucket on a
+        GPU; at once otherwise). Callable from another thread while the engine runs; lets go of the GIL."""
     def zero_grads(self) -> None:
         """Zero the main gradient buffers."""
     def zero_item_grads(self, bucket: int, items: Sequence[int], /) -> None:

@@ -27,13 +27,15 @@ unit's backward), so its reduction overlaps that unit's backward as before. It i
   root's pre-forward, `optimizer.step()`, `zero_grad()` and the optimizer's state dicts join
   first (a gather only when it reads a bucket still being stepped: never in the backward that
   stepped it, whose gathers are of buckets not yet final).
-Runs where main weights are host memory: CPU meshes (offloaded or not). On a GPU (offload there is
-refused for now), `finish_grads` of an offloaded bucket would synchronize the whole stream from
-the autograd thread; before offload on a GPU is turned on, that wait must become an event after
-the bucket's copy to the host, waited by the worker.
+Runs where main weights are host memory: CPU meshes, and offloaded buckets on a GPU. There the
+kernels that add the reduced slice into the host gradient shard may still be queued when
+`finish_grads` returns: the worker waits for that bucket's mark (`engine.wait_grads`, an event
+behind those kernels) before it reads the gradient. (At more than one rank the autograd thread
+still reads each stepped bucket's reduced used-flags, one synchronous copy: `_grads_due`.)
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Dict, List, Optional
 
@@ -49,7 +51,7 @@ def register_stepper(optimizer) -> None:
 
 class BackwardSteps:
     """One per HookManager: the buckets of this backward that optimizers step as they land.
-    The optimizer's side is `_step_in_backward(group_index, [(param, grad DTensor)])` and
+    The optimizer's side is `_step_in_backward(group_index, [(param, grad DTensor)], landed)` and
     `_join()` (megatron_fsdp_c/fused_adam.py)."""
 
     def __init__(self, owner):  # an EngineOwner (_owner.py)
@@ -142,7 +144,8 @@ class BackwardSteps:
             for r, opt, gi in entries:
                 if due[r.index]:
                     steps.setdefault((id(opt), gi), [opt, gi, []])[2].append((r.dist_param, r.grad_dtensor))
+            landed = functools.partial(engine.wait_grads, b)
             for opt, gi, pairs in steps.values():
-                opt._step_in_backward(gi, pairs)
+                opt._step_in_backward(gi, pairs, landed)
                 if opt not in self.busy:
                     self.busy.append(opt)

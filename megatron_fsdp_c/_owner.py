@@ -60,9 +60,11 @@ def clip_grad_norm(params, max_norm: float, norm_type: float = 2.0) -> torch.Ten
     ranks hold a copy (the product of its mesh's Replicate dims), and one all-reduce over every
     rank gives the exact norm; then the local pieces are scaled in place as torch does (coefficient
     max_norm / (norm + 1e-6), clamped to 1). Assumes the meshes together cover the default group
-    (no pipeline stages outside them). Returns the total norm (float64 on the gradients' device)."""
+    (no pipeline stages outside them). Offloaded gradients live in host memory beside the device's:
+    each piece's sum is moved to the device of the all-reduce. Returns the total norm (float64 on
+    that device)."""
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = _reduce_device(grads)
     total = torch.zeros((), dtype=torch.float64, device=device)
     inf = norm_type == float("inf")
     for g in grads:
@@ -70,20 +72,31 @@ def clip_grad_norm(params, max_norm: float, norm_type: float = 2.0) -> torch.Ten
         if local.numel() == 0:
             continue
         if inf:
-            total = torch.maximum(total, local.detach().abs().max().to(torch.float64))
+            total = torch.maximum(total, local.detach().abs().max().to(device, torch.float64))
             continue
         copies = 1
         for dim, placement in enumerate(getattr(g, "placements", ())):
             if placement.is_replicate():
                 copies *= g.device_mesh.size(dim)
-        total += local.detach().to(torch.float64).abs().pow(norm_type).sum() / copies
+        total += (local.detach().to(torch.float64).abs().pow(norm_type).sum() / copies).to(device)
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM)
     norm = total if inf else total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         local = g._local_tensor if hasattr(g, "_local_tensor") else g
-        local.mul_(coef.to(local.dtype))
+        local.mul_(coef.to(local.device, local.dtype))
     return norm
+
+
+def _reduce_device(grads) -> torch.device:
+    """Where clip_grad_norm's all-reduce runs: a device gradient's device, else (every gradient in
+    host memory, or none here) the GPU an NCCL-only default group needs, else the host."""
+    for g in grads:
+        if g.device.type != "cpu":
+            return g.device
+    if torch.distributed.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class EngineOwner:

@@ -50,17 +50,6 @@ def wire_fields(quant: Optional[QuantizedCommPolicy]) -> dict:
             "wire_outer_weights": code(quant.outer_weights), "wire_block": quant.block}
 
 
-def check_offload_device(device: torch.device, what: str, fix: str) -> None:
-    """Offload is refused on a GPU (see [Note: offloaded buckets] in csrc/comm/buffers.c): the
-    engine's data path for it is built and tested on the emulated device, but has not run on a
-    GPU yet, so it is not offered there rather than offered untried."""
-    if device.type != "cpu":
-        raise NotImplementedError(
-            f"{what} on {device}: megatron_fsdp_c runs CPU offload on CPU meshes only for now (its GPU path awaits "
-            f"its first run on a GPU); use {fix}, or torch's fully_shard with CPUOffloadPolicy for offloaded GPU "
-            "training")
-
-
 def offload_buckets(plan: List[dict], units: Optional[List[UnitConfig]], fraction: float) -> set:
     """The buckets whose optimizer-side buffers live in host memory: a unit's when its UnitConfig
     says offload; without units, the first buckets in plan order until `fraction` of the

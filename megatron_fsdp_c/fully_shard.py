@@ -17,7 +17,6 @@ import torch.nn as nn
 from ._common import ShardingStrategy, parse_strategy
 from ._distributed import make_dist_context, resolve_device
 from ._experts import expert_context
-from ._param_buffer import check_offload_device
 from .optimizer import fully_shard_optimizer, remap_optimizer
 from .megatron_fsdp import MegatronFSDP
 from ._tensor_parallel import other_dims, tp_mesh_of
@@ -188,8 +187,8 @@ def fully_shard_model(
     optimizer (its OptimizerConfig names): main weights, main gradients and the optimizer's state
     live in host memory, and the optimizer steps there (megatron_fsdp_c.FusedAdamW is the fast
     one); the first buckets holding `optimizer_offload_fraction` of the parameters' elements are
-    offloaded (to a bucket), the rest stay on the device. CPU meshes only for now ([Note:
-    offloaded buckets] in csrc/comm/buffers.c).
+    offloaded (to a bucket), the rest stay on the device; on a GPU the host buffers are pinned
+    ([Note: offloaded buckets] in csrc/comm/buffers.c).
     trains_later: frozen parameters (requires_grad=False) that will train later, e.g. those an
     optimizer holds: their main weights are planned in the policy's dtype ([Note: changing
     requires_grad] in _trainable.py). fully_shard passes its optimizer's frozen parameters.
@@ -219,13 +218,9 @@ def fully_shard_model(
         )
     offload_fraction = _offload_fraction(optimizer_cpu_offload, optimizer_offload_fraction)
     device = resolve_device(device)  # "cuda" means the current GPU, resolved once for every layer below
-    if offload_fraction > 0 and device is not None:  # before the module moves
-        check_offload_device(device, "optimizer_cpu_offload=True", "optimizer_cpu_offload=False")
     if device is not None and not init_model_with_meta_device:
         module.to(device)
     param_device = _check_params(module, init_model_with_meta_device, device)
-    if offload_fraction > 0:
-        check_offload_device(param_device, "optimizer_cpu_offload=True", "optimizer_cpu_offload=False")
     units = find_units(module, classes)
     if disable_bucketing:
         bucket_size = None

@@ -179,10 +179,11 @@ class FusedAdam(torch.optim.Optimizer):
         return lambda: _C.adam_step_(params, grads, avgs, sqs, maxs, steps, lr, beta1, beta2, eps, weight_decay,
                                      bool(amsgrad), bool(maximize), bool(decoupled), threads)
 
-    def _step_in_backward(self, group_index: int, pairs) -> None:
+    def _step_in_backward(self, group_index: int, pairs, landed) -> None:
         """Steps (parameter, gradient DTensor) pairs of one group on the worker thread, from a
-        backward ([Note: stepping in backward] in _backward_step.py). The worker takes each
-        gradient's fingerprint before the step reads it; optimizer.step() compares."""
+        backward ([Note: stepping in backward] in _backward_step.py). The worker first waits for
+        the gradients to land in host memory (`landed()`), then takes each gradient's fingerprint
+        before the step reads it; optimizer.step() compares."""
         group = self.param_groups[group_index]
         tensors = self._tensors(group, pairs)
         if tensors is None:
@@ -193,6 +194,7 @@ class FusedAdam(torch.optim.Optimizer):
             self._stepped[id(e[0])] = e
 
         def job():
+            landed()
             for e in entries:
                 e[1] = _fingerprint(e[0])
             update()

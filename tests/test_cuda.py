@@ -179,43 +179,70 @@ def test_world1_nccl_bf16_compute_fp32_main():
 
 
 def offload_world1(rank, world):
-    """The offload path on a GPU ([Note: offloaded buckets] in csrc/comm/buffers.c), which both APIs
-    still refuse there (check_offload_device): patched out here, so that this check tells whether
-    it can be offered. The same model with optimizer_cpu_offload on and off, world 1 with real
-    collectives, FusedAdamW on the host shards against torch's AdamW on the device."""
-    import sys
+    """CPU offload on a GPU ([Note: offloaded buckets] in csrc/comm/buffers.c), world 1 with real
+    collectives. The Megatron-style API: every strategy with optimizer_cpu_offload on (FusedAdamW on
+    the host shards, stepping inside the backward where the engine allows) against the same model
+    off (torch's AdamW on the device). The per-module API: ZeRO-3 with CPUOffloadPolicy and
+    FusedAdamW stepping inside the backward against torch's FSDP2 with CPUOffloadPolicy and torch's
+    AdamW on the host."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard as torch_fully_shard
     torch.cuda.set_device(0)
-    sys.modules["megatron_fsdp_c.fully_shard"].check_offload_device = lambda *args: None  # (the module, not the
-    # function of that name the package exports)
     cfg = GPTConfig(vocab=256, seq=64, d=128, heads=4, layers=3)
     out = {}
+
+    def train(model, opt, steppers):
+        losses, during = [], 0
+        for step in range(5):
+            loss = model(*batch(cfg, 4, seed=step, device="cuda"))
+            loss.backward()
+            during += sum(s.counts["during"] + s.counts["at_end"] for s in steppers)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        torch.cuda.synchronize()
+        return losses, during
+
     for strategy in (0, 1, 2, 3):
         for offload in (False, True):
             torch.manual_seed(0)
             model = GPT(cfg).cuda()
-            opt = (mf.FusedAdamW if offload else torch.optim.AdamW)(model.parameters(), lr=1e-3)
+            opt = mf.FusedAdamW(model.parameters(), lr=1e-3, step_in_backward=True) if offload else \
+                torch.optim.AdamW(model.parameters(), lr=1e-3)
             fsdp, opt = mf.fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
                                        single_rank_collectives=True, transport="nccl", optimizer_cpu_offload=offload)
-            losses = []
-            for step in range(5):
-                loss = fsdp(*batch(cfg, 4, seed=step, device="cuda"))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            torch.cuda.synchronize()
+            losses, stepped = train(fsdp, opt, [o.hooks.backward_steps for o in fsdp.owners()])
             out[(strategy, offload)] = (losses, fsdp.memory_report(opt, locations=True)["locations"],
-                                        [bool(s["offload"]) for s in fsdp.param_buffer.specs])
+                                        [bool(s["offload"]) for s in fsdp.param_buffer.specs], stepped)
             mf.close(fsdp)
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh.from_group(torch.distributed.new_group([0], backend="nccl"), "cuda")  # (the test group: gloo)
+    for ours in (True, False):
+        torch.manual_seed(0)
+        model = GPT(cfg).cuda()
+        shard = mf.fully_shard if ours else torch_fully_shard
+        for block in model.blocks:
+            shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        opt = mf.FusedAdamW(model.parameters(), lr=1e-3, step_in_backward=True) if ours else \
+            torch.optim.AdamW(model.parameters(), lr=1e-3)
+        where = {p._local_tensor.device.type for p in model.parameters()}
+        losses, stepped = train(model, opt, [model._mfsdp_group.owner.hooks.backward_steps] if ours else [])
+        out[("per_module", ours)] = (losses, where, stepped)
     return out
 
 
-def test_world1_offload_engine_path():
+def test_world1_offload():
     res = run_on_ranks(offload_world1, 1, timeout_s=600)[0]
     for strategy in range(4):
-        (ours, where, offloaded), (ref, ref_where, _) = res[(strategy, True)], res[(strategy, False)]
+        (ours, where, offloaded, stepped), (ref, ref_where, _, _) = res[(strategy, True)], res[(strategy, False)]
         assert all(offloaded), offloaded
         assert where["main_weights"] == ["cpu"] and where["main_grads"] == ["cpu"], where
         assert where["optimizer_state"] == ["cpu"] and ref_where["main_weights"] == ["cuda:0"], (where, ref_where)
+        if strategy >= 2:  # ZeRO-2/3: buckets stepped inside the backward, after wait_grads
+            assert stepped > 0, (strategy, stepped)
         # the same reductions; FusedAdamW (host, IEEE sqrt) against torch's CUDA AdamW: fp32 rounding apart
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-5, atol=1e-6, msg=str(strategy))
+    (ours, where, stepped), (theirs, their_where, _) = res[("per_module", True)], res[("per_module", False)]
+    assert where == their_where == {"cpu"}, (where, their_where)
+    assert stepped > 0
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-6)

@@ -4,7 +4,8 @@ Megatron's optimizer_cpu_offload / optimizer_offload_fraction under fully_shard.
 offloaded buckets keep their main weights and optimizer gradients in host buffers of their own,
 apart from every collective buffer (the staging path a GPU runs), and train as DDP does in
 float64 with gradient clipping and accumulation (megatron_fsdp_c.FusedAdamW on ours, torch's
-AdamW on DDP), and as torch's FSDP2 with the same policy bit for bit; on a GPU offload is refused."""
+AdamW on DDP), and as torch's FSDP2 with the same policy bit for bit; on a GPU (tests/test_cuda.py) the
+policy needs pinned memory."""
 import copy
 
 import pytest
@@ -144,16 +145,14 @@ def test_offload(name, world):
     verify(CELLS, name, world)
 
 
-def test_offload_on_a_gpu_is_refused():
-    check_offload(CPUOffloadPolicy(), torch.device("cpu"), "a module")
+def test_offload_on_a_gpu_needs_pinned_memory():
+    """On a GPU the offload kernels reach host memory in place ([Note: CPU offload]): pinned only."""
+    check_offload(CPUOffloadPolicy(pin_memory=False), torch.device("cpu"), "a module")
     check_offload(OffloadPolicy(), torch.device("cuda", 0), "a module")
-    with pytest.raises(NotImplementedError, match="CPU offload on CPU meshes only"):
-        check_offload(CPUOffloadPolicy(pin_memory=True), torch.device("cuda", 0), "a module")
-    model = gpt().float()
-    with pytest.raises(NotImplementedError, match=r"optimizer_cpu_offload=True on cuda:0: .*use optimizer_cpu_offload="
-                                                  r"False"):
-        mf.fully_shard(model, fsdp_unit_modules=[Block], device=torch.device("cuda", 0), optimizer_cpu_offload=True)
-    assert all(p.device.type == "cpu" for p in model.parameters())  # refused before the model moved
+    check_offload(CPUOffloadPolicy(pin_memory=True), torch.device("cuda", 0), "a module")
+    with pytest.raises(ValueError, match=r"CPUOffloadPolicy\(pin_memory=False\) for a module on cuda: .*needs pinned "
+                                         r"memory; use CPUOffloadPolicy\(\)"):
+        check_offload(CPUOffloadPolicy(pin_memory=False), torch.device("cuda", 0), "a module")
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

@@ -112,8 +112,9 @@ BAD_INPUT = {
     "shard_placement_fn returning Replicate()": (ValueError, r"Replicate\(\).*takes None or Shard\(dim\)"),
     "offload_policy of another kind": (TypeError, r"offload_policy must be torch's OffloadPolicy\(\), "
                                                   r"CPUOffloadPolicy\(\) or None, got str"),
-    "CPUOffloadPolicy() on a cuda mesh": (NotImplementedError, r"CPUOffloadPolicy\(\) for this Linear on cuda.*"
-                                                               r"CPU offload on CPU meshes only"),
+    "CPUOffloadPolicy(pin_memory=False) on a cuda mesh": (ValueError, r"CPUOffloadPolicy\(pin_memory=False\) for "
+                                                                   r"this Linear on cuda.*needs pinned memory; use "
+                                                                   r"CPUOffloadPolicy\(\)"),
     "a parameter in groups on two meshes": (ValueError, r"in groups on two different meshes.*one fully_shard call"),
     "a 3-D mesh": (ValueError, r"fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh.*takes a 1-D mesh "
                                r"\(FSDP\) or a 2-D \(replicate, shard\) mesh \(HSDP\)"),
@@ -142,8 +143,9 @@ def bad_input(rank, world, ck):
         "a mesh on the wrong device type": lambda: fully_shard(lin(), mesh=DeviceMesh("cuda", torch.arange(world))),
         "shard_placement_fn returning Replicate()": lambda: fully_shard(lin(), shard_placement_fn=lambda p: Replicate()),
         "offload_policy of another kind": lambda: fully_shard(lin(), offload_policy="cpu"),
-        "CPUOffloadPolicy() on a cuda mesh": lambda: fully_shard(nn.Linear(4, 4, device="meta"), offload_policy=CPUOffloadPolicy(),
-                                                                 mesh=DeviceMesh("cuda", torch.arange(world))),
+        "CPUOffloadPolicy(pin_memory=False) on a cuda mesh": lambda: fully_shard(
+            nn.Linear(4, 4, device="meta"), offload_policy=CPUOffloadPolicy(pin_memory=False),
+            mesh=DeviceMesh("cuda", torch.arange(world))),
         "a parameter in groups on two meshes": lambda: _two_meshes(world),
         "a 3-D mesh": lambda: fully_shard(lin(), mesh=init_device_mesh("cpu", (1, 1, world),
                                                                        mesh_dim_names=("p", "r", "s"))),

@@ -183,6 +183,8 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
  * optimizer gradient before sync_grads. It is final, and the host's to read, once the bucket's
  * reduction in this syncing backward has completed and landed in GRAD_SHARD, when that buffer is
  * also the optimizer's (OPT_GRAD aliases it) and no reduction across replicas still follows.
+ * Offloaded, it has landed once mfsdp_pipeline_wait_grads returns (a GPU's kernels write the
+ * host GRAD_SHARD in stream order, after finish_grads returned).
  * Anything else (no_shard/ZeRO-1 sums reduced at the sync, a bucket on hold, HSDP/HFSDP, an
  * OPT_GRAD of its own, a reduction not yet launched) answers "not ready", and the caller steps it
  * after the sync as usual. Completing a reduction issues no collective, so every rank may ask
@@ -196,9 +198,20 @@ mfsdp_status mfsdp_pipeline_finish_grads(mfsdp_pipeline* p, int32_t b, int* read
       (p->cfg.outer_world > 1 && p->be.outer != NULL) || bk->owner[MFSDP_BUF_OPT_GRAD] != MFSDP_BUF_GRAD_SHARD)
     return MFSDP_OK;
   if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(pl_complete_until(p, b));
-  if (bk->spec.offload) MFSDP_CHECK(p->be.kernels->host_wait(p->be.kernels_ctx));
+  if (bk->spec.offload) MFSDP_CHECK(p->be.kernels->host_mark(p->be.kernels_ctx, &bk->landed));
   *ready = 1;
   return MFSDP_OK;
+}
+
+/* The wait for what finish_grads made final: the kernels that add the reduced slice into an
+ * offloaded GRAD_SHARD (host memory, written in place) may still be queued when it returns, so
+ * it leaves a mark behind them, and the thread that steps the bucket waits for that mark alone
+ * (never the whole stream: the autograd thread queues the next unit's backward meanwhile). The
+ * mark is recorded again only by the next syncing backward's finish_grads of the bucket, after
+ * the steps of this one were joined ([Note: stepping in backward] in _backward_step.py). */
+mfsdp_status mfsdp_pipeline_wait_grads(mfsdp_pipeline* p, int32_t b) {
+  MFSDP_CHECK(pl_check_bucket(p, b));
+  return p->be.kernels->host_wait_mark(p->be.kernels_ctx, p->b[b].landed);
 }
 
 mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {

@@ -27,7 +27,9 @@
  * The host reads and writes these buffers itself (the optimizer step, clipping, checkpoints)
  * only after mfsdp_pipeline_sync_grads or mfsdp_pipeline_zero_grads returned: both end with the
  * kernels' host_wait when a bucket is offloaded, so nothing queued before reads or writes them
- * any more. What the host writes (the step) the device reads later, in stream order: the next
+ * any more. A bucket stepped inside the backward is read after mfsdp_pipeline_wait_grads instead,
+ * which waits for that bucket's mark alone ([Note: a bucket's gradients before the sync] in
+ * backward.c). What the host writes (the step) the device reads later, in stream order: the next
  * gather or install_main_weights is queued after it returns. Host buffers are never temporary:
  * nothing frees one while a copy reads it. On the CPU both memory ops make host memory, and the
  * same copies run (the staging path the CPU suite covers). */

@@ -270,6 +270,10 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p);
  * host's to read before sync_grads (completing its reduction); 0 when it is final only after
  * sync_grads. See [Note: a bucket's gradients before the sync] in backward.c. */
 mfsdp_status mfsdp_pipeline_finish_grads(mfsdp_pipeline* p, int32_t b, int* ready);
+/* The host waits until the gradients finish_grads last answered ready for bucket b have landed
+ * in its host memory (offloaded buckets; others at once). Touches only that bucket's mark, so
+ * another thread may call it while this one goes on with the backward. */
+mfsdp_status mfsdp_pipeline_wait_grads(mfsdp_pipeline* p, int32_t b);
 mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p);
 /* Zeroes the main gradients of some items only (one optimizer of several over one model);
  * `items` are distinct. */

@@ -155,6 +155,7 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
     if (bk->gather_work) p->be.transport->discard(p->be.transport_ctx, bk->gather_work);
     if (bk->reduce_work) p->be.transport->discard(p->be.transport_ctx, bk->reduce_work);
     if (bk->outer_work) p->be.outer->discard(p->be.outer_ctx, bk->outer_work);
+    if (bk->landed) p->be.kernels->drop_mark(p->be.kernels_ctx, bk->landed);
     /* A view that reuses its owner's handle is dropped once, with the owner: decide before
      * destroying anything, since destroy clears the handle it drops. */
     int8_t shared[MFSDP_BUF_COUNT] = {0};

@@ -98,6 +98,7 @@ typedef struct bucket {
   mfsdp_work* outer_work; /* across replicas: the gradient reduction, or (HFSDP) the weights' gather */
   int8_t outer_gathering; /* outer_work is the weights' gather: only this bucket's next unshard waits */
   int8_t held_grads; /* ZeRO-2/3: GRAD holds the unscaled local sums of backwards on hold */
+  void* landed; /* offloaded: the host mark after finish_grads' last write of GRAD_SHARD (kernels' host_mark) */
   double prescale; /* gradients are multiplied by this before the sum (default cfg.grad_prescale) */
   uint8_t* ready;
   pending_grad* pending; /* this backward's gradients not yet packed */

@@ -68,6 +68,23 @@ static mfsdp_status op_host_wait(void* ctx) { /* every kernel above has run when
   return MFSDP_OK;
 }
 
+static mfsdp_status op_host_mark(void* ctx, void** mark) { /* nothing queued: nothing to mark */
+  (void)ctx;
+  *mark = NULL;
+  return MFSDP_OK;
+}
+
+static mfsdp_status op_host_wait_mark(void* ctx, void* mark) {
+  (void)ctx;
+  (void)mark;
+  return MFSDP_OK;
+}
+
+static void op_drop_mark(void* ctx, void* mark) {
+  (void)ctx;
+  (void)mark;
+}
+
 const mfsdp_kernel_ops mfsdp_cpu_kernels = {op_copy,     op_accumulate, op_scale,      op_fill_zero,      op_count_nonfinite,
                                             op_pack,     op_quantize,   op_dequantize, op_dequantize_pack, op_fill,
-                                            op_to_host,  op_host_wait};
+                                            op_to_host,  op_host_wait,  op_host_mark,  op_host_wait_mark, op_drop_mark};

@@ -66,6 +66,16 @@ typedef struct mfsdp_kernel_ops {
    * GPU; nothing to wait for on the CPU): offloaded buckets' host memory is then the host's
    * ([Note: offloaded buckets] in csrc/comm/buffers.c). */
   mfsdp_status (*host_wait)(void* ctx);
+  /* A mark after everything queued so far, for the host to wait for later, from any thread, while
+   * more work is queued behind it (a CUDA event, made at the first mark into *mark and recorded
+   * again by each later one; on the CPU, where every kernel has run when it returns, none: *mark
+   * stays NULL). One bucket's gradients landing in host memory, waited for by the thread that
+   * steps them ([Note: a bucket's gradients before the sync] in csrc/comm/backward.c). */
+  mfsdp_status (*host_mark)(void* ctx, void** mark);
+  /* The host waits until the latest record of `mark` has passed (NULL: nothing to wait for).
+   * Touches nothing but the mark, so it may run beside the engine's other calls. */
+  mfsdp_status (*host_wait_mark)(void* ctx, void* mark);
+  void (*drop_mark)(void* ctx, void* mark);
 } mfsdp_kernel_ops;
 
 /* The CPU table (cpu_table.c): the kernels below and the quantized ones of mfsdp_quant.h. */

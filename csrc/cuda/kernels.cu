@@ -25,7 +25,7 @@ std::mutex g_ctx_lock;
 
 const mfsdp_kernel_ops cuda_ops = {op_copy, op_accumulate, op_scale,      op_fill_zero,      op_count_nonfinite,
                                    op_pack, op_quantize,   op_dequantize, op_dequantize_pack, op_fill,
-                                   op_to_host, op_host_wait};
+                                   op_to_host, op_host_wait, op_host_mark, op_host_wait_mark, op_drop_mark};
 
 }  // namespace
 }  // namespace cuda_kernels

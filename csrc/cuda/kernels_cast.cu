@@ -259,6 +259,36 @@ mfsdp_status op_host_wait(void* ctx) {
   return MFSDP_OK;
 }
 
+/* A mark on the stream (mfsdp_kernel_ops.host_mark): an event of the context's device, made at
+ * the first mark and recorded again by each later one; the host waits for it with
+ * op_host_wait_mark, from any thread, while the stream runs on. */
+mfsdp_status op_host_mark(void* ctx, void** mark) {
+  cuda_ctx* c = static_cast<cuda_ctx*>(ctx);
+  if (mark == nullptr) return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "host_mark without a place for the mark");
+  DeviceGuard guard(c);
+  MFSDP_CHECK(guard.enter());
+  if (*mark == nullptr) {
+    cudaEvent_t e;
+    CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    *mark = e;
+  }
+  CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(*mark), c->stream));
+  return MFSDP_OK;
+}
+
+/* The host waits for a mark's latest record: a wait on one event, which needs no current device
+ * and leaves the stream free for the work queued behind it. */
+mfsdp_status op_host_wait_mark(void* ctx, void* mark) {
+  (void)ctx;
+  if (mark != nullptr) CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(mark)));
+  return MFSDP_OK;
+}
+
+void op_drop_mark(void* ctx, void* mark) {
+  (void)ctx;
+  if (mark != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(mark));
+}
+
 /* A bucket's gradients: one launch per run of one source dtype (see [Note: pack table]). */
 mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items, int32_t n, double alpha,
                      int accumulate) {

@@ -198,6 +198,9 @@ KERNELS_INTERNAL mfsdp_status op_fill(void* ctx, void* x, int dt, int64_t n, dou
 KERNELS_INTERNAL mfsdp_status op_count_nonfinite(void* ctx, const void* x, int dt, int64_t n, int64_t* count);
 KERNELS_INTERNAL mfsdp_status op_to_host(void* ctx, void* host_dst, const void* src, int64_t bytes);
 KERNELS_INTERNAL mfsdp_status op_host_wait(void* ctx);
+KERNELS_INTERNAL mfsdp_status op_host_mark(void* ctx, void** mark);
+KERNELS_INTERNAL mfsdp_status op_host_wait_mark(void* ctx, void* mark);
+KERNELS_INTERNAL void op_drop_mark(void* ctx, void* mark);
 KERNELS_INTERNAL mfsdp_status op_pack(void* ctx, void* dst, int dt, const mfsdp_pack_item* items, int32_t n,
                                       double alpha, int accumulate);
 

@@ -21,6 +21,7 @@ typedef struct engine_object {
   PyObject* current_stream; /* torch.cuda.current_stream, CUDA engines only */
   void* kernels_ctx;
   int busy;                 /* a pipeline call is running ([Note: engine calls]) */
+  int waiting;              /* wait_grads calls in flight, off the GIL (close refuses meanwhile) */
 } engine_object;
 
 static module_state* engine_state(PyObject* self) { return mfsdp_type_state(Py_TYPE(self)); }
@@ -544,6 +545,25 @@ static PyObject* engine_finish_grads(PyObject* self, PyObject* arg) {
   return st == MFSDP_OK ? PyBool_FromLong(done) : fail(self, st);
 }
 
+/* Not an ENGINE_CALL: it runs on the optimizer's worker thread beside the autograd thread's calls
+ * (which may be inside the engine, off the GIL), and touches only bucket b's mark
+ * (mfsdp_pipeline_wait_grads); the GIL is let go while the host waits. */
+static PyObject* engine_wait_grads(PyObject* self, PyObject* arg) {
+  engine_object* e = (engine_object*)self;
+  long b = PyLong_AsLong(arg);
+  if (PyErr_Occurred()) return NULL;
+  if (e->pipeline == NULL) return PyErr_Format(PyExc_RuntimeError, "Engine is not initialised or was closed");
+  if (b < 0 || b >= mfsdp_pipeline_num_buckets(e->pipeline)) return PyErr_Format(PyExc_IndexError, "bucket %ld", b);
+  mfsdp_pipeline* p = e->pipeline;
+  mfsdp_status st;
+  e->waiting++;
+  Py_BEGIN_ALLOW_THREADS
+  st = mfsdp_pipeline_wait_grads(p, (int32_t)b);
+  Py_END_ALLOW_THREADS
+  e->waiting--;
+  return none_or_fail(self, st);
+}
+
 static PyObject* engine_stats(PyObject* self, PyObject* args) {
   engine_object* e = (engine_object*)self;
   int b = -1;
@@ -599,6 +619,10 @@ static PyObject* engine_close(PyObject* self, PyObject* unused) {
     PyErr_SetString(PyExc_RuntimeError, "Engine.close() while another call is running");
     return NULL;
   }
+  if (e->waiting) { /* an optimizer's worker waits for a bucket's gradients (wait_grads) */
+    PyErr_SetString(PyExc_RuntimeError, "Engine.close() while an optimizer step waits for gradients: join it first");
+    return NULL;
+  }
   engine_close_pipeline(e);
   Py_RETURN_NONE;
 }
@@ -641,6 +665,9 @@ static PyMethodDef engine_methods[] = {
     {"finish_grads", engine_finish_grads, METH_O,
      "finish_grads(bucket) -> bool: True when the bucket's optimizer gradient of this syncing backward is\n"
      "final and the host's to read before sync_grads ([Note: a bucket's gradients before the sync])."},
+    {"wait_grads", engine_wait_grads, METH_O,
+     "wait_grads(bucket): wait until what finish_grads made final has landed in host memory (offloaded on a\n"
+     "GPU); callable from another thread while the engine runs, without the GIL."},
     {"zero_grads", engine_zero_grads, METH_NOARGS, "zero_grads(): zero the main gradient buffers."},
     {"zero_item_grads", engine_zero_item_grads, METH_VARARGS,
      "zero_item_grads(bucket, items): zero the main gradients of some items of a bucket."},

@@ -2,6 +2,7 @@
 #include "pipeline_cases.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 /* ---- the loop rig: heap memory, thread transport, CPU kernels ---- */
@@ -99,6 +100,24 @@ static double grad_value(int rank, int mb, int item, int64_t j) {
 }
 
 static double tolerance(int dtype) { return dtype == MFSDP_BF16 ? 2e-2 : dtype == MFSDP_F16 ? 2e-3 : 1e-5; }
+
+/* The optimizer's worker of [Note: stepping in backward]: on its own thread, waits for the
+ * bucket's gradients (mfsdp_pipeline_wait_grads) and copies them, while the test's thread goes on
+ * with the backward. */
+typedef struct early_read {
+  mfsdp_pipeline* p;
+  const mfsdp_buffer* og;
+  void* copy;
+  size_t bytes;
+  mfsdp_status st;
+} early_read;
+
+static void* read_early(void* arg) {
+  early_read* e = arg;
+  e->st = mfsdp_pipeline_wait_grads(e->p, 0);
+  if (e->st == MFSDP_OK && e->copy) memcpy(e->copy, e->og->data, e->bytes);
+  return NULL;
+}
 
 static void* pipe_worker(void* arg) {
   pipe_thread* t = arg;
@@ -229,14 +248,22 @@ static void* pipe_worker(void* arg) {
     int want = (c->sync_each || last) && c->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE && c->main_dtype == c->grad_dtype;
     CHECK(ready == want, "%s rank %d microbatch %d: finish_grads says %d, not %d", c->name, r, mb, ready, want);
     final_early = ready;
-    if (ready && c->offload) { /* the host's at once: a copy now must equal the values after everything */
-      const mfsdp_buffer* og = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_OPT_GRAD);
-      early_bytes = (size_t)og->numel * (size_t)mfsdp_dtype_size(og->dtype);
+    early_read er = {p, NULL, NULL, 0, MFSDP_OK};
+    pthread_t reader;
+    int reading = 0;
+    if (ready && c->offload) { /* the host's once waited for: a copy then must equal the values after everything */
+      er.og = mfsdp_pipeline_buffer(p, 0, MFSDP_BUF_OPT_GRAD);
+      early_bytes = er.bytes = (size_t)er.og->numel * (size_t)mfsdp_dtype_size(er.og->dtype);
       free(early);
-      early = malloc(early_bytes);
-      if (early) memcpy(early, og->data, early_bytes);
+      early = er.copy = malloc(early_bytes);
+      reading = pthread_create(&reader, NULL, read_early, &er) == 0;
+      CHECK(reading, "%s rank %d: no thread for the early read", c->name, r);
     }
     CHECK_OK(mfsdp_pipeline_end_backward(p));
+    if (reading) {
+      pthread_join(reader, NULL);
+      CHECK(er.st == MFSDP_OK, "%s rank %d: wait_grads failed (%s)", c->name, r, mfsdp_status_name(er.st));
+    }
     t->rig->rank_sync(dev); /* packs may still read the gradients */
     for (int i = 0; i < L->n_items; ++i) free(grads[i]);
   }
@@ -270,7 +297,7 @@ static void* pipe_worker(void* arg) {
   CHECK(wrong == 0, "%s rank %d: %d reduced gradients wrong", c->name, r, wrong);
   if (final_early && c->offload)
     CHECK(early && memcmp(early, og->data, early_bytes) == 0,
-          "%s rank %d: the host read other gradients straight after finish_grads than after end_backward", c->name, r);
+          "%s rank %d: the host read other gradients after wait_grads than after end_backward", c->name, r);
   free(early);
   if (pipeline_cases_tail >= 3) { /* every rank used and trains every item ([Note: used-flag tail] in reduce.c) */
     int64_t off;

@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from .._param_buffer import check_offload_device
 from .._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..mixed_precision import QuantizedCommPolicy
@@ -162,15 +161,19 @@ def check_offload(offload_policy, device: torch.device, what: str) -> None:
     ([Note: offloaded buckets] in csrc/comm/buffers.c): the main weights, main gradients and the
     optimizer's gradients are host buffers of their own, the sharded parameters and their .grad
     views of them, and the gathers and reductions copy between them and the device's collective
-    buffers. On a CPU mesh both are host memory and the same copies run (pin_memory has no
-    accelerator to pin for, and is ignored where FSDP2 raises). On a GPU the policy is refused
-    until that path has run on one (check_offload_device). The step runs when the user calls
-    optimizer.step(), after the whole backward, as FSDP2's: gradient clipping (which needs the
-    global norm before any step) and accumulation over microbatches (which must wait for the last
-    one) hold as without offload. Stepping each bucket as its gradients land, overlapped with the
-    backward, is not built."""
-    if is_cpu_offload(offload_policy):
-        check_offload_device(device, f"offload_policy=CPUOffloadPolicy() for {what}", "OffloadPolicy()")
+    buffers. On a GPU those copies are kernels that read and write the host memory in place, which
+    must be pinned: pin_memory=False is refused there (FSDP2 would stage through pageable memory
+    with synchronous copies). On a CPU mesh both are host memory and the same copies run
+    (pin_memory has no accelerator to pin for, and is ignored where FSDP2 raises). The step runs
+    when the user calls optimizer.step(), after the whole backward, as FSDP2's: gradient clipping
+    (which needs the global norm before any step) and accumulation over microbatches (which must
+    wait for the last one) hold as without offload. FusedAdamW(step_in_backward=True) steps each
+    bucket as its gradients land instead ([Note: stepping in backward] in _backward_step.py)."""
+    if is_cpu_offload(offload_policy) and device.type != "cpu" and not offload_policy.pin_memory:
+        raise ValueError(
+            f"offload_policy=CPUOffloadPolicy(pin_memory=False) for {what} on {device.type}: megatron_fsdp_c's "
+            "offload copies between the GPU and host memory with kernels that reach the host memory in place, which "
+            "needs pinned memory; use CPUOffloadPolicy() (pin_memory=True)")
 
 
 def check_quant_policy(quant, mp_policy) -> None:

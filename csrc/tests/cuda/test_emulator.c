@@ -40,9 +40,17 @@ void test_emulator(void) {
   emu_stream_host_fn(deferred, set_flag, (void*)&ran);
   nap(0.01);
   CHECK(!ran, "work queued after a synchronize ran without one");
+  /* a host waiting for an event runs the deferred stream up to its record, and no further */
+  _Atomic int before = 0, after = 0;
+  emu_stream_host_fn(deferred, set_flag, (void*)&before);
+  cudaEventRecord(e, deferred);
+  emu_stream_host_fn(deferred, set_flag, (void*)&after);
+  CHECK(cudaEventSynchronize(e) == cudaSuccess && before, "cudaEventSynchronize returned before its record passed");
+  nap(0.01);
+  CHECK(!after, "cudaEventSynchronize ran the deferred stream past its record");
   emu_stream_defer(deferred, 0);
   cudaStreamSynchronize(deferred);
-  CHECK(ran, "deferral off: the queued work ran");
+  CHECK(ran && after, "deferral off: the queued work ran");
   /* a slowed stream starts each operation at least its delay later */
   emu_set_stream_delay_us(2000);
   cudaStream_t slow;

@@ -67,6 +67,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s);
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventQuery(cudaEvent_t e);
+cudaError_t cudaEventSynchronize(cudaEvent_t e);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags);
 cudaError_t cudaMallocAsync(void* p, size_t bytes, cudaStream_t s); /* void** in CUDA */

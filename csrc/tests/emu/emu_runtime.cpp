@@ -129,11 +129,23 @@ struct emu_stream {
       cv.notify_all();
     }
   }
-  void push(std::function<void()> op) {
+  /* Queues op; returns its place in the stream's count (what release() takes to let it start). */
+  uint64_t push(std::function<void()> op) {
+    uint64_t at;
     {
       std::lock_guard<std::mutex> g(m);
       queue.push_back(std::move(op));
-      ++pushed;
+      at = ++pushed;
+    }
+    cv.notify_all();
+    return at;
+  }
+  /* Lets a deferred stream start its operations up to number `upto` (a host waiting for an event
+   * recorded there makes the work before it run, as a host waiting for the stream does). */
+  void release(uint64_t upto) {
+    {
+      std::lock_guard<std::mutex> g(m);
+      if (released < upto) released = upto;
     }
     cv.notify_all();
   }
@@ -181,6 +193,8 @@ struct emu_event_state {
   std::condition_variable cv;
   uint64_t recorded = 0;
   std::set<uint64_t> pending; /* records issued whose stream has not reached them */
+  emu_stream* last_stream = nullptr; /* the latest record's stream, and its place there */
+  uint64_t last_at = 0;
   bool passed(uint64_t seq) const { return pending.count(seq) == 0; }
 };
 struct emu_event {
@@ -281,11 +295,37 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     seq = ++st->recorded;
     st->pending.insert(seq);
   }
-  resolve(s)->push([st, seq] {
+  emu_stream* stream = resolve(s);
+  uint64_t at = stream->push([st, seq] {
     std::lock_guard<std::mutex> g(st->m);
     st->pending.erase(seq);
     st->cv.notify_all();
   });
+  {
+    std::lock_guard<std::mutex> g(st->m);
+    if (st->recorded == seq) {
+      st->last_stream = stream;
+      st->last_at = at;
+    }
+  }
+  return cudaSuccess;
+}
+
+/* The host waits for the event's latest record (as in CUDA), from any thread; a deferred stream
+ * is released up to it first. The stream must outlive the wait (the engine destroys its streams
+ * only after its waits). */
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  std::shared_ptr<emu_event_state> st = e->s;
+  std::unique_lock<std::mutex> g(st->m);
+  uint64_t target = st->recorded;
+  if (st->passed(target)) return cudaSuccess;
+  emu_stream* stream = st->last_stream;
+  uint64_t at = st->last_at;
+  g.unlock();
+  if (stream) stream->release(at);
+  g.lock();
+  st->cv.wait(g, [&] { return st->passed(target); });
   return cudaSuccess;
 }
 
