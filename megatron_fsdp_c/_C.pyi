@@ -92,7 +92,7 @@ def adam_step_(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     max_exp_avg_sqs: Sequence[torch.Tensor] | None,
-    steps: Sequence[int],
+    steps: Sequence[torch.Tensor],
     lr: float,
     beta1: float,
     beta2: float,
@@ -108,7 +108,7 @@ def adam_step_(
     """adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
     weight_decay, amsgrad, maximize, decoupled, threads, computes=None): one fused Adam/AdamW step of a
     parameter group in place ([Note: fused Adam] in csrc/core/mfsdp_adam.h); steps[i] is tensor i's
-    count after this step."""
+    count (state["step"], a one-element float tensor), advanced by one when the step succeeded."""
 
 def adam_isa() -> str:
     """adam_isa() -> the fused Adam's SIMD path: avx512, avx2 or portable."""

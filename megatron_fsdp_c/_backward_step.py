@@ -19,7 +19,9 @@ unit's backward), so its reduction overlaps that unit's backward as before. It i
   reduction carried ([Note: unused parameters] in _owner.py), or a gradient kept since.
 - Hyperparameters (the LR a scheduler set) are read when the bucket steps. `optimizer.step()`
   then waits for those steps and steps the rest. It raises when a stepped parameter's gradient
-  changed since (gradient clipping, GradScaler.unscale_, a hook writing it), or its group's
+  changed since the backward (gradient clipping, GradScaler.unscale_, a hook writing it: each
+  gradient's fingerprint is taken as it lands, on a thread of its own, and the backward's end waits
+  until all are taken, so nothing after it can change one first), or its group's
   hyperparameters did: clipping needs the global norm before any step, so it takes
   step_in_backward=False (stepping after the backward), as does anything else that edits
   gradients between backward and step.
@@ -114,6 +116,8 @@ class BackwardSteps:
             self._finish(list(self.plan), "at_end")
         finally:
             self.plan, self.waiting = None, []
+            for opt in self.busy:  # every stepped gradient fingerprinted before the user's code runs
+                opt._seal()
 
     def join(self, buckets=None) -> None:
         """Waits for every step submitted in this pass (re-raising a step's error); with

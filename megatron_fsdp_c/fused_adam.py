@@ -36,7 +36,12 @@ __all__ = ["FusedAdam", "FusedAdamW"]
 def _local(t):
     """The plain tensor the step writes: a DTensor's local tensor, or the values of an extension
     subclass (torchao's float8 and int8 training weights: [Note: extension parameters])."""
-    return values_of(t._local_tensor if isinstance(t, DTensor) else t)
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return t if type(t) in _PLAIN else values_of(t)  # (plain ones first: a step reads hundreds)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
@@ -98,6 +103,8 @@ class FusedAdam(torch.optim.Optimizer):
         self.step_in_backward = step_in_backward
         self._worker = None  # the thread of the steps taken in a backward, made at the first
         self._pending = []  # their futures, joined before anything reads what they write
+        self._sealer = None  # the thread that fingerprints their gradients as they land, made with _worker
+        self._sealing = []  # its futures, waited for at the backward's end (_seal)
         self._stepped = {}  # id(local gradient) -> [local gradient, its fingerprint, group hyperparameters]
         # torch's AdamW group keys, so that state dicts move between the two either way (foreach and
         # fused are accepted as torch's arguments and kept; the step is fused either way)
@@ -113,6 +120,8 @@ class FusedAdam(torch.optim.Optimizer):
         self.__dict__.setdefault("step_in_backward", False)
         self.__dict__.setdefault("_worker", None)
         self.__dict__.setdefault("_pending", [])
+        self.__dict__.setdefault("_sealer", None)
+        self.__dict__.setdefault("_sealing", [])
         self.__dict__.setdefault("_stepped", {})
         for group in self.param_groups:
             for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
@@ -121,8 +130,8 @@ class FusedAdam(torch.optim.Optimizer):
                 group.setdefault(key, value)
 
     def _tensors(self, group, pairs):
-        """The stepping tensors (local shards) of `pairs` (parameter, gradient) of `group`, their
-        states made on first use and their step counts advanced; None when there are none."""
+        """The stepping tensors (local shards) of `pairs` (parameter, gradient) of `group` and their
+        states (made on first use), step counters included; None when there are none."""
         stepping = []
         for p, g in pairs:  # every check before any state changes
             if g.is_sparse:
@@ -164,9 +173,9 @@ class FusedAdam(torch.optim.Optimizer):
             step_ts.append(state["step"])
         if not step_ts:
             return None
-        torch._foreach_add_(step_ts, 1)  # one call for the group's step counters
-        steps = [int(s) for s in torch.stack([_local(t) for t in step_ts]).tolist()]
-        return [p for p, _, _ in stepping], params, grads, avgs, sqs, maxs, steps
+        # the counters advance in the C step, once it succeeded (reading them here cost more than the
+        # step of a small tensor)
+        return [p for p, _, _ in stepping], params, grads, avgs, sqs, maxs, [_local(t) for t in step_ts]
 
     def _update(self, group, tensors):
         """The C step of `tensors` (from _tensors) with the group's hyperparameters, as a call."""
@@ -180,10 +189,12 @@ class FusedAdam(torch.optim.Optimizer):
                                      bool(amsgrad), bool(maximize), bool(decoupled), threads)
 
     def _step_in_backward(self, group_index: int, pairs, landed) -> None:
-        """Steps (parameter, gradient DTensor) pairs of one group on the worker thread, from a
-        backward ([Note: stepping in backward] in _backward_step.py). The worker first waits for
-        the gradients to land in host memory (`landed()`), then takes each gradient's fingerprint
-        before the step reads it; optimizer.step() compares."""
+        """Steps (parameter, gradient DTensor) pairs of one group from a backward ([Note: stepping
+        in backward] in _backward_step.py), on two threads: the sealer waits for the gradients to
+        land in host memory (`landed()`) and takes each one's fingerprint, which optimizer.step()
+        compares; the worker steps once they are sealed. The backward's end waits for the sealer
+        alone (`_seal`), so no code after the backward reaches a gradient before its fingerprint,
+        while the steps go on."""
         group = self.param_groups[group_index]
         tensors = self._tensors(group, pairs)
         if tensors is None:
@@ -193,15 +204,28 @@ class FusedAdam(torch.optim.Optimizer):
         for e in entries:
             self._stepped[id(e[0])] = e
 
-        def job():
+        def seal():
             landed()
             for e in entries:
                 e[1] = _fingerprint(e[0])
+
+        def job():
+            sealed.result()
             update()
 
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsdp-adam")
+            self._sealer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsdp-seal")
+        sealed = self._sealer.submit(seal)
+        self._sealing.append(sealed)
         self._pending.append(self._worker.submit(job))
+
+    def _seal(self) -> None:
+        """Waits until every gradient stepped in this backward has its fingerprint (re-raising the
+        sealer's first error): at the backward's end."""
+        sealing, self._sealing = self._sealing, []
+        for f in sealing:
+            f.result()
 
     def _stepped_in_backward(self, grad) -> bool:
         """Whether a backward stepped the parameter of gradient `grad` since the last step()."""
@@ -209,6 +233,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _join(self) -> None:
         """Waits for the steps taken in backward (re-raising the first error)."""
+        self._seal()
         pending, self._pending = self._pending, []
         for f in pending:
             f.result()

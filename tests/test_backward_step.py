@@ -8,6 +8,8 @@ HSDP) step at optimizer.step() instead, and what would make a step taken in the 
 (clipping, hyperparameters changed, a second syncing backward) raises."""
 import copy
 
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -131,6 +133,20 @@ def against_ddp(rank, world, ck, api, strategy, offload, in_backward=True, hsdp=
             all(torch.equal(a, b) for a, b in zip(finals[True], finals[False])))
 
 
+class _LandingLate:
+    """An engine whose buckets' gradients land 50 ms after finish_grads (wait_grads sleeps first)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def wait_grads(self, bucket):
+        time.sleep(0.05)
+        self.engine.wait_grads(bucket)
+
+
 def _one_step(model, opt, rank, backwards=1):
     for k in range(backwards):
         gpt_loss(model, gpt_data(k, rank)).backward()
@@ -154,6 +170,16 @@ def refusals(rank, world, ck):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     expect("clipping after the backward", opt.step, "step_in_backward=False to change gradients")
     opt.zero_grad()
+    # gradients that land late (a busy GPU): the backward's end still waits for every fingerprint,
+    # so clipping right after it is caught, not stepped unseen
+    owner = model._mfsdp_group.owner
+    owner.param_buffer.engine = _LandingLate(owner.param_buffer.engine)
+    _one_step(model, opt, rank)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    expect("clipping after a backward whose gradients landed late", opt.step,
+           "step_in_backward=False to change gradients")
+    opt.zero_grad()
+    owner.param_buffer.engine = owner.param_buffer.engine.engine
 
     _one_step(model, opt, rank)
     opt.param_groups[0]["lr"] = 0.5
@@ -167,6 +193,7 @@ def refusals(rank, world, ck):
     before = [full(p) for p in model.parameters()]
     loss = gpt_loss(model, gpt_data(1, rank))
     loss.backward()
+    opt._join()  # the stepped weights are the worker's until joined
     after_first = [full(p) for p in model.parameters()]
     ck.true("the first backward stepped", not any(torch.equal(a, b) for a, b in zip(before, after_first)))
     expect("a second syncing backward before optimizer.step()",

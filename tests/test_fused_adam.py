@@ -115,9 +115,9 @@ def test_bf16_gradients_and_the_compute_copy():
     a, b = p.clone(), p.clone()
     states = [[torch.zeros(1001) for _ in range(2)] for _ in range(2)]
     copy = torch.empty(1001, dtype=torch.bfloat16)
-    _C.adam_step_([a], [g], [states[0][0]], [states[0][1]], None, [1], 1e-2, 0.9, 0.999, 1e-8, 0.1, False, False,
+    _C.adam_step_([a], [g], [states[0][0]], [states[0][1]], None, [torch.tensor(0.0)], 1e-2, 0.9, 0.999, 1e-8, 0.1, False, False,
                   True, 1, [copy])
-    _C.adam_step_([b], [g.float()], [states[1][0]], [states[1][1]], None, [1], 1e-2, 0.9, 0.999, 1e-8, 0.1, False,
+    _C.adam_step_([b], [g.float()], [states[1][0]], [states[1][1]], None, [torch.tensor(0.0)], 1e-2, 0.9, 0.999, 1e-8, 0.1, False,
                   False, True, 1)
     assert torch.equal(a, b) and torch.equal(copy, b.bfloat16())
 
@@ -196,8 +196,23 @@ def test_refusals_name_the_problem():
         opt.step()
     assert opt.state[r]["step"].item() == 1 and p not in opt.state
     with pytest.raises(ValueError, match="elements"):
-        _C.adam_step_([torch.zeros(3)], [torch.zeros(4)], [torch.zeros(3)], [torch.zeros(3)], None, [1], 1e-3, 0.9,
-                      0.999, 1e-8, 0.0, False, False, True, 1)
+        _C.adam_step_([torch.zeros(3)], [torch.zeros(4)], [torch.zeros(3)], [torch.zeros(3)], None, [torch.tensor(0.0)],
+                      1e-3, 0.9, 0.999, 1e-8, 0.0, False, False, True, 1)
+    # the step counters: state["step"] tensors, advanced by the C step only when it succeeded
+    count = torch.tensor(4.0)
+    with pytest.raises(_C.EngineError, match="out of range"):
+        _C.adam_step_([torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], None, [count], -1.0,
+                      0.9, 0.999, 1e-8, 0.0, False, False, True, 1)
+    assert count.item() == 4.0
+    for bad, error, match in ((1, TypeError, "steps: expected a torch.Tensor, got int"),
+                              (torch.zeros(2), ValueError, "one-element float32 or float64 host tensor"),
+                              (torch.tensor(2.5), ValueError, "holds 2.5, not a step count")):
+        with pytest.raises(error, match=match):
+            _C.adam_step_([torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], None, [bad], 1e-3,
+                          0.9, 0.999, 1e-8, 0.0, False, False, True, 1)
+    _C.adam_step_([torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], None, [count], 1e-3, 0.9,
+                  0.999, 1e-8, 0.0, False, False, True, 1)
+    assert count.item() == 5.0
 
 
 def test_version_counters_move():

@@ -44,6 +44,10 @@ int mfsdp_state_init(PyObject* module, module_state* st) {
   if (st->torch == NULL) return -1;
   st->tensor_type = PyObject_GetAttrString(st->torch, "Tensor");
   if (st->tensor_type == NULL || build_dtype_tables(st) < 0) return -1;
+  static const char* const names[TENSOR_NAME_COUNT] = {"is_contiguous", "dtype", "data_ptr", "numel", "is_cuda",
+                                                       "get_device"};
+  for (int k = 0; k < TENSOR_NAME_COUNT; ++k)
+    if ((st->tensor_names[k] = PyUnicode_InternFromString(names[k])) == NULL) return -1;
   return PyModule_AddObjectRef(module, "DTYPE_CODES", st->dtype_codes);
 }
 
@@ -56,6 +60,7 @@ int mfsdp_state_traverse(module_state* st, visitproc visit, void* arg) {
   Py_VISIT(st->engine_type);
   Py_VISIT(st->torch_transport_type);
   Py_VISIT(st->nccl_transport_type);
+  for (int k = 0; k < TENSOR_NAME_COUNT; ++k) Py_VISIT(st->tensor_names[k]);
   return 0;
 }
 
@@ -68,6 +73,7 @@ void mfsdp_state_clear(module_state* st) {
   Py_CLEAR(st->engine_type);
   Py_CLEAR(st->torch_transport_type);
   Py_CLEAR(st->nccl_transport_type);
+  for (int k = 0; k < TENSOR_NAME_COUNT; ++k) Py_CLEAR(st->tensor_names[k]);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -122,8 +128,8 @@ int mfsdp_dtype_code(module_state* st, PyObject* dtype, const char* what) {
   return (int)PyLong_AsLong(code);
 }
 
-static int get_long(PyObject* obj, const char* method, long long* out) {
-  PyObject* r = PyObject_CallMethod(obj, method, NULL);
+static int get_long(PyObject* obj, PyObject* method, long long* out) {
+  PyObject* r = PyObject_CallMethodNoArgs(obj, method);
   if (r == NULL) return -1;
   *out = PyLong_AsLongLong(r);
   Py_DECREF(r);
@@ -137,7 +143,8 @@ int mfsdp_tensor_view(module_state* st, PyObject* t, const char* what, tensor_vi
     PyErr_Format(PyExc_TypeError, "%s: expected a torch.Tensor, got %.100s", what, Py_TYPE(t)->tp_name);
     return -1;
   }
-  PyObject* contiguous = PyObject_CallMethod(t, "is_contiguous", NULL);
+  PyObject* const* name = st->tensor_names;
+  PyObject* contiguous = PyObject_CallMethodNoArgs(t, name[TENSOR_IS_CONTIGUOUS]);
   if (contiguous == NULL) return -1;
   int ok = PyObject_IsTrue(contiguous);
   Py_DECREF(contiguous);
@@ -145,19 +152,19 @@ int mfsdp_tensor_view(module_state* st, PyObject* t, const char* what, tensor_vi
     if (ok == 0) PyErr_Format(PyExc_ValueError, "%s: tensor must be contiguous (call .contiguous())", what);
     return -1;
   }
-  PyObject* dtype = PyObject_GetAttrString(t, "dtype");
+  PyObject* dtype = PyObject_GetAttr(t, name[TENSOR_DTYPE]);
   if (dtype == NULL) return -1;
   int code = mfsdp_dtype_code(st, dtype, what);
   Py_DECREF(dtype);
   if (code < 0) return -1;
   long long ptr, numel, device = -1;
-  if (get_long(t, "data_ptr", &ptr) < 0 || get_long(t, "numel", &numel) < 0) return -1;
-  PyObject* is_cuda = PyObject_GetAttrString(t, "is_cuda");
+  if (get_long(t, name[TENSOR_DATA_PTR], &ptr) < 0 || get_long(t, name[TENSOR_NUMEL], &numel) < 0) return -1;
+  PyObject* is_cuda = PyObject_GetAttr(t, name[TENSOR_IS_CUDA]);
   if (is_cuda == NULL) return -1;
   int cuda = PyObject_IsTrue(is_cuda);
   Py_DECREF(is_cuda);
   if (cuda < 0) return -1;
-  if (cuda && get_long(t, "get_device", &device) < 0) return -1;
+  if (cuda && get_long(t, name[TENSOR_GET_DEVICE], &device) < 0) return -1;
   out->data = (void*)(intptr_t)ptr;
   out->dtype = code;
   out->numel = numel;

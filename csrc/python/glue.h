@@ -23,8 +23,14 @@
 #include "../core/mfsdp_dtype.h"
 #include "../core/mfsdp_layout.h"
 
+/* The tensor attributes mfsdp_tensor_view reads, as interned names made once (a name built at
+ * each call cost a third of a view: the fused step and grad_ready read hundreds per step). */
+enum { TENSOR_IS_CONTIGUOUS, TENSOR_DTYPE, TENSOR_DATA_PTR, TENSOR_NUMEL, TENSOR_IS_CUDA, TENSOR_GET_DEVICE,
+       TENSOR_NAME_COUNT };
+
 typedef struct module_state {
   PyObject* error;           /* megatron_fsdp_c._C.EngineError */
+  PyObject* tensor_names[TENSOR_NAME_COUNT];
   PyObject* torch;           /* the torch module */
   PyObject* tensor_type;     /* torch.Tensor */
   PyObject* dtype_codes;     /* dict torch.dtype -> mfsdp_dtype code */

@@ -4,6 +4,29 @@
 
 #include "../core/mfsdp_adam.h"
 
+/* Tensor i's step count (a one-element float32 or float64 host tensor, as torch's Adam keeps
+ * state["step"]): where it lives, and the count after this step. */
+static int step_item(module_state* st, PyObject* seq, Py_ssize_t i, void** where, int32_t* dtype, long long* next) {
+  tensor_view v;
+  if (mfsdp_tensor_view(st, PySequence_Fast_GET_ITEM(seq, i), "steps", &v) < 0) return -1;
+  if (v.numel != 1 || v.data == NULL || v.device >= 0 || (v.dtype != MFSDP_F32 && v.dtype != MFSDP_F64)) {
+    PyErr_Format(PyExc_ValueError, "adam_step_: steps %zd must be a one-element float32 or float64 host tensor (the "
+                 "state's step count)", i);
+    return -1;
+  }
+  double count = v.dtype == MFSDP_F32 ? (double)*(const float*)v.data : *(const double*)v.data;
+  if (!(count >= 0 && count < 9007199254740992.0) || count != (double)(long long)count) {
+    char text[128];
+    snprintf(text, sizeof text, "adam_step_: steps %zd holds %g, not a step count", i, count);
+    PyErr_SetString(PyExc_ValueError, text);
+    return -1;
+  }
+  *where = v.data;
+  *dtype = v.dtype;
+  *next = (long long)count + 1;
+  return 0;
+}
+
 /* The i-th tensor of a sequence (None allowed when `optional`), contiguous and on the CPU. */
 static int host_item(module_state* st, PyObject* seq, Py_ssize_t i, const char* what, int optional,
                      tensor_view* out) {
@@ -39,6 +62,10 @@ static PyObject* py_adam_step(PyObject* module, PyObject* args) {
   static const char* names[7] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "computes"};
   PyObject* fast[7] = {NULL};
   mfsdp_adam_tensor* ts = NULL;
+  struct {
+    void* where;
+    int32_t dtype;
+  }* counts = NULL; /* the step tensors, written once the step succeeded */
   PyObject* result = NULL;
   Py_ssize_t n = -1;
   for (int k = 0; k < 7; ++k) {
@@ -61,14 +88,15 @@ static PyObject* py_adam_step(PyObject* module, PyObject* args) {
     goto exit;
   }
   ts = PyMem_Calloc((size_t)(n ? n : 1), sizeof *ts);
-  if (!ts) {
+  counts = PyMem_Calloc((size_t)(n ? n : 1), sizeof *counts);
+  if (!ts || !counts) {
     PyErr_NoMemory();
     goto exit;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
     tensor_view v[7];
     for (int k = 0; k < 7; ++k) {
-      if (k == 5) continue;  /* steps: ints */
+      if (k == 5) continue;  /* steps: step_item */
       if (!fast[k]) {
         v[k] = (tensor_view){NULL, -1, 0, -1};
         continue;
@@ -87,8 +115,8 @@ static PyObject* py_adam_step(PyObject* module, PyObject* args) {
                    i, mfsdp_dtype_name(v[0].dtype));
       goto exit;
     }
-    long long step = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast[5], i));
-    if (step == -1 && PyErr_Occurred()) goto exit;
+    long long step;
+    if (step_item(st, fast[5], i, &counts[i].where, &counts[i].dtype, &step) < 0) goto exit;
     ts[i] = (mfsdp_adam_tensor){.param = v[0].data, .grad = v[1].data, .exp_avg = v[2].data, .exp_avg_sq = v[3].data,
                                 .max_exp_avg_sq = v[4].data, .compute = v[6].data, .n = v[0].numel, .step = step,
                                 .param_dtype = v[0].dtype, .grad_dtype = v[1].dtype, .compute_dtype = v[6].dtype};
@@ -101,10 +129,17 @@ static PyObject* py_adam_step(PyObject* module, PyObject* args) {
     mfsdp_raise(st, s);
     goto exit;
   }
+  for (Py_ssize_t i = 0; i < n; ++i) { /* in the step tensor's own type, as torch's += 1 counts */
+    if (counts[i].dtype == MFSDP_F32)
+      *(float*)counts[i].where = (float)ts[i].step;
+    else
+      *(double*)counts[i].where = (double)ts[i].step;
+  }
   result = Py_NewRef(Py_None);
 exit:
   for (int k = 0; k < 7; ++k) Py_XDECREF(fast[k]);
   PyMem_Free(ts);
+  PyMem_Free(counts);
   return result;
 }
 
@@ -118,7 +153,8 @@ static PyMethodDef optim_methods[] = {
     {"adam_step_", py_adam_step, METH_VARARGS,
      "adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, "
      "amsgrad, maximize, decoupled, threads, computes=None): one fused Adam/AdamW step of a parameter group in "
-     "place ([Note: fused Adam] in csrc/core/mfsdp_adam.h); steps[i] is tensor i's count after this step."},
+     "place ([Note: fused Adam] in csrc/core/mfsdp_adam.h); steps[i] is tensor i's count (state['step'], a "
+     "one-element float tensor), advanced by one when the step succeeded."},
     {"adam_isa", py_adam_isa, METH_NOARGS, "adam_isa() -> the fused Adam's SIMD path: avx512, avx2 or portable."},
     {NULL, NULL, 0, NULL},
 };
