@@ -8,11 +8,13 @@ bandwidth yardstick.
 
 Each optimizer steps one flat fp32 parameter split into 64 tensors (a model's shapes do not
 matter to an elementwise step; the count of tensors sets the per-tensor overhead) with a fixed
-gradient, after two warm-up steps; the median of --repeats steps is reported. AdamW moves 28
+gradient, after two warm-up steps; the median of --repeats steps is reported, the optimizers
+stepping in turn (one step of each, then the next round) so that the machine's drift reaches all. AdamW moves 28
 bytes a parameter (reads p, g, m, v; writes p, m, v, each into a line it read); the triad
 a = a + s*c 12 bytes an element (torch.add(a, c, alpha=s, out=a): one vectorised pass on both
 threads, and like the optimizer it writes only lines it read, so no write-allocate traffic is
-left uncounted). GB/s = bytes / median time. Prints a Markdown table.
+left uncounted). GB/s = bytes / median time. Prints a Markdown table, then each optimizer's fixed
+cost a tensor (the Python side and the glue: a step of 1024 tiny tensors against one of 64).
 """
 import argparse
 import statistics
@@ -42,15 +44,26 @@ def triad_gbps(n, repeats):
     return 12 * n / t / 1e9
 
 
-def step_time(make, n, tensors, repeats):
+def step_times(makes, n, tensors, repeats):
+    """The median step of each optimizer, their steps taken in turn (one of each, then again), so
+    that a shared machine's drifting bandwidth reaches all of them alike."""
     flat = torch.randn(n)
-    params = [torch.nn.Parameter(x.clone()) for x in flat.chunk(tensors)]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = make(params)
-    t = timed(opt.step, repeats)
-    del opt, params
-    return t
+    opts = []
+    for make in makes:
+        params = [torch.nn.Parameter(x.clone()) for x in flat.chunk(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opts.append(make(params))
+    for opt in opts:  # warm-up: states made, pages touched
+        opt.step()
+        opt.step()
+    times = [[] for _ in opts]
+    for _ in range(repeats):
+        for opt, ts in zip(opts, times):
+            t0 = time.perf_counter()
+            opt.step()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def main():
@@ -78,11 +91,24 @@ def main():
     for millions in args.sizes:
         n = millions * 1_000_000
         triad = triad_gbps(n, args.repeats)
-        times = {k: step_time(make, n, args.tensors, args.repeats) for k, make in kinds.items()}
+        times = dict(zip(kinds, step_times(list(kinds.values()), n, args.tensors, args.repeats)))
         cells = [f"{t * 1e3:.1f} ({BYTES_PER_PARAM * n / t / 1e9:.1f}, {1 / t:.1f})" for t in times.values()]
         ours = BYTES_PER_PARAM * n / times["ours (FusedAdamW)"] / 1e9
         print(f"| {millions}M | {triad:.1f} | " + " | ".join(cells)
               + f" | {ours / triad:.2f} | {times['torch fused'] / times['ours (FusedAdamW)']:.2f}x |")
+    print()
+    print("fixed cost a tensor (1024 tensors of 64 elements against 64 of them, median of 31 steps): "
+          + ", ".join(f"{k} {fixed_cost(make) * 1e6:.1f} us" for k, make in kinds.items() if k != "torch foreach"))
+
+
+def fixed_cost(make):
+    """What one more tensor costs a step, beyond its elements."""
+    def step_of(count):
+        params = [torch.nn.Parameter(torch.randn(64)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn(64)
+        return timed(make(params).step, 31)
+    return (step_of(1024) - step_of(64)) / 960
 
 
 if __name__ == "__main__":
