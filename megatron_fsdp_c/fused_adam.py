@@ -200,7 +200,8 @@ class FusedAdam(torch.optim.Optimizer):
         if tensors is None:
             return
         grads, update = tensors[2], self._update(group, tensors)
-        entries = [[grad, None, _hyper(group)] for grad in grads]
+        hyper = _hyper(group)  # once: every entry of the group shares it
+        entries = [[grad, None, hyper] for grad in grads]
         for e in entries:
             self._stepped[id(e[0])] = e
 
