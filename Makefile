@@ -13,7 +13,7 @@ CORE_SRC := csrc/core/status.c csrc/core/layout.c csrc/core/kernels_cpu.c csrc/c
 	           csrc/core/adam_cpu.c \
 	           $(COMM_SRC)
 TEST_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -fno-math-errno -Wall -Wextra -Werror \
-	             -Wno-unused-parameter -Wno-missing-field-initializers -pthread -D_POSIX_C_SOURCE=200809L \
+	             -Wno-unused-parameter -Wno-missing-field-initializers -pthread -fopenmp -D_POSIX_C_SOURCE=200809L \
 	             -fsanitize=address,undefined -fno-sanitize-recover=undefined
 TEST_HARNESS_C := csrc/tests/harness.c csrc/tests/pipeline_cases.c
 TEST_HARNESS := $(TEST_HARNESS_C) csrc/tests/harness.h csrc/tests/pipeline_cases.h
@@ -29,7 +29,7 @@ CUDA_C := $(addprefix csrc/cuda/,nccl_watch.c nccl_collectives.c nccl_transport.
 # The emulated device (csrc/tests/emu): the shipped CUDA kernels and NCCL transport, compiled for
 # the host against an emulated CUDA runtime and NCCL.
 CXX ?= g++
-EMU_FLAGS := -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror -Wno-unused-parameter -pthread \
+EMU_FLAGS := -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -Werror -Wno-unused-parameter -pthread -fopenmp \
 	           -fsanitize=address,undefined -fno-sanitize-recover=undefined -DMFSDP_WITH_CUDA -Icsrc/tests/emu
 EMU_DEPS := csrc/tests/emu/cuda_runtime.h csrc/tests/emu/nccl.h csrc/tests/emu/emu_runtime.cpp \
 	          csrc/tests/emu/host_kernels.py $(CUDA_CU) $(wildcard csrc/cuda/*.cuh) $(CUDA_C) csrc/tests/test_emu.c \

@@ -45,8 +45,10 @@ CUDA_C = ["csrc/cuda/nccl_watch.c", "csrc/cuda/nccl_collectives.c", "csrc/cuda/n
 CUDA_CU = ["csrc/cuda/kernels_cast.cu", "csrc/cuda/kernels_quant.cu", "csrc/cuda/kernels.cu"]
 CPU_ONLY = ["csrc/cuda/cuda_absent.c"]
 
-C_FLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
+# -fopenmp: the fused Adam step's threads are torch's OpenMP team ([Note: the step's threads] in
+# csrc/core/adam_cpu.c); linked with it too, so that _C NEEDs libgomp.so.1, the soname torch ships
+C_FLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing", "-fopenmp", "-Wall",
+           "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
 
 LIB_DIRS = ("lib64", "lib", "targets/x86_64-linux/lib")
 SYSTEM_LIB = Path("/usr/lib/x86_64-linux-gnu")
@@ -306,7 +308,7 @@ class BuildExt(build_ext):
 
 def extension():
     sources = CORE + COMM + GLUE
-    include_dirs, macros, link = [], [], []
+    include_dirs, macros, link = [], [], ["-fopenmp"]
     if CUDA:
         sources += CUDA_C
         include_dirs += [str(CUDA["include"]), str(CUDA["nccl_inc"])]

@@ -9,12 +9,14 @@ bandwidth yardstick.
 Each optimizer steps one flat fp32 parameter split into 64 tensors (a model's shapes do not
 matter to an elementwise step; the count of tensors sets the per-tensor overhead) with a fixed
 gradient, after two warm-up steps; the median of --repeats steps is reported, the optimizers
-stepping in turn (one step of each, then the next round) so that the machine's drift reaches all. AdamW moves 28
-bytes a parameter (reads p, g, m, v; writes p, m, v, each into a line it read); the triad
+stepping in turn (one step of each, then the next round) so that the machine's drift reaches
+all. AdamW moves 28 bytes a parameter (reads p, g, m, v; writes p, m, v, each into a line it
+read); the triad
 a = a + s*c 12 bytes an element (torch.add(a, c, alpha=s, out=a): one vectorised pass on both
 threads, and like the optimizer it writes only lines it read, so no write-allocate traffic is
-left uncounted). GB/s = bytes / median time. Prints a Markdown table, then each optimizer's fixed
-cost a tensor (the Python side and the glue: a step of 1024 tiny tensors against one of 64).
+left uncounted), over as many bytes as the step touches. GB/s = bytes / median time. Prints a
+Markdown table, then each optimizer's fixed cost a tensor (the Python side and the glue: a step
+of 1024 tiny tensors against one of 64).
 """
 import argparse
 import statistics
@@ -39,9 +41,12 @@ def timed(fn, repeats):
 
 
 def triad_gbps(n, repeats):
-    a, c = torch.rand(n), torch.rand(n)
+    """The triad over the step's footprint: two arrays of 2n floats hold the bytes of the step's
+    four arrays of n (parameter, gradient, two moments), so neither fits a cache the other does
+    not (this machine's L3 can hold 10M parameters' state)."""
+    a, c = torch.rand(2 * n), torch.rand(2 * n)
     t = timed(lambda: torch.add(a, c, alpha=1e-9, out=a), repeats)
-    return 12 * n / t / 1e9
+    return 12 * 2 * n / t / 1e9
 
 
 def step_times(makes, n, tensors, repeats):

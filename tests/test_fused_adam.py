@@ -5,6 +5,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -107,6 +108,35 @@ def test_threads_and_simd_paths_give_the_same_bits(tmp_path):
                    env=dict(os.environ, MFSDP_ADAM_ISA="portable"))
     assert torch.equal(one, two) and torch.equal(one, torch.load(path))
 
+
+
+def test_the_step_runs_on_torchs_openmp_runtime():
+    """[Note: the step's threads] in csrc/core/adam_cpu.c: one libgomp in the process, and where
+    torch runs on OpenMP it is torch's own, so the step's threads are torch's team, not a second
+    pool fighting it for the cores."""
+    # A thread that never ran torch's work: its step's second thread is a team member that
+    # outlives the step (an OpenMP team), not a thread made and joined for it.
+    n = 4 * 32768
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    step = torch.zeros(1)
+    seen = {}
+
+    def fresh():
+        before = len(os.listdir("/proc/self/task"))
+        _C.adam_step_([p], [g], [m], [v], None, [step], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False, True, 2)
+        seen["team"] = len(os.listdir("/proc/self/task")) - before
+
+    t = threading.Thread(target=fresh)
+    t.start()
+    t.join()
+    assert step.item() == 1 and seen["team"] == 1, seen
+    with open("/proc/self/maps") as maps:
+        gomp = {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
+    assert len(gomp) == 1, f"the process maps {len(gomp)} OpenMP runtimes: {sorted(gomp)}"
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        torch_lib = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib"))
+        (path,) = gomp
+        assert os.path.dirname(os.path.realpath(path)) == torch_lib, (path, torch_lib)
 
 def test_bf16_gradients_and_the_compute_copy():
     """bf16 gradients are read upcast; the compute copy is the updated parameter rounded to bf16."""
