@@ -205,6 +205,11 @@ def main(argv=None) -> int:
     if not files:
         print(f"no test_fully_shard_*.py files in {args.tests_dir} (matching {args.files!r})", file=sys.stderr)
         return 2
+    try:  # torch's test utilities import it; without it every test would fail alike, at import
+        import expecttest  # noqa: F401
+    except ImportError:
+        print("torch's test files need the expecttest package: pip install expecttest", file=sys.stderr)
+        return 2
     pattern = re.compile(args.pattern) if args.pattern else None
 
     results: dict = {}  # file -> test id -> impl -> result
