@@ -100,11 +100,6 @@ class BackwardSteps:
                         "make the optimizer with step_in_backward=False")
         self.plan = plan or None
 
-    def may_step(self, unit) -> bool:
-        """At a unit's forward: whether its backward's end may step a bucket (so it must be
-        told, even where nothing reshards the unit after its backward: ZeRO-2)."""
-        return bool(_STEPPERS) and bool(unit.grad_buckets)
-
     def unit_done(self, unit) -> None:
         """After a unit's backward: step the buckets of the unit before it (one unit late, so a
         reduction overlaps the next unit's backward) whose gradients are final."""

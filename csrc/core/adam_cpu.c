@@ -16,7 +16,9 @@
  * runtime) would wait behind them for the cores, while the spinning team takes our ranges at
  * once (measured on 2 cores at 10M parameters: 11.3-12.5 ms with pthreads, 7.0-8.5 ms on torch's
  * team, torch's fused step 7.4-9.2 ms). A step called from another thread (the optimizer's
- * worker, stepping inside the backward) gets that thread's own team. */
+ * worker, stepping inside the backward) gets that thread's own team. As for torch's own ops, a
+ * process forked after a parallel region ran must not start one (libgomp's team is not in the
+ * child: measured, torch's add hangs there as our step does); ranks start by spawn or forkserver. */
 #include "mfsdp_adam.h"
 
 #include <math.h>
