@@ -11,10 +11,9 @@ matter to an elementwise step; the count of tensors sets the per-tensor overhead
 gradient, after two warm-up steps; the median of --repeats steps is reported, the optimizers
 stepping in turn (one step of each, then the next round) so that the machine's drift reaches
 all. AdamW moves 28 bytes a parameter (reads p, g, m, v; writes p, m, v, each into a line it
-read); the triad
-a = a + s*c 12 bytes an element (torch.add(a, c, alpha=s, out=a): one vectorised pass on both
-threads, and like the optimizer it writes only lines it read, so no write-allocate traffic is
-left uncounted), over as many bytes as the step touches. GB/s = bytes / median time. Prints a
+read); the triad a = a + s*c 12 bytes an element (torch.add(a, c, alpha=s, out=a): one
+vectorised pass on both threads, and like the optimizer it writes only lines it read, so no
+write-allocate traffic is left uncounted), over as many bytes as the step touches. GB/s = bytes / median time. Prints a
 Markdown table, then each optimizer's fixed cost a tensor (the Python side and the glue: a step
 of 1024 tiny tensors against one of 64).
 """

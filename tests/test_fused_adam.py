@@ -109,7 +109,6 @@ def test_threads_and_simd_paths_give_the_same_bits(tmp_path):
     assert torch.equal(one, two) and torch.equal(one, torch.load(path))
 
 
-
 def test_the_step_runs_on_torchs_openmp_runtime():
     """[Note: the step's threads] in csrc/core/adam_cpu.c: one libgomp in the process, and where
     torch runs on OpenMP it is torch's own, so the step's threads are torch's team, not a second
@@ -137,6 +136,7 @@ def test_the_step_runs_on_torchs_openmp_runtime():
         torch_lib = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib"))
         (path,) = gomp
         assert os.path.dirname(os.path.realpath(path)) == torch_lib, (path, torch_lib)
+
 
 def test_bf16_gradients_and_the_compute_copy():
     """bf16 gradients are read upcast; the compute copy is the updated parameter rounded to bf16."""
