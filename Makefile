@@ -100,7 +100,10 @@ cuda-check: $(VENV)/.nccl
 	    nvcc -ptx -O3 -std=c++17 -arch=compute_$${MFSDP_CUDA_ARCH:-90} --expt-relaxed-constexpr $$f -o $$ptx || exit 1; \
 	    if grep -n 'fma\.' $$ptx | head -3 | grep .; then \
 	      echo "cuda-check: $$f contracts multiply-add into FMA (see [Note: no FMA])"; exit 1; fi; done && \
-	  echo "cuda-check: CUDA kernels + NCCL transport compiled and linked (build/cuda/lib), no FMA in the kernels"; \
+	  if readelf -d build/cuda/lib/megatron_fsdp_c/_C*.so | grep -E 'NEEDED.*lib(cudart|cuda)\.so'; then \
+	    echo "cuda-check: the extension needs a shared CUDA runtime (cudart must be static: setup.py)"; exit 1; fi && \
+	  echo "cuda-check: CUDA kernels + NCCL transport compiled and linked (build/cuda/lib), no FMA in the kernels," \
+	    "no shared CUDA runtime"; \
 	else echo "cuda-check: nvcc not found, CUDA build skipped"; fi
 
 pytest: setup

@@ -241,10 +241,12 @@ def setuptools_metadata():
     which in a plain venv of Python 3.11 is 65 (PEP 639's SPDX `project.license` string is a
     configuration error there, and the table form old ones read is refused from 2027). So the
     license is dynamic and given here in the form the running setuptools reads. Below 70.1,
-    setuptools builds wheels only with the `wheel` package: without it the build stops here,
-    with the two ways out, instead of at pip's "invalid command 'bdist_wheel'"."""
+    setuptools builds wheels only with the `wheel` package: without it a wheel's build (pip's,
+    editable or not) stops here, with the two ways out, instead of at pip's "invalid command
+    'bdist_wheel'". Other commands need no wheel: `setup.py build_ext --inplace` (the GPU check's
+    build) runs on any setuptools."""
     version = tuple(int(x) for x in re.findall(r"\d+", setuptools.__version__)[:2])
-    if version < (70, 1):
+    if version < (70, 1) and {"dist_info", "bdist_wheel", "editable_wheel"} & set(sys.argv[1:]):
         try:
             import wheel  # noqa: F401 - provides bdist_wheel to setuptools < 70.1
         except ImportError:

@@ -6,7 +6,7 @@
 # holds the result even if no file comes back.
 #
 #   1. build   160 s  the CUDA build in place (MFSDP_CUDA=1) against the machine's torch; the
-#                     libraries it maps (one libnccl, torch's; no libcudart.so); tests/test_cuda.py
+#                     libraries it maps (one libnccl, torch's; no libcudart of its own); tests/test_cuda.py
 #                     (offload on the GPU included) and tests/test_cuda_setup.py
 #   2. kernels  45 s  kernel GB/s against a device-to-device copy and torch's .to(bf16), 1 MB-1 GB
 #                     (benchmarks/kernels.py); the host's optimizer step, FusedAdamW against
@@ -64,22 +64,29 @@ build_stage() {
   MFSDP_CUDA=1 "$PY" setup.py -q build_ext --inplace || { echo "BUILD FAILED"; exit 1; }
   so=$(ls megatron_fsdp_c/_C*.so)
   readelf -d "$so" | grep -E 'NEEDED|RUNPATH'
-  say "libraries in one process (one libnccl, torch's; no libcudart.so)"
+  say "libraries in one process (one libnccl, torch's; no libcudart of ours: cudart is static)"
   "$PY" - "$so" <<'EOF'
 import ctypes, subprocess, sys
 so = sys.argv[1]
 subprocess.run([sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1]); print('dlopen without torch: ok')", so],
                check=True)
+needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True).stdout
+def mapped():
+    return {l.split()[-1] for l in open("/proc/self/maps") if ".so" in l}
 import torch
+torchs = mapped()  # torch's CUDA wheels map their own libcudart.so.13 and libnccl.so.2
 import megatron_fsdp_c
 from megatron_fsdp_c import _C, _nccl
-maps = [l.split()[-1] for l in open("/proc/self/maps") if ".so" in l]
-nccl, cudart = sorted({m for m in maps if "libnccl" in m}), sorted({m for m in maps if "libcudart" in m})
-print("libnccl mapped:", nccl, "| libcudart mapped:", cudart)
+maps = mapped()
+nccl = sorted(m for m in maps if "libnccl" in m)
+cudart_torch = sorted(m for m in torchs if "libcudart" in m)
+cudart_ours = sorted(m for m in maps - torchs if "libcudart" in m) + (["NEEDED libcudart"] if "libcudart" in needed else [])
+print("libnccl mapped:", nccl, "(torch's)" if set(nccl) <= torchs else "(not torch's)",
+      "| libcudart: torch's", cudart_torch, "ours", cudart_ours or "none")
 print("NCCL: ours", _C.nccl_version(), "built against", _C.NCCL_BUILD_VERSION,
       "torch", torch.cuda.nccl.version() if torch.cuda.is_available() else "(no GPU here)")
 _nccl.check_one_nccl()
-print("LIBRARIES", "OK" if len(nccl) == 1 and not cudart else "WRONG")
+print("LIBRARIES", "OK" if len(nccl) == 1 and not cudart_ours else "WRONG")
 EOF
   say "GPU tests"
   "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_cuda.py tests/test_cuda_setup.py
