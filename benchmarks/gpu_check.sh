@@ -23,6 +23,8 @@
 #   benchmarks/gpu_check.sh                    # on the device: run(command=..., carry=[".whl"])
 #   DRY_RUN=1 benchmarks/gpu_check.sh          # here, on a copy of the tree: every stage reaches
 #                                              # its command; only what needs a GPU fails
+#   STAGES="train profile" benchmarks/gpu_check.sh   # a rerun of the stages that failed (without
+#                                              # `build`, the extension is still built, untested)
 #
 # Megatron-FSDP is the `megatron-fsdp` wheel, carried in .whl/ (the device has no network; its
 # needs, torch, einops and packaging, are there): installed here into /tmp/site. Uses the
@@ -115,11 +117,18 @@ profile_stage() {
     --trace "$OUT/trace.json.gz"
 }
 
+STAGES=${STAGES:-build kernels train offload profile}
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 rm -f "$OUT/stages.txt"
-stage build 160 build_stage
-stage kernels 45 kernels_stage
-stage train 140 train_stage
-stage offload 70 offload_stage
-stage profile 45 profile_stage
+if ! want build; then  # a rerun on a fresh machine: the later stages need the CUDA build
+  echo "[gpu_check] CUDA build in place (stage build not asked for: no library check or tests)"
+  MFSDP_CUDA=1 "$PY" setup.py -q build_ext --inplace > "$OUT/build-only.log" 2>&1 \
+    || { tail -n 20 "$OUT/build-only.log"; echo "[gpu_check] BUILD FAILED"; }
+fi
+want build && stage build 160 build_stage
+want kernels && stage kernels 45 kernels_stage
+want train && stage train 140 train_stage
+want offload && stage offload 70 offload_stage
+want profile && stage profile 45 profile_stage
 "$PY" benchmarks/gpu_summary.py "$OUT"
 echo "[gpu_check] done in $((SECONDS - START)) s"
