@@ -47,13 +47,15 @@ echo "[gpu_check] $(date -u +%FT%TZ) $(hostname); dry run: $DRY_RUN; logs in $OU
 stage() {
   local name=$1 budget=$2 fn=$3 t0=$SECONDS rc=0
   echo "[gpu_check] stage $name: budget $budget s (at $((SECONDS - START)) s)"
-  timeout --kill-after=5 "$budget" bash -c "$(declare -f "$fn" say); $fn" > "$OUT/$name.log" 2>&1 || rc=$?
+  timeout --kill-after=5 "$budget" bash -c "$(declare -f "$fn" say build); $fn" > "$OUT/$name.log" 2>&1 || rc=$?
   tail -n 4 "$OUT/$name.log" | sed "s/^/[gpu_check]   $name: /"
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "[gpu_check]   $name: OUT OF TIME after $budget s" >> "$OUT/$name.log"
   echo "[gpu_check] stage $name: exit $rc after $((SECONDS - t0)) s"
   echo "$name $rc $((SECONDS - t0)) $budget" >> "$OUT/stages.txt"
 }
 say() { echo "== $* (at $SECONDS s)"; }
+# The CUDA build in place against the machine's torch (what every stage after it imports).
+build() { rm -f megatron_fsdp_c/_C*.so; MFSDP_CUDA=1 "$PY" setup.py -q build_ext --inplace; }
 export PY OUT DRY_RUN
 
 build_stage() {
@@ -62,8 +64,7 @@ build_stage() {
   "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
   command -v nvcc > /dev/null && nvcc --version | tail -1
   say "CUDA build in place"
-  rm -f megatron_fsdp_c/_C*.so
-  MFSDP_CUDA=1 "$PY" setup.py -q build_ext --inplace || { echo "BUILD FAILED"; exit 1; }
+  build || { echo "BUILD FAILED"; exit 1; }
   so=$(ls megatron_fsdp_c/_C*.so)
   readelf -d "$so" | grep -E 'NEEDED|RUNPATH'
   say "libraries in one process (one libnccl, torch's; no libcudart of ours: cudart is static)"
@@ -122,8 +123,7 @@ want() { [[ " $STAGES " == *" $1 "* ]]; }
 rm -f "$OUT/stages.txt"
 if ! want build; then  # a rerun on a fresh machine: the later stages need the CUDA build
   echo "[gpu_check] CUDA build in place (stage build not asked for: no library check or tests)"
-  MFSDP_CUDA=1 "$PY" setup.py -q build_ext --inplace > "$OUT/build-only.log" 2>&1 \
-    || { tail -n 20 "$OUT/build-only.log"; echo "[gpu_check] BUILD FAILED"; }
+  build > "$OUT/build-only.log" 2>&1 || { tail -n 20 "$OUT/build-only.log"; echo "[gpu_check] BUILD FAILED"; }
 fi
 want build && stage build 160 build_stage
 want kernels && stage kernels 45 kernels_stage
