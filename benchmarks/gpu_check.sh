@@ -118,7 +118,11 @@ profile_stage() {
     --trace "$OUT/trace.json.gz"
 }
 
-STAGES=${STAGES:-build kernels train offload profile}
+ALL_STAGES="build kernels train offload profile"
+STAGES=${STAGES:-$ALL_STAGES}
+for s in $STAGES; do
+  [[ " $ALL_STAGES " == *" $s "* ]] || { echo "[gpu_check] STAGES: no stage '$s'; the stages are: $ALL_STAGES"; exit 2; }
+done
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 rm -f "$OUT/stages.txt"
 if ! want build; then  # a rerun on a fresh machine: the later stages need the CUDA build
