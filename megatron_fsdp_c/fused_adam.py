@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from . import _C
 from ._backward_step import register_stepper
 from ._extensions import values_of
+from ._jitter import pause
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
@@ -205,13 +206,17 @@ class FusedAdam(torch.optim.Optimizer):
         for e in entries:
             self._stepped[id(e[0])] = e
 
-        def seal():
+        def seal():  # pause: [Note: jitter at the hand-offs] in _jitter.py
+            pause("seal")
             landed()
+            pause("landed")
             for e in entries:
                 e[1] = _fingerprint(e[0])
 
         def job():
+            pause("step")
             sealed.result()
+            pause("update")
             update()
 
         if self._worker is None:
@@ -220,6 +225,7 @@ class FusedAdam(torch.optim.Optimizer):
         sealed = self._sealer.submit(seal)
         self._sealing.append(sealed)
         self._pending.append(self._worker.submit(job))
+        pause("submit")
 
     def _seal(self) -> None:
         """Waits until every gradient stepped in this backward has its fingerprint (re-raising the
@@ -234,6 +240,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _join(self) -> None:
         """Waits for the steps taken in backward (re-raising the first error)."""
+        if self._pending:
+            pause("join")
         self._seal()
         pending, self._pending = self._pending, []
         for f in pending:
