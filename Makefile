@@ -37,7 +37,7 @@ EMU_DEPS := csrc/tests/emu/cuda_runtime.h csrc/tests/emu/nccl.h csrc/tests/emu/e
 EMU_OBJ_DIR := csrc/tests/bin/emu
 FUZZ_SECONDS ?= 20
 
-.PHONY: setup example test compat ctest cuda-check pytest bench bench-quant clean
+.PHONY: setup example test compat ctest cuda-check pytest bench bench-quant asan asan-build clean
 
 $(VENV)/.ready: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -147,6 +147,32 @@ build/bench/quant_cpu: benchmarks/quant_cpu.c $(CORE_SRC) $(wildcard csrc/*/*.h)
 
 bench-quant: build/bench/quant_cpu
 	build/bench/quant_cpu $(ARGS)
+
+# The sanitized pass ([Note: the sanitized build] in setup.py): _C built with ASan + UBSan into
+# build/asan/pkg (a copy of the package with that _C, first on PYTHONPATH: the editable install's
+# finder comes after it; PYTHONSAFEPATH: not the checkout before it), then the stress harness (benchmarks/stress.py) for ASAN_BUDGET_S seconds
+# and ASAN_TESTS under it; output in build/asan/*.log. Why each setting:
+# - LD_PRELOAD: Python is not linked with ASan, so its runtime must be the first library loaded;
+# - detect_leaks=0: CPython and torch keep their interned objects and caches to the end (thousands
+#   of "leaks" at exit that are no fault; the C tests, make ctest, check our own leaks);
+# - abort_on_error=1 and halt_on_error=1: the first report kills the rank, which the harness and
+#   the grids report with its stderr (the report); any report fails the run;
+# - UBSAN_OPTIONS print_stacktrace=1: where; the build makes every UB report fatal.
+ASAN_BUDGET_S ?= 300
+ASAN_TESTS ?= tests/test_fused_adam.py tests/test_backward_step.py tests/test_offload.py
+ASAN_ENV := LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONPATH=$(CURDIR)/build/asan/pkg PYTHONSAFEPATH=1 \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 MFSDP_SANITIZE=address
+asan-build: setup
+	MFSDP_SANITIZE=address MFSDP_CUDA=0 $(PY) setup.py -q build_ext --build-temp build/asan/tmp --build-lib build/asan/lib
+	rm -rf build/asan/pkg && mkdir -p build/asan/pkg && cp -r megatron_fsdp_c build/asan/pkg/
+	rm -f build/asan/pkg/megatron_fsdp_c/_C*.so && cp build/asan/lib/megatron_fsdp_c/_C*.so build/asan/pkg/megatron_fsdp_c/
+	$(ASAN_ENV) $(PY) -c "import megatron_fsdp_c, os; assert megatron_fsdp_c.__file__.startswith(os.path.abspath('build/asan/pkg')), megatron_fsdp_c.__file__"
+
+asan: asan-build
+	$(ASAN_ENV) $(PY) benchmarks/stress.py --budget-s $(ASAN_BUDGET_S) --threads 1,2 --jitter-ms 2 \
+	  > build/asan/stress.log 2>&1; rc=$$?; tail -n 5 build/asan/stress.log; [ $$rc = 0 ]
+	$(ASAN_ENV) $(PY) -m pytest -q -p no:cacheprovider $(ASAN_TESTS) > build/asan/pytest.log 2>&1; rc=$$?; \
+	  tail -n 5 build/asan/pytest.log; [ $$rc = 0 ]
 
 clean:
 	rm -rf build csrc/tests/bin megatron_fsdp_c/*.so *.egg-info

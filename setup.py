@@ -50,6 +50,21 @@ CPU_ONLY = ["csrc/cuda/cuda_absent.c"]
 C_FLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing", "-fopenmp", "-Wall",
            "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
 
+# [Note: the sanitized build]
+# MFSDP_SANITIZE=address builds _C with AddressSanitizer and UndefinedBehaviorSanitizer (-O1 -g, frame
+# pointers kept, any UB report fatal): `make asan` builds it into build/asan and runs the stress
+# harness and a subset of the suite with it (the Makefile says what each runtime option is for).
+# Python and torch are not instrumented, so ASan sees our C code's reads and writes, and every
+# malloc/free of the process (double and invalid frees in torch or gloo included).
+SANITIZE = os.environ.get("MFSDP_SANITIZE", "")
+if SANITIZE not in ("", "address"):
+    sys.exit(f"megatron_fsdp_c: MFSDP_SANITIZE={SANITIZE!r}: the sanitized build takes 'address' (ASan + UBSan), or "
+             "unset it for the ordinary build")
+SANITIZE_FLAGS = (["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
+                  if SANITIZE else [])
+if SANITIZE:
+    C_FLAGS = [f for f in C_FLAGS if f != "-O3"] + ["-O1"] + SANITIZE_FLAGS
+
 LIB_DIRS = ("lib64", "lib", "targets/x86_64-linux/lib")
 SYSTEM_LIB = Path("/usr/lib/x86_64-linux-gnu")
 
@@ -310,7 +325,7 @@ class BuildExt(build_ext):
 
 def extension():
     sources = CORE + COMM + GLUE
-    include_dirs, macros, link = [], [], ["-fopenmp"]
+    include_dirs, macros, link = [], [], ["-fopenmp"] + SANITIZE_FLAGS
     if CUDA:
         sources += CUDA_C
         include_dirs += [str(CUDA["include"]), str(CUDA["nccl_inc"])]

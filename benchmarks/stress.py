@@ -210,7 +210,7 @@ def _run_world(world, cells, args, deadline):
                 failures += 1
                 if not first:
                     first = (f"world {world}: cell {where[0]!r} seed {where[1]} threads {where[2]}: rank(s) {died} died "
-                             f"(exit codes {[o[1] for _, o in dead]}); errors: "
+                             f"(exit codes {[o[1] for _, o in dead if o[0] == 'dead']}); errors: "
                              + "; ".join(str(o[1])[:1500] for _, o in dead if o[0] == "error")
                              + "".join(f"\n-- stderr of rank {r}:\n{_tail(os.path.join(out_dir, f'stderr.{r}'))}"
                                        for r in died))

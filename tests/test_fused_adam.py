@@ -253,3 +253,20 @@ def test_version_counters_move():
     before = p._version
     opt.step()
     assert p._version > before
+
+
+def test_jitter_switch():
+    """[Note: jitter at the hand-offs]: without MFSDP_TEST_JITTER_MS the pauses are a no-op; with it
+    they sleep up to that many milliseconds, the same draws for the same seed."""
+    import subprocess
+    import sys
+
+    code = ("import time; from megatron_fsdp_c import _jitter as j; print(j.ENABLED_MS, j.pause.__name__); "
+            "j.seed(3); t = time.perf_counter(); [j.pause('s') for _ in range(20)]; "
+            "print(time.perf_counter() - t)")
+    env = {k: v for k, v in os.environ.items() if k != "MFSDP_TEST_JITTER_MS"}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    on = subprocess.run([sys.executable, "-c", code], env=dict(env, MFSDP_TEST_JITTER_MS="5"), capture_output=True,
+                        text=True, check=True).stdout.split()
+    assert off[:2] == ["0.0", "_nothing"]
+    assert on[:2] == ["5.0", "_sleep"] and 0.01 < float(on[2]) < 5.0  # 20 draws of up to 5 ms (mean 50 ms)
