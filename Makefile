@@ -153,6 +153,10 @@ bench-quant: build/bench/quant_cpu
 # finder comes after it; PYTHONSAFEPATH: not the checkout before it), then the stress harness (benchmarks/stress.py) for ASAN_BUDGET_S seconds
 # and ASAN_TESTS under it; output in build/asan/*.log. Why each setting:
 # - LD_PRELOAD: Python is not linked with ASan, so its runtime must be the first library loaded;
+#   libstdc++ with it: ASan binds its __cxa_throw interceptor to the real one when it starts, and
+#   Python loads libstdc++ only with torch, later: without it the first C++ exception (torch's
+#   error out of a Python hook in a backward) stops the process in ASan's own CHECK
+#   (asan_interceptors.cpp:320 "real___cxa_throw != 0"), no fault of the program;
 # - detect_leaks=0: CPython and torch keep their interned objects and caches to the end (thousands
 #   of "leaks" at exit that are no fault; the C tests, make ctest, check our own leaks);
 # - abort_on_error=1 and halt_on_error=1: the first report kills the rank, which the harness and
@@ -160,7 +164,7 @@ bench-quant: build/bench/quant_cpu
 # - UBSAN_OPTIONS print_stacktrace=1: where; the build makes every UB report fatal.
 ASAN_BUDGET_S ?= 300
 ASAN_TESTS ?= tests/test_fused_adam.py tests/test_backward_step.py tests/test_offload.py
-ASAN_ENV := LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONPATH=$(CURDIR)/build/asan/pkg PYTHONSAFEPATH=1 \
+ASAN_ENV := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" PYTHONPATH=$(CURDIR)/build/asan/pkg PYTHONSAFEPATH=1 \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 MFSDP_SANITIZE=address
 asan-build: setup
 	MFSDP_SANITIZE=address MFSDP_CUDA=0 $(PY) setup.py -q build_ext --build-temp build/asan/tmp --build-lib build/asan/lib
