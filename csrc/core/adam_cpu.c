@@ -28,6 +28,31 @@
 
 #include "mfsdp_dtype.h"
 
+/* [Note: the team under ThreadSanitizer]
+ * libgomp is not built with ThreadSanitizer, so the ordering its team hand-off gives (the caller's
+ * writes before the region, the team's accesses before the region's end) is invisible to TSan,
+ * which then reports every later reuse of the step's memory (the caller's stack, `starts`, a
+ * gradient the engine accumulates into after the team read it) as a race. These annotations state
+ * what OpenMP guarantees for a parallel region: a release by the caller before it, an acquire as
+ * each range starts, a release as it ends and the caller's acquire of every range after the
+ * region. Two limits, both in TSan builds only: the outlined region reads its shared variables
+ * (n, jobs) through a restrict pointer before any statement of ours runs, so those reads alone are
+ * suppressed by their top frame (csrc/tests/tsan.supp); and the entry's sync object is one per
+ * process (a member can read nothing of its caller's before it acquires), so every step's start is
+ * ordered after every earlier step's start, which can hide a race between one caller's writes
+ * before its step and another caller's team (not one between a team and the engine, which is what
+ * csrc/tests/test_threads.c probes). The annotations compile to nothing elsewhere. */
+#if defined(__SANITIZE_THREAD__)
+void __tsan_acquire(void* addr);
+void __tsan_release(void* addr);
+#define TEAM_RELEASE(addr) __tsan_release((void*)(addr))
+#define TEAM_ACQUIRE(addr) __tsan_acquire((void*)(addr))
+static char team_entry;
+#else
+#define TEAM_RELEASE(addr) ((void)0)
+#define TEAM_ACQUIRE(addr) ((void)0)
+#endif
+
 /* The per-tensor scalars of one step, rounded to the parameter's type T as torch rounds them. */
 #define ADAM_COEFFS(T)                                                                          \
   typedef struct coeffs_##T {                                                                   \
@@ -278,8 +303,14 @@ mfsdp_status mfsdp_adam_step(const mfsdp_adam_config* cfg, const mfsdp_adam_tens
     jobs[k] = (adam_job){cfg, tensors, starts, n_tensors, k ? b & ~(int64_t)63 : 0, k + 1 < n ? e & ~(int64_t)63 : total};
   }
   /* [Note: the step's threads]; a team smaller than asked still runs every range */
+  TEAM_RELEASE(&team_entry); /* [Note: the team under ThreadSanitizer] */
 #pragma omp parallel for num_threads(n) schedule(static, 1)
-  for (int32_t k = 0; k < n; ++k) run_job(&jobs[k]);
+  for (int32_t k = 0; k < n; ++k) {
+    TEAM_ACQUIRE(&team_entry);
+    run_job(&jobs[k]);
+    TEAM_RELEASE(&jobs[k]);
+  }
+  for (int32_t k = 0; k < n; ++k) TEAM_ACQUIRE(&jobs[k]);
   free(starts);
   return MFSDP_OK;
 }
