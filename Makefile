@@ -19,7 +19,7 @@ TEST_HARNESS_C := csrc/tests/harness.c csrc/tests/pipeline_cases.c
 TEST_HARNESS := $(TEST_HARNESS_C) csrc/tests/harness.h csrc/tests/pipeline_cases.h
 # The parts of test_core and test_emu, one file per concern (their runners call each by name).
 TEST_CORE_C := $(addprefix csrc/tests/core/,test_kernels.c test_quant.c test_layout.c test_reduce.c test_replicas.c \
-	             test_trainable.c test_adam.c test_misuse.c)
+	             test_trainable.c test_adam.c test_misuse.c test_in_flight.c)
 TEST_EMU_C := $(addprefix csrc/tests/cuda/,nccl_rig.c test_kernels.c test_emulator.c test_quant.c test_grouped.c \
 	            test_hfsdp.c test_hangs.c)
 # The CUDA half, floor to roof (maps at the top of csrc/cuda/kernels.cu and nccl_transport.c);

@@ -32,7 +32,21 @@
  * backward.c). What the host writes (the step) the device reads later, in stream order: the next
  * gather or install_main_weights is queued after it returns. Host buffers are never temporary:
  * nothing frees one while a copy reads it. On the CPU both memory ops make host memory, and the
- * same copies run (the staging path the CPU suite covers). */
+ * same copies run (the staging path the CPU suite covers).
+ *
+ * [Note: buffers under a collective]
+ * A collective keeps writing its output until it ends, whatever became of the wait: gloo's worker
+ * runs an all-gather that was given up on (Work.wait timed out) when the late peer arrives, and
+ * copies into the output then (benchmarks/repro/gloo_freed_output.py, torch alone: a SIGSEGV in
+ * AsyncAllgatherWork::allgather once the output's storage had been resized to 0). So no temporary
+ * is released while a collective that reads or writes it may run: every path that releases waits
+ * for the bucket's work first (abandon_gather, complete_front, pl_complete_outer_of); a failed
+ * wait breaks the pipeline (pl_comm_failed), which then keeps all of its memory (pl_release does
+ * nothing) and refuses every call that could release; and destroy only drops references, never
+ * resizes: the torch transport's Work holds its tensors, so their storages outlive the engine
+ * while gloo still writes them. pl_release checks the first rule: an owner under the bucket's
+ * gather, reduction or reduction across replicas in flight is an internal error, raised, where it
+ * would otherwise free memory a collective writes later. */
 #include "pipeline_internal.h"
 
 #include <stdlib.h>
@@ -59,10 +73,40 @@ mfsdp_status pl_materialize(mfsdp_pipeline* p, bucket* bk, int kind) {
   return MFSDP_OK;
 }
 
+/* Whether one of `kinds` of bk is a view of (or is) owner o. */
+static int any_of(const bucket* bk, const int8_t* kinds, int n, int o) {
+  for (int i = 0; i < n; ++i)
+    if (kinds[i] >= 0 && bk->present[kinds[i]] && bk->owner[kinds[i]] == o) return 1;
+  return 0;
+}
+
+/* The collective in flight that touches owner o ([Note: buffers under a collective]), or NULL. */
+static const char* collective_on(const bucket* bk, int o) {
+  const int8_t gather[] = {(int8_t)bk->gather_kind, MFSDP_BUF_WEIGHT_SHARD, MFSDP_BUF_GATHER_WIRE,
+                           MFSDP_BUF_GATHER_WIRE_SHARD};
+  const int8_t reduce[] = {MFSDP_BUF_GRAD,         MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_COMM, MFSDP_BUF_COMM_SLICE,
+                           MFSDP_BUF_EXCHANGE,     MFSDP_BUF_GRAD_WIRE};
+  const int8_t outer_reduce[] = {MFSDP_BUF_GRAD,     MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD_SHARD,
+                                 MFSDP_BUF_GRAD_SUB, MFSDP_BUF_OUTER_WIRE, MFSDP_BUF_OUTER_WIRE_SUB};
+  const int8_t outer_gather[] = {MFSDP_BUF_WEIGHT_SHARD, MFSDP_BUF_WEIGHT_SUB, MFSDP_BUF_OUTER_WIRE,
+                                 MFSDP_BUF_OUTER_WIRE_SUB};
+  if (bk->gather_work && any_of(bk, gather, 4, o)) return "an all-gather";
+  if (bk->reduce_work && any_of(bk, reduce, 6, o)) return "a gradient reduction";
+  if (bk->outer_work && (bk->outer_gathering ? any_of(bk, outer_gather, 4, o) : any_of(bk, outer_reduce, 6, o)))
+    return "a collective across replicas";
+  return NULL;
+}
+
 mfsdp_status pl_release(mfsdp_pipeline* p, bucket* bk, int kind) {
   if (!bk->present[kind]) return MFSDP_OK;
   int o = bk->owner[kind];
   if (!bk->materialized[o] || !bk->temporary[o]) return MFSDP_OK;
+  if (p->broken[0]) return MFSDP_OK; /* a collective may still write it: [Note: buffers under a collective] */
+  const char* busy = collective_on(bk, o);
+  if (busy)
+    return pl_comm_failed(p, MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: buffer %d released while %s that uses it "
+                                        "is in flight (an engine bug: [Note: buffers under a collective])",
+                                        (int)(bk - p->b), o, busy));
   void* ctx;
   MFSDP_CHECK(pl_memory_of(p, bk, o, &ctx)->release(ctx, &bk->buf[o]));
   bk->materialized[o] = 0;

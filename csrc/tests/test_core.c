@@ -25,6 +25,7 @@ int main(void) {
   pipeline_cases_tail = 0;
   test_hfsdp_quantized();
   test_pipeline_misuse();
+  test_in_flight();
   if (test_failures) {
     fprintf(stderr, "test_core: %d checks failed\n", test_failures);
     return test_failures > 100 ? 100 : test_failures;

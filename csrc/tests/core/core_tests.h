@@ -22,5 +22,7 @@ void test_requires_grad_changes(void);
 void test_adam(void);
 /* test_misuse.c */
 void test_pipeline_misuse(void);
+/* test_in_flight.c */
+void test_in_flight(void);
 
 #endif
