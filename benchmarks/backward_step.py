@@ -1,8 +1,8 @@
 """How much of the host optimizer step a backward hides: FusedAdamW(step_in_backward=True) against
-the same optimizer stepping after the backward, CPU offload, ZeRO-3, one run ([Note: stepping in
-backward] in megatron_fsdp_c/_backward_step.py).
+the same optimizer stepping after the backward, CPU offload, ZeRO-2 and ZeRO-3, one run ([Note:
+stepping in backward] in megatron_fsdp_c/_backward_step.py).
 
-    torchrun --nproc-per-node 2 benchmarks/backward_step.py [--layers 8 --width 512 --steps 6]
+    torchrun --nproc-per-node 2 benchmarks/backward_step.py [--layers 8 --width 512 --steps 6 --strategies 2,3]
     python benchmarks/backward_step.py --single-rank    # world 1 through the collectives
 
 Per mode, after two warm-up steps, the median over --steps of: the whole step (forward, backward,
@@ -23,12 +23,12 @@ import megatron_fsdp_c as mf
 from megatron_fsdp_c.testing import GPT, Block, GPTConfig, batch
 
 
-def run(cfg, steps, step_in_backward, single_rank, rank):
+def run(cfg, steps, strategy, step_in_backward, single_rank, rank):
     torch.manual_seed(0)
     model = GPT(cfg)
     fsdp, opt = mf.fully_shard(model, mf.FusedAdamW(model.parameters(), lr=1e-4,
                                                      step_in_backward=step_in_backward),
-                               fsdp_unit_modules=[Block], zero_dp_strategy=3, optimizer_cpu_offload=True,
+                               fsdp_unit_modules=[Block], zero_dp_strategy=strategy, optimizer_cpu_offload=True,
                                single_rank_collectives=single_rank)
     times = {"step": [], "backward": [], "optimizer.step()": []}
     for k in range(steps + 2):
@@ -55,24 +55,30 @@ def main():
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--single-rank", action="store_true", help="world 1, through the collectives")
+    ap.add_argument("--strategies", default="2,3", help="ZeRO strategies, comma-separated")
     args = ap.parse_args()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab=1024, seq=128, d=args.width, heads=8, layers=args.layers)
+    strategies = [int(s) for s in args.strategies.split(",")]
     rows = {}
-    for mode in (False, True):
-        n, rows[mode] = run(cfg, args.steps, mode, args.single_rank or world == 1, rank)
+    for strategy in strategies:
+        for mode in (False, True):
+            n, rows[strategy, mode] = run(cfg, args.steps, strategy, mode, args.single_rank or world == 1, rank)
     if rank == 0:
         print(f"world {world}, {n / 1e6:.1f}M parameters, threads {torch.get_num_threads()}, torch {torch.__version__}")
-        print("| mode | step ms | backward ms | optimizer.step() ms |")
-        print("|---|---|---|---|")
-        for mode, label in ((False, "step after the backward"), (True, "step_in_backward=True")):
-            r = rows[mode]
-            print(f"| {label} | {r['step']:.1f} | {r['backward']:.1f} | {r['optimizer.step()']:.1f} |")
-        hidden = 1 - rows[True]["optimizer.step()"] / rows[False]["optimizer.step()"]
-        print(f"hidden: {hidden:.0%} of optimizer.step(); whole step {rows[True]['step'] / rows[False]['step']:.2f}x")
+        print("| ZeRO | mode | step ms | backward ms | optimizer.step() ms |")
+        print("|---|---|---|---|---|")
+        for strategy in strategies:
+            for mode, label in ((False, "step after the backward"), (True, "step_in_backward=True")):
+                r = rows[strategy, mode]
+                print(f"| {strategy} | {label} | {r['step']:.1f} | {r['backward']:.1f} | {r['optimizer.step()']:.1f} |")
+        for strategy in strategies:
+            on, off = rows[strategy, True], rows[strategy, False]
+            print(f"ZeRO-{strategy} hidden: {1 - on['optimizer.step()'] / off['optimizer.step()']:.0%} of "
+                  f"optimizer.step(); whole step {on['step'] / off['step']:.2f}x")
     dist.destroy_process_group()
 
 

@@ -103,12 +103,15 @@ def adam_step_(
     decoupled: bool,
     threads: int,
     computes: Sequence[torch.Tensor | None] | None = None,
+    recheck: bool = False,
     /,
 ) -> None:
     """adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,
-    weight_decay, amsgrad, maximize, decoupled, threads, computes=None): one fused Adam/AdamW step of a
-    parameter group in place ([Note: fused Adam] in csrc/core/mfsdp_adam.h); steps[i] is tensor i's
-    count (state["step"], a one-element float tensor), advanced by one when the step succeeded."""
+    weight_decay, amsgrad, maximize, decoupled, threads, computes=None, recheck=False): one fused
+    Adam/AdamW step of a parameter group in place ([Note: fused Adam] in csrc/core/mfsdp_adam.h);
+    steps[i] is tensor i's count (state["step"], a one-element float tensor), advanced by one when the
+    step succeeded. recheck: raise if a tensor's memory was freed or replaced while the step ran
+    without the GIL ([Note: memory under the step] in csrc/python/optim.c)."""
 
 def adam_isa() -> str:
     """adam_isa() -> the fused Adam's SIMD path: avx512, avx2 or portable."""

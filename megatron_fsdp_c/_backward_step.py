@@ -62,9 +62,27 @@ class BackwardSteps:
         self.waiting: List[int] = []  # the buckets of the unit whose backward ended last
         self.busy: list = []  # optimizers with steps submitted in this pass
         self.stepping: set = set()  # their buckets, until joined
+        self.armed = False  # a stepping optimizer holds a parameter of this owner (at the last forward)
         # buckets stepped in the last syncing backward: while it ran, and at its end; gathers that
         # waited for a step, and that went on while steps ran
         self.counts = {"during": 0, "at_end": 0, "waits": 0, "passed": 0}
+
+    def before_forward(self) -> None:
+        """At the root's pre-forward: joins every step (the forward reads the weights), and notes
+        whether an optimizer that steps in backward holds one of this owner's parameters. Per
+        owner, not "any stepper alive": another model's optimizer, alive until the collector takes
+        it, must not change what this model's backward does."""
+        self.join()
+        self.armed = False
+        if not _STEPPERS:
+            return
+        mine = {id(r.dist_param) for r in self.owner.param_buffer.records}
+        self.armed = any(id(p) in mine for opt in list(_STEPPERS) for g in opt.param_groups for p in g["params"])
+
+    def may_step(self, unit) -> bool:
+        """At a unit's forward: whether its backward's end may step a bucket (so it must be told,
+        even where nothing reshards the unit after its backward: ZeRO-2)."""
+        return self.armed and bool(unit.grad_buckets)
 
     def begin(self, sync: bool) -> None:
         """At the start of a backward, before the engine's: which buckets' parameters a stepping

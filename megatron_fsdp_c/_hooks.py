@@ -293,7 +293,7 @@ class HookManager:
 
     # -- forward --------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
-        self.backward_steps.join()
+        self.backward_steps.before_forward()
         if not in_backward():
             self.pass_state.fwd_next = self.pass_state.fwd_done = 0
         if self.root_buckets:
@@ -335,7 +335,7 @@ class HookManager:
             self.engine.wait_unshard(unit.buckets)
         if self.on_unsharded is not None:
             self.on_unsharded(unit)
-        if unit.releasable and torch.is_grad_enabled():
+        if (unit.releasable or self.backward_steps.may_step(unit)) and torch.is_grad_enabled():
             flat, spec = tree_flatten((args, kwargs))
             positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if positions:
@@ -409,7 +409,7 @@ class HookManager:
             self.gather(self.bwd_seq[self.pass_state.bwd_next])
 
     def post_backward(self, unit: UnitState) -> None:
-        if unit.reshard_after_backward:
+        if unit.releasable and unit.reshard_after_backward:
             self._reshard(unit)
         self.backward_steps.unit_done(unit)
 

@@ -178,8 +178,10 @@ class FusedAdam(torch.optim.Optimizer):
         # step of a small tensor)
         return [p for p, _, _ in stepping], params, grads, avgs, sqs, maxs, [_local(t) for t in step_ts]
 
-    def _update(self, group, tensors):
-        """The C step of `tensors` (from _tensors) with the group's hyperparameters, as a call."""
+    def _update(self, group, tensors, recheck: bool = False):
+        """The C step of `tensors` (from _tensors) with the group's hyperparameters, as a call;
+        `recheck`: off the autograd thread, beside the engine ([Note: memory under the step] in
+        csrc/python/optim.c)."""
         stepped, params, grads, avgs, sqs, maxs, steps = tensors
         lr, (beta1, beta2), eps, weight_decay, amsgrad, maximize, decoupled = _hyper(group)
         # written in place from C: bump the version counters an in-place op would (the per-module
@@ -187,7 +189,7 @@ class FusedAdam(torch.optim.Optimizer):
         increment_version(stepped + params + avgs + sqs + (maxs or []))
         threads = self.threads or torch.get_num_threads()
         return lambda: _C.adam_step_(params, grads, avgs, sqs, maxs, steps, lr, beta1, beta2, eps, weight_decay,
-                                     bool(amsgrad), bool(maximize), bool(decoupled), threads)
+                                     bool(amsgrad), bool(maximize), bool(decoupled), threads, None, recheck)
 
     def _step_in_backward(self, group_index: int, pairs, landed) -> None:
         """Steps (parameter, gradient DTensor) pairs of one group from a backward ([Note: stepping
@@ -200,7 +202,7 @@ class FusedAdam(torch.optim.Optimizer):
         tensors = self._tensors(group, pairs)
         if tensors is None:
             return
-        grads, update = tensors[2], self._update(group, tensors)
+        grads, update = tensors[2], self._update(group, tensors, recheck=True)
         hyper = _hyper(group)  # once: every entry of the group shares it
         entries = [[grad, None, hyper] for grad in grads]
         for e in entries:

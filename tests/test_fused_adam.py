@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -270,3 +271,42 @@ def test_jitter_switch():
                         text=True, check=True).stdout.split()
     assert off[:2] == ["0.0", "_nothing"]
     assert on[:2] == ["5.0", "_sleep"] and 0.01 < float(on[2]) < 5.0  # 20 draws of up to 5 ms (mean 50 ms)
+
+
+def test_memory_replaced_under_the_step_raises():
+    """[Note: memory under the step] in csrc/python/optim.c: the step lets the GIL go for its
+    arithmetic; a tensor given other memory meanwhile (here set_: its old storage kept alive by
+    `old`, so the step writes live memory) makes the step raise, naming the tensor, and leaves the
+    step count as it was."""
+    n = 1 << 23  # ~10-30 ms a step on one thread: the swap lands inside it
+    grad, avg, sq, count = torch.ones(n), torch.zeros(n), torch.zeros(n), torch.tensor(0.0)
+    inside = 0
+    for _ in range(5):  # a try whose swap missed the step (a slow thread start) says nothing: again
+        param, other = torch.zeros(n), torch.zeros(n)
+        old = param.untyped_storage()
+        started, times, errors = threading.Event(), {}, []
+
+        def step():
+            started.set()
+            try:
+                _C.adam_step_([param], [grad], [avg], [sq], None, [count], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False,
+                              True, 1, None, True)
+            except RuntimeError as e:
+                errors.append(str(e))
+            times["end"] = time.perf_counter()
+
+        before = count.item()
+        worker = threading.Thread(target=step)
+        worker.start()
+        started.wait()
+        time.sleep(0.002)
+        param.set_(other)
+        times["swap"] = time.perf_counter()
+        worker.join()
+        if times["swap"] + 0.002 >= times["end"]:  # not surely before the step's check
+            continue
+        inside += 1
+        assert errors and "memory of params 0 was freed or replaced while the step ran" in errors[0], errors
+        assert count.item() == before  # not advanced: the step did not succeed
+        assert old.size() == 4 * n and param.abs().sum().item() == 0  # it wrote the old memory, not the new
+    assert inside > 0, "no swap landed inside a step"

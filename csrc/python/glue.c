@@ -172,6 +172,13 @@ int mfsdp_tensor_view(module_state* st, PyObject* t, const char* what, tensor_vi
   return 0;
 }
 
+int mfsdp_tensor_data_ptr(module_state* st, PyObject* t, void** data) {
+  long long ptr;
+  if (get_long(t, st->tensor_names[TENSOR_DATA_PTR], &ptr) < 0) return -1;
+  *data = (void*)(intptr_t)ptr;
+  return 0;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* torch's current CUDA stream */
 

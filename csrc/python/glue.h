@@ -80,6 +80,8 @@ typedef struct tensor_view {
   int32_t device;
 } tensor_view;
 int mfsdp_tensor_view(module_state* st, PyObject* tensor, const char* what, tensor_view* out);
+/* Only the data pointer of a tensor mfsdp_tensor_view accepted (one call: a re-check). 0 on success. */
+int mfsdp_tensor_data_ptr(module_state* st, PyObject* tensor, void** data);
 int mfsdp_dtype_code(module_state* st, PyObject* dtype, const char* what); /* -1 with exception */
 
 #ifdef MFSDP_WITH_CUDA
