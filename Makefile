@@ -136,8 +136,8 @@ test:
 	  echo "== make test: pytest exit $$py, C side exit $$c =="; [ "$$py" = 0 ] && [ "$$c" = 0 ]
 
 # The compatibility pass on one torch of the supported range ([Note: supported torch versions] in
-# megatron_fsdp_c/_torch_compat.py): a fresh venv with PyPI's torch==$(TORCH), the README's install
-# line, the example and the pytest suite, on a copy of the tree (.ci/compat says what and how long).
+# megatron_fsdp_c/_torch_compat.py): a fresh venv with PyPI's torch==$(TORCH), the install line
+# of docs/setup.md, the example and the pytest suite, on a copy of the tree (.ci/compat says what and how long).
 # CI runs it at both ends: make compat TORCH=2.11.0 and TORCH=2.15.0.
 compat:
 	TORCH=$(TORCH) PYTHON=$(PYTHON) .ci/compat

@@ -1,6 +1,6 @@
 """Build of megatron_fsdp_c._C: a pure-C CPython extension (no pybind, no C++).
 
-Which build (README, "Building on a CUDA machine"):
+Which build (docs/setup.md, "Installing, and building on a CUDA machine"):
   MFSDP_CUDA=auto (default): CUDA when the installed torch is a CUDA build (then a failing CUDA
       build is an error, with the reason), CPU-only when torch is CPU-only.
   MFSDP_CUDA=1: CUDA, or an error; MFSDP_CUDA=0: CPU-only.

@@ -98,7 +98,7 @@ def group_timeout(group, device: torch.device) -> datetime.timedelta:
 def use_native_nccl(transport: str, device: torch.device) -> bool:
     """transport="auto" picks the torch transport (torch's NCCL backend on GPUs) until a GPU
     session has measured the native NCCL transport passing (benchmarks/gpu_check.sh); that
-    session flips this and records the evidence in the README."""
+    session flips this and records the evidence in docs/setup.md."""
     return transport == "nccl"
 
 
@@ -260,7 +260,7 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
     device_index = device.index if device.type == "cuda" else -1
     if use_nccl:
         from ._nccl import make_nccl_transport
-        # None: the process group's timeout, as for the torch transport (README)
+        # None: the process group's timeout, as for the torch transport (docs/api.md)
         t = make_nccl_transport(group, rank, world, device, timeout or group_timeout(group, device))
     else:
         t = _C.TorchTransport(gather_group, reduce_group, device_index, timeout,

@@ -53,7 +53,7 @@ def check_one_nccl(ours=None, torchs=None, libraries=None) -> None:
 def make_nccl_transport(group, rank: int, world: int, device: torch.device, timeout: datetime.timedelta):
     if not hasattr(_C, "NcclTransport"):
         raise RuntimeError("transport='nccl' needs a CUDA build of megatron_fsdp_c (nvcc and NCCL at build time, see "
-                           "the README); this build is CPU-only: use transport='torch'")
+                           "docs/setup.md); this build is CPU-only: use transport='torch'")
     if device.type != "cuda" or device.index is None:
         raise ValueError(f"transport='nccl' needs an indexed CUDA device, got {device}")
     check_one_nccl()

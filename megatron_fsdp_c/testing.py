@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import socket
+import time
 import tempfile
 import traceback
 from typing import Any, Callable, List, Optional
@@ -262,10 +262,34 @@ def init_distributed():
 # multi-process runner
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# [Note: the rendezvous port]
+# Rank 0 opens the group's store on a port the kernel picks (port 0) and publishes it as a file in
+# the run's directory; the other ranks read it there. (It was a port probed and closed by the
+# parent and bound by rank 0 seconds later: in that window another run's gloo, whose listeners
+# take ports the same way, could bind it, and that run's ranks would then talk to the wrong
+# process -- a race open whenever two runs start side by side, [Note: spawns side by side] in
+# tests/support/spawns.py.)
+def _rendezvous(rank: int, world: int, out_dir: str, timeout_s: float):
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    path = os.path.join(out_dir, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(path + ".tmp", path)  # whole or absent: a reader never sees half a number
+        return store
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 published no rendezvous port in {timeout_s:.0f} s")
+        time.sleep(0.01)
+    with open(path) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
 
 
 # [Note: ranks start from a forkserver]
@@ -291,7 +315,7 @@ def _ranks_context():
     return _rank_context
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, kwargs: dict,
+def _worker(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, kwargs: dict,
             timeout_s: float, env: Optional[dict] = None):
     import datetime
 
@@ -304,7 +328,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
     torch.set_num_threads(1)
     result: Any
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        store = _rendezvous(rank, world, out_dir, timeout_s)  # [Note: the rendezvous port]
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         result = ("ok", fn(rank, world, *args, **kwargs))
     except BaseException as e:  # reported to the parent, which raises
@@ -331,9 +356,8 @@ def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 240.0, rais
     text) or 'dead' (no result: the exit code)."""
     ctx = _ranks_context()
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
         env = dict(os.environ)
-        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, args, kwargs, timeout_s, env),
+        procs = [ctx.Process(target=_worker, args=(r, world, out_dir, fn, args, kwargs, timeout_s, env),
                              daemon=True)
                  for r in range(world)]
         for p in procs:

@@ -18,7 +18,7 @@ from megatron_fsdp_c.per_module import FSDPModule, UnshardHandle
 from support import rank_grid
 from support.checks import RTOL
 
-# Each public method of torch's FSDPModule and what ours does with it (README: the per-method list).
+# Each public method of torch's FSDPModule and what ours does with it (docs/per_module.md: the per-method list).
 NO_EFFECT = ["set_is_last_backward", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params",
              "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group", "set_unshard_in_backward"]
 REFUSED = ["set_custom_all_gather", "set_custom_reduce_scatter", "set_symm_mem_for_comm"]

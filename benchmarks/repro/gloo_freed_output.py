@@ -10,7 +10,7 @@ late. Measured on 2026-12-06 (torch 2.13.0, CPU, 2 cores): rank 0 dies with SIGS
 in gloo's worker thread (pt_gloo_runloop: ProcessGroupGloo::AsyncWork::execute ->
 AsyncAllgatherWork::allgather -> at::native::copy_ into the freed output; the stack was taken with
 gdb attached to rank 0), at numel 1,000 and 100,000. That is the shape of the SIGSEGV inside a gloo
-all-gather seen once in a full suite (README, Tests). What megatron_fsdp_c does about it:
+all-gather seen once in a full suite (docs/testing.md). What megatron_fsdp_c does about it:
 [Note: buffers under a collective] in csrc/comm/buffers.c. Prints the outcome; exits 0 when the
 hazard showed (rank 0 killed by a signal, or the fresh tensor written), 1 when it did not."""
 import datetime

@@ -76,8 +76,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     than 0 must split evenly over the shard group: NotImplementedError otherwise; a tensor-parallel
     parameter takes dim 0 only), laid out as [Note: chunked layout] in csrc/core/mfsdp_layout.h
     says, with one all-gather and one reduce-scatter per bucket as for Shard(0). offload_policy
-    takes torch's OffloadPolicy(), and CPUOffloadPolicy() on CPU meshes ([Note: CPU offload] in
-    _policy.py).
+    takes torch's OffloadPolicy() and CPUOffloadPolicy() on CPU and GPU meshes (pin_memory=True on a
+    GPU: [Note: CPU offload] in _policy.py).
 
     Beyond torch's arguments: zero_dp_strategy (default "optim_grads_params") gives the group
     Megatron-FSDP's strategies: "no_shard" (0), "optim" (1), "optim_grads" (2); and
