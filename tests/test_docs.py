@@ -80,3 +80,59 @@ def test_note_pointers_resolve():
                          for f in found):
                 bad.append(f"{page.relative_to(ROOT)}: [Note: {note}] is not in {file}")
     assert not bad, "\n".join(bad)
+
+
+DEFINITION = re.compile(r'^\s*(?:#|\*|//|/\*|r?""")?\s*\[Note: ([^\]]+)\]\s*(?:\*/|""")?\s*$', re.M)
+POINTER = re.compile(r"\[Note: ([^\]]+)\] in `?(the Makefile|Makefile|[\w./-]+\.(?:pyi|py|cuh|cu|c|h|md|toml|sh))\b`?")
+
+
+def test_note_pointers_in_the_code_resolve():
+    """Every "[Note: X] in FILE" of the tracked sources (comments and docstrings) names a file that
+    defines that Note (a line of its own, the Note's title): FILE relative to the citing file's
+    folder, from the root, or the end of a path."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    texts, defined = {}, {}
+    for f in files:
+        if f.startswith("tests/torch_suite/") or not f.endswith((".py", ".pyi", ".c", ".h", ".cu", ".cuh", ".sh",
+                                                                  "Makefile", ".toml")):
+            continue
+        # comment markers and line breaks out, so a pointer broken over lines reads whole
+        raw = (ROOT / f).read_text(errors="replace")
+        texts[f] = re.sub(r"\s+", " ", re.sub(r"^\s*(#|\*|//)", " ", raw, flags=re.M))
+        defined[f] = set(DEFINITION.findall(raw))
+    bad = []
+    for f, text in texts.items():
+        for note, target in POINTER.findall(text):
+            target = "Makefile" if target.endswith("Makefile") else target
+            here = (ROOT / f).parent / target
+            found = [str(here.resolve().relative_to(ROOT))] if here.resolve().is_relative_to(ROOT) else []
+            found += [g for g in files if g == target or g.endswith("/" + target.lstrip("./"))]
+            found = [g for g in found if (ROOT / g).is_file()]
+            if not found:
+                bad.append(f"{f}: [Note: {note}] in {target}: no such file")
+            elif not any(note in (defined[g] if g in defined else DEFINITION.findall((ROOT / g).read_text()))
+                         for g in found):
+                bad.append(f"{f}: [Note: {note}] is not defined in {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_cited_note_is_defined():
+    """A Note cited anywhere ("[Note: X]", with or without a file) is defined once: one line of its
+    own in one file."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    where: dict = {}
+    cited = {}
+    for f in files:
+        if f.startswith("tests/torch_suite/") or f == "tests/test_docs.py" or not f.endswith(
+                (".py", ".pyi", ".c", ".h", ".cu", ".cuh", ".sh", "Makefile", ".toml", ".md")):
+            continue
+        raw = (ROOT / f).read_text(errors="replace")
+        for note in DEFINITION.findall(raw):
+            where.setdefault(note, []).append(f)
+        # comment markers, C string breaks ("...\n" "...") and line breaks out
+        text = re.sub(r'\\n"\s*"', " ", re.sub(r"^\s*(#|\*|//)", " ", raw, flags=re.M))
+        for note in re.findall(r"\[Note: ([^\]]+)\]", re.sub(r"\s+", " ", text)):
+            cited.setdefault(note, f)
+    undefined = [f"{f}: [Note: {n}]" for n, f in cited.items() if n not in where]
+    twice = [f"[Note: {n}] defined in {', '.join(fs)}" for n, fs in where.items() if len(fs) > 1]
+    assert not undefined and not twice, "\n".join(undefined + twice)

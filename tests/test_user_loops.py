@@ -14,7 +14,7 @@ same seed and per-rank data, for every strategy at world sizes 2 and 4, in float
 
 The cells run in the shared spawn of their world size; a rank that dies (gloo aborts the process
 when collectives of different sizes meet) fails its own cell only: see [Note: crash-tolerant
-grids] in support/rank_grid.py.
+grids] in support/spawns.py.
 """
 import pytest
 import torch

@@ -147,7 +147,7 @@ mfsdp_status mfsdp_cpu_dequantize_pack(void* dst_base, int dst_dtype, const mfsd
 
 /* ---- scalar codecs, shared by the CPU and CUDA kernels ----
  * Division, multiply and add are rounded separately on the GPU too (see [Note: no FMA] in
- * csrc/cuda/kernels.cu): the device intrinsics are never contracted or approximated, and the
+ * csrc/cuda/kernels_internal.cuh): the device intrinsics are never contracted or approximated, and the
  * CPU code is built with -ffp-contract=off. */
 #if defined(__CUDA_ARCH__)
 #define MFSDP_QDIV(a, b) __fdiv_rn((a), (b))

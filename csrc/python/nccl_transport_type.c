@@ -25,7 +25,7 @@ PyDoc_STRVAR(nccl_doc,
              "point to end it; a transport dropped without close aborts its communicators.");
 
 /* While the transport waits for NCCL (see [Note: NCCL never blocks the engine] in
- * csrc/cuda/nccl_transport.c): the GIL is released, if this thread holds it, and Ctrl-C is
+ * csrc/cuda/nccl_watch.c): the GIL is released, if this thread holds it, and Ctrl-C is
  * looked for every 20 ms. A KeyboardInterrupt ends the wait (the transport aborts its
  * communicators and fails) and is raised again once the call is back in Python. */
 static void* nccl_block_begin(void* arg) {

@@ -215,8 +215,9 @@ def _to_dtensor(p: nn.Parameter, ctx: DistContext, dim: Optional[int], device: t
         shape = tp.shape
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape))
     out = nn.Parameter(dt, requires_grad=p.requires_grad)
-    if getattr(p, "_has_grad_dtype_override", False):  # torch 2.15: kept, as FSDP2 keeps it ([Note: reduce dtype by
-        out.grad_dtype = p.grad_dtype                   # torch version] in _policy.py)
+    # torch 2.15: a gradient dtype override kept, as FSDP2 keeps it ([Note: reduce dtype by torch version] in _policy.py)
+    if getattr(p, "_has_grad_dtype_override", False):
+        out.grad_dtype = p.grad_dtype
     return out
 
 
