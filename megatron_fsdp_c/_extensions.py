@@ -14,7 +14,7 @@ still owns its numbers. The bucket plan gives each unit up to three kinds of buc
                   rows of the main shard, so the optimizer's in-place steps land in the engine --
                   but never gathered: nothing computes with them whole;
   ROLE_PAYLOAD    one item per all-gather input of each extension parameter, of the input's
-                  dtype carried opaque ([Note: opaque parameter dtypes] in _param_record.py) and
+                  dtype carried opaque ([Note: opaque parameter dtypes] in _engine_dtypes.py) and
                   its padded size per rank, frozen; gathered by the engine as any ZeRO-3 bucket,
                   so the inputs ride its prefetch and its one collective per bucket (one bucket
                   per unit and dtype: fp8 bytes in one, int8 data in one, fp32 scales in one).
@@ -53,13 +53,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C
+from ._engine_dtypes import opaque_dtype
 
 __all__ = ["ROLE_PARAMS", "ROLE_EXTENSION", "ROLE_PAYLOAD", "ExtensionParam", "PayloadInput", "is_extension",
            "ExtensionGathers", "check_local_shard", "plain_grad", "value_names", "values_of", "repoint", "shard_mesh",
            "plan_inputs"]
 
 ROLE_PARAMS, ROLE_EXTENSION, ROLE_PAYLOAD = 0, 1, 2
-_OPAQUE_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def is_extension(t) -> bool:
@@ -163,7 +163,7 @@ class PayloadInput:
 
     @property
     def engine_dtype(self) -> torch.dtype:
-        return _OPAQUE_BY_SIZE[torch.empty((), dtype=self.dtype).element_size()]
+        return opaque_dtype(self.dtype)  # [Note: opaque parameter dtypes] in _engine_dtypes.py
 
 
 @dataclasses.dataclass(eq=False)

@@ -32,7 +32,8 @@ from ._common import ShardingStrategy, contiguous_stride, move_storage
 from ._distributed import DistContext, check_quant_transport
 from ._extensions import ROLE_EXTENSION, ROLE_PARAMS, ROLE_PAYLOAD, values_of, repoint
 from ._memory_report import StorageTally, memory_report
-from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy, bucket_dtypes
+from ._bucket_dtypes import bucket_dtypes
+from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 from ._param_record import ParamRecord, as_dtype, into_engine, rows_of, collect_params, engine_dtype, local_shape
 from ._tensor_parallel import spmd_layout
 

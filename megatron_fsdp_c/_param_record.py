@@ -11,29 +11,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _C
+from ._engine_dtypes import engine_dtype
 from ._extensions import check_local_shard, is_extension
 from .no_shard import is_no_shard
 from ._tensor_parallel import TPSpec
 
 __all__ = ["ParamRecord", "as_dtype", "collect_params", "engine_dtype", "into_engine", "local_shape", "rows_of"]
-
-# [Note: opaque parameter dtypes]
-# A frozen parameter of a dtype the engine has no code for (float8_e4m3fn, complex, uint16, ...)
-# is carried as the opaque integer type of its element size: its buckets are never cast or
-# reduced, only copied and gathered (csrc/core/mfsdp_dtype.h), so its bits travel unchanged.
-# Tensors going into the engine are viewed as that type, and the engine's memory is viewed back
-# as the parameter's dtype wherever a compute parameter or a DTensor shard is made of it.
-_OPAQUE_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def engine_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The engine's element type for parameters of `dtype` (see [Note: opaque parameter dtypes])."""
-    if dtype in _C.DTYPE_CODES:
-        return dtype
-    size = torch.empty((), dtype=dtype).element_size()
-    if size not in _OPAQUE_BY_SIZE:
-        raise TypeError(f"parameters of dtype {dtype} ({size}-byte elements) cannot be sharded by megatron_fsdp_c")
-    return _OPAQUE_BY_SIZE[size]
 
 
 def into_engine(t: torch.Tensor) -> torch.Tensor:

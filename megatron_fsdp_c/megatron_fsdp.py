@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from ._common import ShardingStrategy, logger
-from .checkpoint import register_model_hooks
+from ._state_dict_hooks import register_model_hooks
 from ._distributed import DistContext, check_same_model
 from ._experts import ExpertOwner, expert_scaling, split_expert_records
 from .mixed_precision import MixedPrecisionPolicy

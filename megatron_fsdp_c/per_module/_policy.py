@@ -119,7 +119,7 @@ def compute_dtype(mp, recorded, dtype: torch.dtype, what: str) -> torch.dtype:
 
 def check_param_dtype(p, what: str, mp) -> None:
     """Parameters of dtypes the engine does not compute with (integers, bool, float8, complex) are
-    sharded and gathered as they are, frozen ([Note: opaque parameter dtypes] in ../_param_record.py);
+    sharded and gathered as they are, frozen ([Note: opaque parameter dtypes] in ../_engine_dtypes.py);
     refused at fully_shard: training one, or a cast the engine cannot make (float8 to param_dtype,
     which FSDP2 makes since float8 is a floating dtype)."""
     if p.dtype in _ENGINE_FLOATS:

@@ -93,7 +93,7 @@ class RootState(Registration, StepEnd, EngineOwner):
                         exts.append(ExtensionParam(r, mod, mp, getattr(mp, "param_dtype", None) or dp.dtype, []))
                     # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main
                     # weights planned so, any floating one can start training ([Note: changing
-                    # requires_grad]; mixed_precision.bucket_dtypes ignores the others)
+                    # requires_grad]; _bucket_dtypes.bucket_dtypes ignores the others)
                     r.trains_later = True
                     r.aliases.append(name)
                     records.append(r)
