@@ -137,6 +137,19 @@ class BackwardSteps:
             for opt in self.busy:  # every stepped gradient fingerprinted before the user's code runs
                 opt._seal()
 
+    def abandon(self) -> int:
+        """A backward that raised ([Note: a backward that raised] in _hooks.py): no more steps in
+        it; waits for those submitted (re-raising a step's error) and makes their optimizers forget
+        them. Returns how many buckets were stepped in it."""
+        self.plan, self.waiting = None, []
+        stepped, busy = len(self.stepping), list(self.busy)
+        for opt in busy:
+            opt._seal()
+        self.join()
+        for opt in busy:
+            opt._forget_backward_steps()
+        return stepped
+
     def join(self, buckets=None) -> None:
         """Waits for every step submitted in this pass (re-raising a step's error); with
         `buckets`, only when one of them is being stepped (a gather in the backward reads no

@@ -96,6 +96,7 @@ class HookOwner(Protocol):
                              persist is resharded too). The per-module API registers the compute or
                              the sharded parameters there ([Note: per-group registration] in
                              per_module/_registration.py); MegatronFSDP swaps every parameter per pass.
+    `_drop_grads()`          after ending a backward that raised: every gradient of the step gone.
     `_unit_gathering(unit)`  (optional, looked up once): before each gather of a unit is started,
                              whatever its buckets' state ([Note: extension parameters] in _extensions.py).
     """
@@ -110,6 +111,8 @@ class HookOwner(Protocol):
     def _should_sync(self) -> bool: ...
 
     def _after_backward(self, synced: bool) -> None: ...
+
+    def _drop_grads(self) -> None: ...
 
 
 class _PostBackward(torch.autograd.Function):
@@ -293,6 +296,7 @@ class HookManager:
 
     # -- forward --------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
+        self.end_abandoned_backward()  # [Note: a backward that raised]
         self.backward_steps.before_forward()
         if not in_backward():
             self.pass_state.fwd_next = self.pass_state.fwd_done = 0
@@ -429,6 +433,37 @@ class HookManager:
             grad = to_local(grad)
         self.used[index] = 1
         self.engine.grad_ready(bucket, item, grad if grad.is_contiguous() else grad.contiguous())
+
+    def end_abandoned_backward(self) -> None:
+        """[Note: a backward that raised]
+        When autograd raises inside a backward (a node's error, a compile error in a compiled
+        backward), its final callback, our end_backward, never runs: the engine would stay in
+        that backward, and every later call would fail on that state (gradient sync cannot
+        change inside a backward pass...) instead of the user's error or the training going on.
+        So the next call that needs the pass over -- the root's next forward, a gradient-sync
+        setting, zeroing or syncing gradients -- ends it first, as its final callback would have:
+        its reductions run (what its nodes delivered, zeros for the rest: every rank ends the same
+        backward at the same point, so the collectives match), then the step's gradients are
+        dropped, as FSDPModule.reset_iter_state drops them: which of its gradients a raising
+        backward delivered is unknown, so none reaches an optimizer step, and the microbatches
+        accumulated before it go too (the step is to be redone). Nothing more is stepped
+        (step_in_backward); where buckets were stepped before the error, that call raises once,
+        saying so (a step cannot be taken back), and training goes on from there. A backward still
+        running (this thread inside autograd) is not ended.
+        (torch's FSDP2, on torch 2.13, keeps the unsharded parameters registered after such a
+        backward and stops training: its losses stay flat.)"""
+        if not self.pass_state.in_backward or in_backward():
+            return
+        stepped = self.backward_steps.abandon()
+        self.end_backward()
+        self.owner._drop_grads()
+        if stepped:
+            raise RuntimeError(
+                f"a backward that raised had already stepped {stepped} bucket(s) of parameters (FusedAdam("
+                "step_in_backward=True)): those parameters have taken that step, the others have not, and a step "
+                "cannot be taken back. Restore the model and optimizer from a checkpoint to redo it exactly (training "
+                "goes on from here otherwise), or make the optimizer with step_in_backward=False where a backward "
+                "may raise")
 
     def end_backward(self) -> None:
         try:

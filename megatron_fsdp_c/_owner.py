@@ -225,6 +225,16 @@ class EngineOwner:
             due[r.index] = used[r.index] or self._has_grad[r.index]
         return due
 
+    def _drop_grads(self) -> None:
+        """Every gradient gone: the engine's zeroed (held ones too), `.grad` detached, the used
+        flags cleared in place (the hooks hold the bytearray). zero_grad, reset_iter_state, and
+        a backward that raised ([Note: a backward that raised] in _hooks.py)."""
+        self.param_buffer.engine.zero_grads()
+        for r in self.param_buffer.records:
+            r.dist_param.grad = None
+        self._used[:] = bytes(len(self._used))
+        self._has_grad[:] = bytes(len(self._has_grad))
+
     def _attach_grads(self, records) -> None:
         """`.grad` of each distributed parameter of `records`: its gradient DTensor once some
         rank used it, None until then (see [Note: unused parameters]). With nothing to attach (every

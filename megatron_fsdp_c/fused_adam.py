@@ -249,6 +249,12 @@ class FusedAdam(torch.optim.Optimizer):
         for f in pending:
             f.result()
 
+    def _forget_backward_steps(self) -> None:
+        """After a backward that raised (joined first): the parameters it stepped stay stepped, and
+        the next optimizer.step() steps every parameter afresh ([Note: a backward that raised] in
+        _hooks.py)."""
+        self._stepped.clear()
+
     def _stepped_already(self, group_index, group, p, g) -> bool:
         """Whether a backward stepped `p` since the last optimizer.step(), checking that nothing
         the step read has changed since ([Note: stepping in backward] in _backward_step.py)."""

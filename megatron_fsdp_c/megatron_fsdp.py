@@ -178,6 +178,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
     # The root's work runs in this wrapper's own forward hooks, which Dynamo does not trace (see
     # [Note: compile] in _hooks.py).
     def _root_pre_forward(self, module, args):
+        self._end_abandoned_backward()  # before the swap below: its end swaps the dist parameters in
         owners = self.owners()
         for o in owners:
             o._sync_requires_grad()
@@ -221,6 +222,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
         """Finishes every gradient reduction (reducing no_shard/ZeRO-1 gradients exactly once)
         and attaches the `.grad` DTensors to the distributed parameters that have a gradient
         (see [Note: unused parameters] in _owner.py)."""
+        self._end_abandoned_backward()
         if self._in_backward():
             raise RuntimeError("finish_grad_sync() called inside a backward pass; call it after backward()")
         for o in self.owners():
@@ -230,6 +232,14 @@ class MegatronFSDP(EngineOwner, nn.Module):
             self._check_nonfinite_grads()
         self.microbatch_count = 0
         self._grads_pending = False
+
+    def _drop_grads(self) -> None:
+        super()._drop_grads()
+        self._grads_pending = False
+
+    def _end_abandoned_backward(self) -> None:
+        for o in self.owners():  # [Note: a backward that raised] in _hooks.py
+            o.hooks.end_abandoned_backward()
 
     def _sync_grads_for_step(self) -> None:
         """What an optimizer step needs first: any gradient not yet reduced and attached."""
@@ -251,18 +261,16 @@ class MegatronFSDP(EngineOwner, nn.Module):
         """Clips the synced gradients of every parameter by their total norm, exactly, like
         torch.nn.utils.clip_grad_norm_ (which refuses a model with expt_device_mesh: its
         parameters are on two meshes). Collective: every rank calls it. Returns the total norm."""
+        self._end_abandoned_backward()
         if self._in_backward():
             raise RuntimeError("clip_grad_norm_() called inside a backward pass; call it after backward()")
         return clip_grad_norm(list(self.parameters()), float(max_norm), float(norm_type))
 
     def zero_grad_buffer(self) -> None:
         """Zeroes the main gradient buffers and detaches `.grad` from the distributed parameters."""
+        self._end_abandoned_backward()
         for o in self.owners():
-            o.param_buffer.engine.zero_grads()
-            for r in o.param_buffer.records:
-                r.dist_param.grad = None
-            o._used[:] = bytes(len(o._used))
-            o._has_grad[:] = bytes(len(o._has_grad))
+            o._drop_grads()
         self._grads_pending = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -270,6 +278,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
 
     def _zero_grads_of(self, params, set_to_none: bool) -> None:
         """An optimizer's zero_grad: clears the gradients of `params` (those of this model) only."""
+        self._end_abandoned_backward()
         found = [x for x in (self._record_of.get(id(p)) for p in params)
                  if x is not None and x[1].grad_dtensor is not None]
         whole = 0

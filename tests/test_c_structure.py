@@ -26,12 +26,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 LAYERS = ("core", "comm", "cuda", "python")  # floor to roof: a file calls its own layer or those below
-MAX_LINES = 600
-# Files allowed over MAX_LINES, each with the reason it is one room.
-LONG_FILES_ALLOWED = {
-    "csrc/python/engine.c": "the Engine type, one room: one method per pipeline entry point with its argument "
-                            "parsing and GIL handling ([Note: engine calls]), bound by one method table",
-}
+# A ceiling, not a target (as tests/test_structure.py's): past it, a smell to look at. The Engine
+# type (csrc/python/engine.c, ~720 lines) is one room under it: one method per pipeline entry point
+# with its argument parsing and GIL handling ([Note: engine calls]), bound by one method table.
+MAX_LINES = 1000
+# Files allowed over MAX_LINES, each with the reason it is one room. Empty: keep it so.
+LONG_FILES_ALLOWED = {}
 # Maps that list their files from the floor up: each file calls only files listed before it.
 MAPS = ("comm/pipeline.c", "cuda/kernels.cu", "cuda/nccl_transport.c")
 

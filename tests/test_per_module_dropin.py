@@ -269,12 +269,98 @@ def reset_iter_state(rank, world):
     return out
 
 
+def after_a_failed_backward(rank, world, api):
+    """[Note: a backward that raised] in megatron_fsdp_c/_hooks.py: a backward raises on every rank
+    part way (the last layer's gradient delivered), the script catches it and goes on -- a
+    microbatch with gradient sync off, then a synced one and optimizer steps -- with no
+    reset_iter_state or zero_grad. Ours trains on, bit for bit with the same script that never
+    failed: the failed step's gradients are dropped, none reaches a step. (torch's FSDP2 is no reference here: after a raising backward its modules keep
+    their unsharded parameters and stop training, the losses flat from then on, on torch 2.13.)"""
+    import megatron_fsdp_c as mf
+    from megatron_fsdp_c.per_module import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), Flaky(), Flaky(), nn.Linear(8, 2)).double()
+        if api == "per_module":
+            for block in (m[1], m[2]):
+                fully_shard(block)
+            fully_shard(m)
+            return m, m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+        wrapped, opt = mf.fully_shard(m, torch.optim.AdamW(m.parameters(), lr=1e-2), fsdp_unit_modules=[Flaky])
+        return wrapped, m, opt
+
+    out = {}
+    for which in ("failed", "clean"):
+        model, inner, opt = build()
+        seen = []
+        if which == "failed":
+            inner[2].fail = "backward"
+            try:
+                model(data(0, rank)).sum().backward()
+                out["error"] = "no error"
+            except ValueError as e:
+                out["error"] = str(e)
+            inner[2].fail = None
+        for step in range(1, 4):
+            if api == "per_module":  # a microbatch accumulated locally, then a synced one
+                model.set_requires_gradient_sync(False)
+                model(data(step, rank)).sum().backward()
+                model.set_requires_gradient_sync(True)
+            else:
+                with model.no_sync():
+                    model(data(step, rank)).sum().backward()
+            model(data(10 + step, rank)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append({n: p.full_tensor().clone() for n, p in model.named_parameters()})
+        out[which] = seen
+    return out
+
+
+def failed_backward_that_stepped(rank, world):
+    """A backward raises after FusedAdamW(step_in_backward=True) stepped a bucket in it: the next
+    call (the forward) says so, once, and training goes on (the optimizer steps every parameter
+    afresh at its next step)."""
+    import megatron_fsdp_c as mf
+    from megatron_fsdp_c.per_module import fully_shard
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), Flaky(), Flaky(), Flaky(), nn.Linear(8, 2)).double()
+    for block in m[1:4]:
+        fully_shard(block)
+    fully_shard(m)
+    opt = mf.FusedAdamW(m.parameters(), lr=1e-2, step_in_backward=True)
+    out = {}
+    m[1].fail = "backward"  # the third unit's backward raises: the last one's bucket was stepped by then
+    try:
+        m(data(0, rank)).sum().backward()
+    except ValueError as e:
+        out["error"] = str(e)
+    m[1].fail = None
+    try:
+        m(data(1, rank))
+        out["next"] = "no error"
+    except RuntimeError as e:
+        out["next"] = str(e)
+    before = {n: p.full_tensor().clone() for n, p in m.named_parameters()}
+    for step in range(2, 4):
+        m(data(step, rank)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    out["moved"] = all(not torch.equal(p.full_tensor(), before[n]) for n, p in m.named_parameters())
+    return out
+
+
 def _register():
     add = CELLS.add
     add("gate", isinstance_gate, tests=["test_isinstance_gate"])
     add("lookup", state_lookup, tests=["test_torch_state_lookup_finds_ours"])
     add("accepted", accepted_and_refused, tests=["test_methods_without_effect_and_refused_ones"])
     add("reset", reset_iter_state, tests=["test_reset_iter_state_after_a_failed_forward_or_backward"])
+    add("failed_stepped", failed_backward_that_stepped, tests=["test_a_failed_backward_that_stepped_says_so"])
+    for api in ("per_module", "megatron"):
+        add(("failed_backward", api), after_a_failed_backward, api, tests=["test_training_goes_on_after_a_failed_backward"])
     for impl in ("torch", "ours"):
         add(("summed", impl), summed_loss, impl, tests=["test_summed_loss_gets_fsdp2s_gradients"])
         add(("hook", impl), all_reduce_hook, impl, tests=["test_all_reduce_hook_matches_fsdp2"])
@@ -354,3 +440,22 @@ def test_reset_iter_state_after_a_failed_forward_or_backward():
         assert r["forward"] == "forward failed" and r["backward"] == "backward failed", r
         assert "must be called on the root" in r["non_root"], r
         close_dicts(r["grads"], r["clean"], "grads after reset")
+
+
+@pytest.mark.parametrize("api", ["per_module", "megatron"])
+def test_training_goes_on_after_a_failed_backward(api):
+    for r in _cell(("failed_backward", api)):
+        assert r["error"] == "backward failed", r["error"]
+        for step, (failed, clean) in enumerate(zip(r["failed"], r["clean"])):
+            assert set(failed) == set(clean)
+            for k in failed:
+                assert torch.equal(failed[k], clean[k]), f"step {step + 1} {k}"
+        last = [k for k in r["clean"][0] if k.endswith("3.weight")][0]
+        assert not torch.equal(r["clean"][0][last], r["clean"][-1][last])  # it trains
+
+
+def test_a_failed_backward_that_stepped_says_so():
+    for r in _cell("failed_stepped"):
+        assert r["error"] == "backward failed", r
+        assert "already stepped 1 bucket(s)" in r["next"] and "cannot be taken back" in r["next"], r["next"]
+        assert r["moved"], r

@@ -10,7 +10,9 @@ import pytest
 
 PACKAGE = "megatron_fsdp_c"
 ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
-MAX_LINES = 450
+# A ceiling, not a target (issue 49: files are cut by concern, one object or one concern each, as
+# long as it needs): a file past it is a smell to look at, not a file to cut to fit.
+MAX_LINES = 800
 # Files allowed over MAX_LINES, each with the reason it is one room. Empty: keep it so.
 LONG_FILES_ALLOWED = {}
 ENGINE = f"{PACKAGE}._C"  # the C extension: imports nothing from the package's Python

@@ -21,7 +21,9 @@ __all__ = ["dp_mesh_of", "mesh_and_context", "post_forward_world"]
 # default group and group map, so a mesh or context made by one rank's thread is unusable on
 # another's; and a process that re-initialises torch.distributed gets new ones too. Each value
 # holds its default group, so the group's id in the key cannot be reused while it is cached.
-_CONTEXTS = {}      # (default group, mesh's ranks and names, device) -> DistContext: one communicator per mesh
+# (default group, mesh's ranks and names, device) -> (DistContext, the mesh, the default group): one communicator
+# per mesh; the mesh and the group kept alive with it, so the key's id() is never reused
+_CONTEXTS = {}
 _DEFAULT_MESH = {}  # (default group, device type) -> (default group, the 1-D mesh over all ranks)
 _DP_MESHES = {}     # (SPMD mesh, shard dims, replicate dims) -> (data-parallel mesh, no_shard, SPMD mesh)
 
@@ -132,13 +134,13 @@ def mesh_and_context(mesh, device_type: str) -> DistContext:
     # By the ranks and dim names, not the object: mesh["dp"] makes a new DeviceMesh each time, and
     # the calls on one mesh must get one context (one engine per mesh, [Note: a mesh per group] in _root.py).
     key = (id(world), tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, str(device))
-    ctx = _CONTEXTS.get(key)
-    if ctx is None:
+    hit = _CONTEXTS.get(key)
+    if hit is None:
         ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
         if len(ranks) < dist.get_world_size():
             check_sub_mesh(ranks)
         # A 2-D mesh is HSDP, as in torch: dim 0 replicates, dim 1 shards ([Note: hybrid sharding])
-        ctx = _CONTEXTS[key] = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
+        ctx = make_dist_context(mesh, None, device) if mesh.ndim == 1 else \
             make_dist_context(mesh, 1, device, dp_outer_dim=0)
-        ctx.mesh_ref, ctx.world_ref = mesh, world  # keep the mesh and the default group (so the key) alive
-    return ctx
+        hit = _CONTEXTS[key] = (ctx, mesh, world)
+    return hit[0]

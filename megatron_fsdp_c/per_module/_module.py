@@ -121,6 +121,7 @@ class FSDPModule(TorchFSDPModule):
     def _reconfigure(self, groups) -> None:
         for g in groups:
             if g.owner is not None:
+                g.owner.hooks.end_abandoned_backward()  # [Note: a backward that raised] in ../_hooks.py
                 g.owner.configure(g)
 
     def _get_fsdp_state(self):

@@ -213,6 +213,7 @@ class RootState(Registration, StepEnd, EngineOwner):
 
     # -- what the hooks call ----------------------------------------------------------------------
     def root_pre_forward(self, module) -> None:
+        self.hooks.end_abandoned_backward()  # first: it may raise ([Note: a backward that raised] in ../_hooks.py)
         self.pass_root = module
         self._sync_requires_grad()
         for g in self.groups:  # set_post_optim_event: the current stream waits on it once
@@ -256,6 +257,10 @@ class RootState(Registration, StepEnd, EngineOwner):
             self._used[r.index] = 0
         for b, items in by_bucket.items():
             self.param_buffer.engine.zero_item_grads(b, items)
+
+    def _drop_grads(self) -> None:
+        super()._drop_grads()
+        self.held_units.clear()  # the engine dropped what they held
 
     def _after_backward(self, synced: bool) -> None:
         if synced:  # the optimizer's gradients of their own, filled (offloaded no_shard/ZeRO-1: [Note: CPU offload])

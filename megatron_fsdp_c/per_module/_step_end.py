@@ -83,12 +83,7 @@ class StepEnd:
                 engine.end_backward()
         finally:
             hooks.reset_pass()
-        engine.zero_grads()
-        for r in self.param_buffer.records:
-            r.dist_param.grad = None
-        self._used[:] = bytes(len(self._used))  # in place: the hooks hold this bytearray
-        self._has_grad[:] = bytes(len(self._has_grad))
-        self.held_units.clear()
+        self._drop_grads()
         if hooks.all_sharded:
             engine.reshard(list(hooks.all_sharded))
         self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
