@@ -62,46 +62,48 @@ class RootState(Registration, StepEnd, EngineOwner):
             if g is not None and g in groups:  # (groups on another mesh are another engine's)
                 ends[groups.index(g)] = k
         records, by_param, spmd_specs, exts = [], {}, {}, []
-        # what the buffer builds each group with
-        units = [UnitConfig(g.strategy, g.quant_policy, {}, is_cpu_offload(g.offload_policy)) for g in groups]
+        policies = [{} for _ in groups]  # per group: compute dtype -> engine policy (each UnitConfig's, whole)
         for u, g in enumerate(groups):
             for (mod, attr, dp), tp in zip(g.places, g.tp_specs):
                 name = fqn(mod, attr)
                 r = by_param.get(id(dp))
-                if r is None:
-                    # hooks set on the local shard after fully_shard (FSDP2 finds them there)
-                    check_local_shard(dp._local_tensor, f"the local shard of parameter '{name}'")
-                    mp = g.param_policies.get((id(mod), attr), g.mp_policy)  # torch 2.15: per parameter
-                    compute, policy = engine_policy(mp, compute_dtype(
-                        mp, g.compute_dtypes.get((id(mod), attr)), dp.dtype, f"parameter '{name}'"), dp)
-                    set_unit_policy(units[u], compute, policy, name)
-                    # the compute parameter: pointed at the full weights by load_locals; a TP
-                    # parameter's is a DTensor on the TP mesh over its gathered TP shard
-                    empty = torch.empty(0, dtype=compute, device=ctx.device)
-                    placeholder = nn.Parameter(empty, requires_grad=dp.requires_grad) if tp is None \
-                        else tp.compute_param(empty, dp.requires_grad)
-                    shape = dp.shape if tp is None else tp.local_shape  # what the engine lays out
-                    r = by_param[id(dp)] = ParamRecord(len(records), name, placeholder, shape, u, [(mod, attr)])
-                    # the shard dim is the data-parallel mesh's last (a TP placement follows it)
-                    r.replicated = isinstance(dp.placements[ctx.mesh.ndim - 1], Replicate)
-                    r.shard_dim = 0 if r.replicated else dp.placements[ctx.mesh.ndim - 1].dim
-                    r.dist_param, r.tp = dp, tp
-                    if is_extension(dp._local_tensor):  # [Note: extension parameters] in ../_extensions.py
-                        check_extension_use(f"parameter '{name}'", ctx, tp, (id(mod), attr) in g.spmd_specs,
-                                            None if r.replicated else r.shard_dim, g.quant_policy)
-                        r.extension = True
-                        exts.append(ExtensionParam(r, mod, mp, getattr(mp, "param_dtype", None) or dp.dtype, []))
-                    # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main
-                    # weights planned so, any floating one can start training ([Note: changing
-                    # requires_grad]; _bucket_dtypes.bucket_dtypes ignores the others)
-                    r.trains_later = True
-                    r.aliases.append(name)
-                    records.append(r)
-                    if (id(mod), attr) in g.spmd_specs:
-                        spmd_specs[r.index] = g.spmd_specs[(id(mod), attr)]
-                else:
+                if r is not None:
                     r.places.append((mod, attr))
                     r.aliases.append(name)
+                    continue
+                # hooks set on the local shard after fully_shard (FSDP2 finds them there)
+                check_local_shard(dp._local_tensor, f"the local shard of parameter '{name}'")
+                mp = g.param_policies.get((id(mod), attr), g.mp_policy)  # torch 2.15: per parameter
+                compute, policy = engine_policy(mp, compute_dtype(
+                    mp, g.compute_dtypes.get((id(mod), attr)), dp.dtype, f"parameter '{name}'"), dp)
+                add_unit_policy(policies[u], compute, policy, name)
+                # the compute parameter: pointed at the full weights by load_locals; a TP
+                # parameter's is a DTensor on the TP mesh over its gathered TP shard
+                empty = torch.empty(0, dtype=compute, device=ctx.device)
+                placeholder = nn.Parameter(empty, requires_grad=dp.requires_grad) if tp is None \
+                    else tp.compute_param(empty, dp.requires_grad)
+                # the shard dim is the data-parallel mesh's last (a TP placement follows it)
+                replicated = isinstance(dp.placements[ctx.mesh.ndim - 1], Replicate)
+                shard_dim = 0 if replicated else dp.placements[ctx.mesh.ndim - 1].dim
+                extension = is_extension(dp._local_tensor)  # [Note: extension parameters] in ../_extensions.py
+                if extension:
+                    check_extension_use(f"parameter '{name}'", ctx, tp, (id(mod), attr) in g.spmd_specs,
+                                        None if replicated else shard_dim, g.quant_policy)
+                # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main weights
+                # planned so, any floating one can start training (trains_later; [Note: changing
+                # requires_grad]; _bucket_dtypes.bucket_dtypes ignores the others)
+                r = by_param[id(dp)] = ParamRecord(
+                    len(records), name, placeholder, dp.shape if tp is None else tp.local_shape, u, [(mod, attr)],
+                    replicated=replicated, shard_dim=shard_dim, dist_param=dp, tp=tp, extension=extension,
+                    trains_later=True, aliases=[name])
+                if extension:
+                    exts.append(ExtensionParam(r, mod, mp, getattr(mp, "param_dtype", None) or dp.dtype, []))
+                records.append(r)
+                if (id(mod), attr) in g.spmd_specs:
+                    spmd_specs[r.index] = g.spmd_specs[(id(mod), attr)]
+        # what the buffer builds each group with
+        units = [UnitConfig(g.strategy, g.quant_policy, policies[u], is_cpu_offload(g.offload_policy))
+                 for u, g in enumerate(groups)]
         if exts:  # every rank's all-gather inputs, planned once ([Note: extension parameters])
             plan_inputs(exts, shard_mesh(ctx), ctx.group, ctx.world, ctx.rank)
         buf = ParamBuffer(records, ShardingStrategy.OPTIM_GRADS_PARAMS, OurPolicy(), ctx, bucket_cap=0,
@@ -301,12 +303,13 @@ class RootState(Registration, StepEnd, EngineOwner):
         current.wait_stream(stream)
 
 
-def set_unit_policy(unit: UnitConfig, compute: torch.dtype, policy, name: str) -> None:
-    """Records the engine policy of a group's parameters that compute in `compute`: one per group
-    and compute dtype (a bucket holds one group's parameters of one compute dtype). Parameters
-    that would need two (different storage or gradient dtypes under one param_dtype) are refused,
-    as FSDP2 refuses non-uniform dtypes in a group."""
-    known = unit.policies.setdefault(compute, policy)
+def add_unit_policy(policies: dict, compute: torch.dtype, policy, name: str) -> None:
+    """Adds the engine policy of a group's parameters that compute in `compute` to the group's
+    `policies` (compute dtype -> policy, its UnitConfig's once whole): one per group and compute
+    dtype (a bucket holds one group's parameters of one compute dtype). Parameters that would need
+    two (different storage or gradient dtypes under one param_dtype) are refused, as FSDP2 refuses
+    non-uniform dtypes in a group."""
+    known = policies.setdefault(compute, policy)
     if known != policy:
         raise ValueError(f"parameter '{name}' computes in {compute} like other parameters of its fully_shard group, "
                          f"but needs other main weights or gradient reduction ({policy}) than they do ({known}): a "
