@@ -149,3 +149,16 @@ def test_every_source_file_is_on_the_map():
                and not f.startswith("csrc/tests/") and not f.endswith("__init__.py")
                and f.rsplit("/", 1)[-1] not in table]
     assert not missing, "not in docs/design.md's Where things are: " + ", ".join(missing)
+
+
+def test_one_word_per_idea():
+    """docs/design.md's "One word per idea", where a grep can check it: in the engine's C, "owner"
+    is not a word (Python's engine owner is; C says holder for a rank's sub-shard and storage for a
+    buffer views point into)."""
+    files = subprocess.run(["git", "ls-files", "csrc"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    bad = [f"{f}:{n}: {line.strip()}" for f in files if f.endswith((".c", ".h", ".cu", ".cuh"))
+           for n, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1)
+           if re.search(r"\bowners?\b", line.replace("_owner.py", ""))]
+    assert not bad, "'owner' in the C engine (holder: a rank's sub-shard; storage: a buffer views use):\n" + \
+        "\n".join(bad)

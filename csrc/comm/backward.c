@@ -69,7 +69,7 @@ static mfsdp_status flush_pending(mfsdp_pipeline* p, bucket* bk) {
   for (int32_t j = 0; j < bk->n_pending && st == MFSDP_OK; ++j) {
     const pending_grad* pg = &bk->pending[j];
     int64_t width = mfsdp_dtype_size(pg->dtype);
-    for (int32_t r = 0; r < bk->owners && st == MFSDP_OK; ++r) {
+    for (int32_t r = 0; r < bk->holders && st == MFSDP_OK; ++r) {
       mfsdp_runs ru;
       pl_runs(bk, pg->item, r, &ru);
       for (int64_t q = 0; q < ru.count && st == MFSDP_OK; ++q)
@@ -169,7 +169,7 @@ mfsdp_status mfsdp_pipeline_sync_grads(mfsdp_pipeline* p) {
   MFSDP_CHECK(pl_complete_outer(p, 0));
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
-    if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
+    if (bk->storage[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype,
                                       pl_at(&bk->buf[MFSDP_BUF_GRAD_SHARD], bk->sub_start), bk->spec.grad_dtype,
                                       bk->sub_size, 1.0));
@@ -195,7 +195,7 @@ mfsdp_status mfsdp_pipeline_finish_grads(mfsdp_pipeline* p, int32_t b, int* read
   MFSDP_CHECK(pl_check_bucket(p, b));
   bucket* bk = &p->b[b];
   if (!p->sync || !bk->launched || bk->hold || bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE ||
-      (p->cfg.outer_world > 1 && p->be.outer != NULL) || bk->owner[MFSDP_BUF_OPT_GRAD] != MFSDP_BUF_GRAD_SHARD)
+      (p->cfg.outer_world > 1 && p->be.outer != NULL) || bk->storage[MFSDP_BUF_OPT_GRAD] != MFSDP_BUF_GRAD_SHARD)
     return MFSDP_OK;
   if (bk->gstate == MFSDP_G_REDUCING) MFSDP_CHECK(pl_complete_until(p, b));
   if (bk->spec.offload) MFSDP_CHECK(p->be.kernels->host_mark(p->be.kernels_ctx, &bk->landed));
@@ -233,7 +233,7 @@ mfsdp_status mfsdp_pipeline_zero_grads(mfsdp_pipeline* p) {
     }
     bk->outer_reduced = 0;
     bk->flags_local = 0; /* zero tails everywhere: every rank's */
-    if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
+    if (bk->storage[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, bk->buf[MFSDP_BUF_OPT_GRAD].data, bk->spec.main_dtype, bk->sub_size));
     bk->gstate = MFSDP_G_CLEAN;
   }
@@ -257,18 +257,18 @@ mfsdp_status mfsdp_pipeline_zero_item_grads(mfsdp_pipeline* p, int32_t b, const 
     if (i < 0 || i >= bk->spec.layout.n_items)
       return MFSDP_FAIL(MFSDP_ERR_INVALID_ARGUMENT, "bucket %d has no item %d", b, i);
     if (persistent) {
-      for (int32_t r = 0; r < bk->owners; ++r)
+      for (int32_t r = 0; r < bk->holders; ++r)
         MFSDP_CHECK(k->fill_zero(kc, pl_at(g, pl_slot_of(bk, r) + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
     } else {
       for (int32_t o = 0; o < bk->subs; ++o)
         MFSDP_CHECK(
             k->fill_zero(kc, pl_at(g, (int64_t)o * bk->sub_size + bk->shard_offsets[i]), g->dtype, bk->pieces[i]));
       const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
-      for (int32_t r = 0; bk->held_grads && r < bk->owners; ++r)
+      for (int32_t r = 0; bk->held_grads && r < bk->holders; ++r)
         MFSDP_CHECK(
             k->fill_zero(kc, pl_at(held, pl_slot_of(bk, r) + bk->shard_offsets[i]), held->dtype, bk->pieces[i]));
     }
-    if (bk->owner[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
+    if (bk->storage[MFSDP_BUF_OPT_GRAD] == MFSDP_BUF_OPT_GRAD)
       MFSDP_CHECK(k->fill_zero(kc, pl_at(&bk->buf[MFSDP_BUF_OPT_GRAD], bk->shard_offsets[i]), bk->spec.main_dtype,
                                bk->pieces[i]));
     MFSDP_CHECK(pl_zero_item_flags(p, bk, i));

@@ -12,7 +12,7 @@
  * [Note: offloaded buckets]
  * CPU offload (spec.offload: FSDP2's CPUOffloadPolicy, Megatron's optimizer_cpu_offload) keeps
  * what the optimizer owns in host memory: MAIN_SHARD, the main gradients GRAD_SHARD (ZeRO-2/3)
- * and OPT_GRAD, each an owner of its own made by the backend's host memory ops. The device
+ * and OPT_GRAD, each a storage of its own made by the backend's host memory ops. The device
  * keeps only the temporaries of the collectives (GATHER or WEIGHT, GRAD, COMM, EXCHANGE) and
  * persistent compute weights (ZeRO-1/2, no_shard). No copy step is added: the paths that already
  * move data between these buffers do it, as kernels that reach the host memory in place (pinned,
@@ -44,7 +44,7 @@
  * wait breaks the pipeline (pl_comm_failed), which then keeps all of its memory (pl_release does
  * nothing) and refuses every call that could release; and destroy only drops references, never
  * resizes: the torch transport's Work holds its tensors, so their storages outlive the engine
- * while gloo still writes them. pl_release checks the first rule: an owner under the bucket's
+ * while gloo still writes them. pl_release checks the first rule: a storage under the bucket's
  * gather, reduction or reduction across replicas in flight is an internal error, raised, where it
  * would otherwise free memory a collective writes later. */
 #include "pipeline_internal.h"
@@ -55,16 +55,16 @@
 /* Beyond this many padding runs, zeroing a temporary gradient bucket is one fill of all of it. */
 #define MAX_HOLE_FILLS 64
 
-static void refresh_views(bucket* bk, int owner) {
+static void refresh_views(bucket* bk, int storage) {
   for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
-    if (bk->present[k] && bk->owner[k] == owner && k != owner)
-      bk->buf[k].data = pl_at(&bk->buf[owner], bk->view_offset[k]);
+    if (bk->present[k] && bk->storage[k] == storage && k != storage)
+      bk->buf[k].data = pl_at(&bk->buf[storage], bk->view_offset[k]);
 }
 
 mfsdp_status pl_materialize(mfsdp_pipeline* p, bucket* bk, int kind) {
   if (!bk->present[kind])
     return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "buffer kind %d does not exist in this bucket", kind);
-  int o = bk->owner[kind];
+  int o = bk->storage[kind];
   if (bk->materialized[o]) return MFSDP_OK;
   void* ctx;
   MFSDP_CHECK(pl_memory_of(p, bk, o, &ctx)->materialize(ctx, &bk->buf[o]));
@@ -73,14 +73,14 @@ mfsdp_status pl_materialize(mfsdp_pipeline* p, bucket* bk, int kind) {
   return MFSDP_OK;
 }
 
-/* Whether one of `kinds` of bk is a view of (or is) owner o. */
+/* Whether one of `kinds` of bk is a view of (or is) storage o. */
 static int any_of(const bucket* bk, const int8_t* kinds, int n, int o) {
   for (int i = 0; i < n; ++i)
-    if (kinds[i] >= 0 && bk->present[kinds[i]] && bk->owner[kinds[i]] == o) return 1;
+    if (kinds[i] >= 0 && bk->present[kinds[i]] && bk->storage[kinds[i]] == o) return 1;
   return 0;
 }
 
-/* The collective in flight that touches owner o ([Note: buffers under a collective]), or NULL. */
+/* The collective in flight that touches storage o ([Note: buffers under a collective]), or NULL. */
 static const char* collective_on(const bucket* bk, int o) {
   const int8_t gather[] = {(int8_t)bk->gather_kind, MFSDP_BUF_WEIGHT_SHARD, MFSDP_BUF_GATHER_WIRE,
                            MFSDP_BUF_GATHER_WIRE_SHARD};
@@ -99,7 +99,7 @@ static const char* collective_on(const bucket* bk, int o) {
 
 mfsdp_status pl_release(mfsdp_pipeline* p, bucket* bk, int kind) {
   if (!bk->present[kind]) return MFSDP_OK;
-  int o = bk->owner[kind];
+  int o = bk->storage[kind];
   if (!bk->materialized[o] || !bk->temporary[o]) return MFSDP_OK;
   if (p->broken[0]) return MFSDP_OK; /* a collective may still write it: [Note: buffers under a collective] */
   const char* busy = collective_on(bk, o);
@@ -114,11 +114,11 @@ mfsdp_status pl_release(mfsdp_pipeline* p, bucket* bk, int kind) {
   return MFSDP_OK;
 }
 
-/* A new owner buffer, in the backend's host memory when `host` ([Note: offloaded buckets]). */
-static mfsdp_status make_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype, int temporary,
+/* A new storage buffer, in the backend's host memory when `host` ([Note: offloaded buckets]). */
+static mfsdp_status make_storage(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype, int temporary,
                                int host) {
   bk->host[kind] = (int8_t)host;
-  bk->owner[kind] = (int8_t)kind;
+  bk->storage[kind] = (int8_t)kind;
   void* ctx;
   MFSDP_CHECK(pl_memory_of(p, bk, kind, &ctx)->create(ctx, numel, dtype, &bk->buf[kind]));
   bk->present[kind] = 1;
@@ -127,18 +127,18 @@ static mfsdp_status make_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t 
   return MFSDP_OK;
 }
 
-static mfsdp_status add_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype, int temporary) {
-  return make_owner(p, bk, kind, numel, dtype, temporary, 0);
+static mfsdp_status add_storage(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype, int temporary) {
+  return make_storage(p, bk, kind, numel, dtype, temporary, 0);
 }
 
-/* An owner of the optimizer's (MAIN_SHARD, GRAD_SHARD, OPT_GRAD): persistent, in host memory
+/* A storage of the optimizer's (MAIN_SHARD, GRAD_SHARD, OPT_GRAD): persistent, in host memory
  * when the bucket is offloaded. */
-static mfsdp_status add_kept_owner(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype) {
-  return make_owner(p, bk, kind, numel, dtype, 0, bk->spec.offload);
+static mfsdp_status add_kept_storage(mfsdp_pipeline* p, bucket* bk, int kind, int64_t numel, int32_t dtype) {
+  return make_storage(p, bk, kind, numel, dtype, 0, bk->spec.offload);
 }
 
 static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, int64_t offset, int64_t numel) {
-  int o = bk->owner[of];
+  int o = bk->storage[of];
   int64_t base = bk->view_offset[of] + offset;
   if (of == o && offset == 0 && numel == bk->buf[o].numel) {
     bk->buf[kind] = bk->buf[o]; /* the same range: share the handle, destroy only once */
@@ -147,7 +147,7 @@ static mfsdp_status add_view(mfsdp_pipeline* p, bucket* bk, int kind, int of, in
     MFSDP_CHECK(pl_memory_of(p, bk, o, &ctx)->create_view(ctx, &bk->buf[o], base, numel, &bk->buf[kind]));
   }
   bk->present[kind] = 1;
-  bk->owner[kind] = (int8_t)o;
+  bk->storage[kind] = (int8_t)o;
   bk->view_offset[kind] = base;
   bk->buf[kind].data = pl_at(&bk->buf[o], base);
   return MFSDP_OK;
@@ -162,13 +162,13 @@ static void drop_buffer(mfsdp_pipeline* p, bucket* bk, int kind) {
   if (!shared) pl_memory_of(p, bk, kind, &ctx)->destroy(ctx, &bk->buf[kind]);
   memset(&bk->buf[kind], 0, sizeof bk->buf[kind]);
   bk->present[kind] = bk->materialized[kind] = bk->temporary[kind] = bk->host[kind] = 0;
-  bk->owner[kind] = -1;
+  bk->storage[kind] = -1;
   bk->view_offset[kind] = 0;
 }
 
 mfsdp_status pl_release_temporaries(mfsdp_pipeline* p, bucket* bk) {
   for (int k = 0; k < MFSDP_BUF_COUNT; ++k)
-    if (bk->present[k] && bk->owner[k] == k && bk->temporary[k]) MFSDP_CHECK(pl_release(p, bk, k));
+    if (bk->present[k] && bk->storage[k] == k && bk->temporary[k]) MFSDP_CHECK(pl_release(p, bk, k));
   return MFSDP_OK;
 }
 
@@ -178,23 +178,23 @@ mfsdp_status pl_create_comm_buffers(mfsdp_pipeline* p, bucket* bk) {
   int64_t full = bk->full_size;
   if (s->grad_mode == MFSDP_GRAD_NONE) return MFSDP_OK;
   if (s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_GRAD, full, s->comm_dtype, 1));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, bk->shard_start, bk->shard_size));
   } else if (s->grad_mode == MFSDP_GRAD_ALL_REDUCE && pl_exchanges(p, bk)) {
     int64_t block = pl_exchange_block(p, bk);
     full = block * p->cfg.dp_world;
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_COMM, full, s->comm_dtype, 1));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, (int64_t)p->cfg.dp_rank * block, block));
   } else if (s->comm_dtype != s->grad_dtype) {
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_COMM, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_COMM, full, s->comm_dtype, 1));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_COMM_SLICE, MFSDP_BUF_COMM, bk->shard_start, bk->shard_size));
   }
   if (pl_exchanges(p, bk) && bk->q_grads >= 0) { /* wire pieces out and in ([Note: quantized communication]) */
     int64_t bytes = p->cfg.dp_world * bk->q_grad_piece;
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD_WIRE, bytes, MFSDP_U8, 1));
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, bytes, MFSDP_U8, 1));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_GRAD_WIRE, bytes, MFSDP_U8, 1));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_EXCHANGE, bytes, MFSDP_U8, 1));
   } else if (pl_exchanges(p, bk)) {
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_EXCHANGE, full, s->comm_dtype, 1));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_EXCHANGE, full, s->comm_dtype, 1));
   }
   return MFSDP_OK;
 }
@@ -225,13 +225,13 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
   int runs = 0;
   for (int32_t i = 0; i < s->layout.n_items && s->layout.world > 1; ++i) runs |= bk->outers[i] > 1;
 
-  MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT, s->layout.weight_size, s->param_dtype, s->weights_sharded));
-  if (bk->gathered && !bk->identity) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER, bk->full_size, s->param_dtype, 1));
+  MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_WEIGHT, s->layout.weight_size, s->param_dtype, s->weights_sharded));
+  if (bk->gathered && !bk->identity) MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_GATHER, bk->full_size, s->param_dtype, 1));
   bk->gather_kind = bk->present[MFSDP_BUF_GATHER] ? MFSDP_BUF_GATHER : MFSDP_BUF_WEIGHT;
   /* HFSDP keeps the whole collective shard: the replicas' all-gather fills it once per step */
   int keeps_shard = s->weights_sharded && (!own_main || bk->subs > 1);
   if (keeps_shard)
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_WEIGHT_SHARD, shard, s->param_dtype, 0));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_WEIGHT_SHARD, shard, s->param_dtype, 0));
   else
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SHARD, bk->gather_kind, bk->shard_start, shard));
   if (bk->subs > 1) MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_WEIGHT_SUB, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
@@ -240,17 +240,17 @@ mfsdp_status pl_create_buffers(mfsdp_pipeline* p, bucket* bk) {
    * so do main weights whose items run in several pieces (`runs` above) */
   if (own_main || (runs && bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded) ||
       (bk->q_weights >= 0 && !keeps_shard) || bk->q_outer >= 0)
-    MFSDP_CHECK(add_kept_owner(p, bk, MFSDP_BUF_MAIN_SHARD, sub, s->main_dtype));
+    MFSDP_CHECK(add_kept_storage(p, bk, MFSDP_BUF_MAIN_SHARD, sub, s->main_dtype));
   else if (!(bk->present[MFSDP_BUF_GATHER] && !s->weights_sharded)) /* else: pl_main_in_weight */
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_MAIN_SHARD, MFSDP_BUF_WEIGHT_SHARD, bk->sub_start, sub));
   if (bk->n_trainable > 0) MFSDP_CHECK(pl_create_grad_buffers(p, bk));
   if (bk->q_weights >= 0) {
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GATHER_WIRE, bk->shards * bk->q_gather_piece, MFSDP_U8, 1));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_GATHER_WIRE, bk->shards * bk->q_gather_piece, MFSDP_U8, 1));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GATHER_WIRE_SHARD, MFSDP_BUF_GATHER_WIRE,
                          bk->own_shard * bk->q_gather_piece, bk->q_gather_piece));
   }
   if (bk->q_outer >= 0) {
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_OUTER_WIRE, bk->subs * bk->q_outer_piece, MFSDP_U8, 1));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_OUTER_WIRE, bk->subs * bk->q_outer_piece, MFSDP_U8, 1));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OUTER_WIRE_SUB, MFSDP_BUF_OUTER_WIRE, bk->own_sub * bk->q_outer_piece,
                          bk->q_outer_piece));
   }
@@ -265,9 +265,9 @@ mfsdp_status pl_create_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_bucket_spec* s = &bk->spec;
   int64_t shard = bk->shard_size, sub = bk->sub_size, full = bk->full_size;
   if (s->grad_mode == MFSDP_GRAD_SCATTER_ACCUMULATE) {
-    MFSDP_CHECK(add_kept_owner(p, bk, MFSDP_BUF_GRAD_SHARD, shard, s->grad_dtype));
+    MFSDP_CHECK(add_kept_storage(p, bk, MFSDP_BUF_GRAD_SHARD, shard, s->grad_dtype));
   } else { /* persistent full gradients accumulate locally until the step's reduction */
-    MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_GRAD, full, s->grad_dtype, 0));
+    MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_GRAD, full, s->grad_dtype, 0));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SLICE, MFSDP_BUF_GRAD, bk->shard_start, shard));
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_GRAD_SHARD, MFSDP_BUF_GRAD_SLICE, 0, shard));
   }
@@ -275,10 +275,10 @@ mfsdp_status pl_create_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
   /* offloaded no_shard/ZeRO-1: the main gradients are a view of the device GRAD, so the
    * optimizer's gradients are a host copy made at the sync */
   if (s->main_dtype != s->grad_dtype || (s->offload && s->grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE))
-    MFSDP_CHECK(add_kept_owner(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype));
+    MFSDP_CHECK(add_kept_storage(p, bk, MFSDP_BUF_OPT_GRAD, sub, s->main_dtype));
   else
     MFSDP_CHECK(add_view(p, bk, MFSDP_BUF_OPT_GRAD, MFSDP_BUF_GRAD_SHARD, bk->sub_start, sub));
-  if (bk->flags) MFSDP_CHECK(add_owner(p, bk, MFSDP_BUF_FLAGS, MFSDP_FLAG_TAIL * (int64_t)s->layout.n_items, MFSDP_F32, 0));
+  if (bk->flags) MFSDP_CHECK(add_storage(p, bk, MFSDP_BUF_FLAGS, MFSDP_FLAG_TAIL * (int64_t)s->layout.n_items, MFSDP_F32, 0));
   MFSDP_CHECK(pl_create_comm_buffers(p, bk));
   bk->has_grads = 1;
   bk->gstate = MFSDP_G_CLEAN;
@@ -305,10 +305,10 @@ void pl_drop_grad_buffers(mfsdp_pipeline* p, bucket* bk) {
  * alignment gaps, the missing rows of the last ranks' pieces, each shard's tail. */
 mfsdp_status pl_compute_holes(bucket* bk) {
   int32_t n = bk->spec.layout.n_items;
-  bk->holes = malloc((size_t)(2 * ((int64_t)bk->owners * (n + 1))) * sizeof *bk->holes);
+  bk->holes = malloc((size_t)(2 * ((int64_t)bk->holders * (n + 1))) * sizeof *bk->holes);
   if (bk->holes == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "hole table");
-  for (int32_t slot = 0; slot < bk->owners; ++slot) { /* in memory order */
-    int32_t r = (slot % bk->subs) * bk->shards + slot / bk->subs; /* the owner at this slot */
+  for (int32_t slot = 0; slot < bk->holders; ++slot) { /* in memory order */
+    int32_t r = (slot % bk->subs) * bk->shards + slot / bk->subs; /* the holder at this slot */
     int64_t cursor = (int64_t)slot * bk->sub_size;
     for (int32_t i = 0; i < n; ++i) { /* pieces are laid out in item order */
       int64_t len = pl_piece_size(bk, i, r);

@@ -8,9 +8,9 @@
 /* See [Note: bucket geometry]. */
 void pl_set_geometry(bucket* bk, const mfsdp_pipeline_config* cfg) {
   const mfsdp_bucket_layout* l = &bk->spec.layout;
-  bk->owners = l->world;
+  bk->holders = l->world;
   bk->subs = l->world > 1 && cfg->outer_sharded && cfg->outer_world > 1 ? cfg->outer_world : 1;
-  bk->shards = bk->owners / bk->subs;
+  bk->shards = bk->holders / bk->subs;
   bk->sub_size = l->shard_size;
   bk->shard_size = bk->subs * bk->sub_size;
   bk->full_size = (int64_t)l->world * l->shard_size;

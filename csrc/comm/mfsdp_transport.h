@@ -59,13 +59,13 @@ typedef struct mfsdp_transport_ops {
 } mfsdp_transport_ops;
 
 typedef struct mfsdp_memory_ops {
-  /* A new zero-filled owner buffer of numel elements (storage materialised). */
+  /* A new zero-filled storage buffer of numel elements (storage materialised). */
   mfsdp_status (*create)(void* ctx, int64_t numel, int32_t dtype, mfsdp_buffer* out);
-  /* A view of `owner`'s elements [offset, offset + numel); valid across materialise/release. */
-  mfsdp_status (*create_view)(void* ctx, const mfsdp_buffer* owner, int64_t offset, int64_t numel,
+  /* A view of `storage`'s elements [offset, offset + numel); valid across materialise/release. */
+  mfsdp_status (*create_view)(void* ctx, const mfsdp_buffer* storage, int64_t offset, int64_t numel,
                               mfsdp_buffer* out);
-  mfsdp_status (*materialize)(void* ctx, mfsdp_buffer* owner); /* storage back to full size; sets data */
-  mfsdp_status (*release)(void* ctx, mfsdp_buffer* owner);     /* storage to 0 bytes; data = NULL */
+  mfsdp_status (*materialize)(void* ctx, mfsdp_buffer* storage); /* storage back to full size; sets data */
+  mfsdp_status (*release)(void* ctx, mfsdp_buffer* storage);   /* storage to 0 bytes; data = NULL */
   void (*destroy)(void* ctx, mfsdp_buffer* buf);               /* drop the handle */
   /* Keep the memory behind a caller's handle (e.g. an autograd gradient) alive / let it go. */
   void (*retain)(void* ctx, void* handle);

@@ -7,7 +7,7 @@
  *   guards.c     the guards every entry point and collective goes through (health, bucket ids,
  *                waiting for a work) and the comm counters
  *   geometry.c   a bucket's shape, and the collectives it implies (communicates, exchanges)
- *   buffers.c    the buffer table of a bucket: owners and views, materialise/release, packing
+ *   buffers.c    the buffer table of a bucket: storages and views, materialise/release, packing
  *   wire.c       quantized communication: the wires that carry block-quantized pieces
  *   replicas.c   hybrid sharding: the collectives across replicas (HSDP and HFSDP)
  *   reduce.c     the reduction queue: launch in the shared order, complete, exchange reduction
@@ -133,7 +133,7 @@ mfsdp_status mfsdp_pipeline_create(const mfsdp_pipeline_config* cfg, const mfsdp
       memset(bk->trainable, 1, (size_t)items);
       bk->n_trainable = items;
     }
-    for (int k = 0; k < MFSDP_BUF_COUNT; ++k) bk->owner[k] = -1;
+    for (int k = 0; k < MFSDP_BUF_COUNT; ++k) bk->storage[k] = -1;
     MFSDP_CHECK_GOTO(pl_compute_holes(bk), st, fail);
     MFSDP_CHECK_GOTO(pl_create_buffers(p, bk), st, fail);
     bk->wstate = specs[i].weights_sharded ? MFSDP_W_EMPTY : MFSDP_W_READY;
@@ -156,7 +156,7 @@ void mfsdp_pipeline_destroy(mfsdp_pipeline* p) {
     if (bk->reduce_work) p->be.transport->discard(p->be.transport_ctx, bk->reduce_work);
     if (bk->outer_work) p->be.outer->discard(p->be.outer_ctx, bk->outer_work);
     if (bk->landed) p->be.kernels->drop_mark(p->be.kernels_ctx, bk->landed);
-    /* A view that reuses its owner's handle is dropped once, with the owner: decide before
+    /* A view that reuses its storage's handle is dropped once, with the storage: decide before
      * destroying anything, since destroy clears the handle it drops. */
     int8_t shared[MFSDP_BUF_COUNT] = {0};
     for (int k = 0; k < MFSDP_BUF_COUNT; ++k)

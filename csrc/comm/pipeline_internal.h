@@ -35,24 +35,24 @@ typedef struct pending_grad {
 
 /* [Note: bucket geometry]
  * A bucket has two kinds of shard. Its layout (core/mfsdp_layout.h) cuts every item into
- * layout.world pieces of whole rows, torch.chunk's split: the "owners", one per rank that holds
+ * layout.world pieces of whole rows, torch.chunk's split: the "holders", one per rank that holds
  * rows of its own, each with a sub-shard of layout.shard_size elements. The collectives inside a
  * replica move "collective shards", one per rank they span. Without HFSDP the two coincide (one
  * sub-shard per collective shard); under HFSDP ([Note: optimizer sharded across replicas]) the
- * owners are the ranks of every replica and a collective shard holds the sub-shards of one
+ * holders are the ranks of every replica and a collective shard holds the sub-shards of one
  * inner rank's twins in all replicas. The fields (and the letters the code used before):
  *   shards      W    collective shards: ranks an inner collective spans (1: not sharded)
  *   shard_size  S    elements of one collective shard: subs * sub_size
  *   full_size   W*S  rank-major elements: what an inner collective moves
  *   subs        O    sub-shards per collective shard: the replicas under HFSDP, else 1
  *   sub_size    Sv   elements of one sub-shard: layout.shard_size
- *   owners      V    sub-shards in all: layout.world = shards * subs
+ *   holders     V    sub-shards in all: layout.world = shards * subs
  *   own_shard   inner  this rank's collective shard: spec.shard_rank % shards
  *   own_sub     sub  this rank's sub-shard inside it: spec.shard_rank / shards (0 without HFSDP)
  *   shard_start, sub_start  own_shard * shard_size, own_sub * sub_size
- * Owner v = o * shards + i (replica o, inner rank i) sits at slot i * subs + o of the rank-major
+ * Holder v = o * shards + i (replica o, inner rank i) sits at slot i * subs + o of the rank-major
  * buffers (pl_slot_of), so collective shard i is one contiguous run; without HFSDP slot v is
- * owner v. */
+ * holder v. */
 typedef struct bucket {
   mfsdp_bucket_spec spec; /* spec.layout's arrays point at the copies below */
   int64_t* numels;
@@ -66,7 +66,7 @@ typedef struct bucket {
   int64_t full_size;   /* rank-major elements: shards * shard_size */
   int32_t subs;        /* sub-shards per collective shard */
   int64_t sub_size;    /* elements of one: layout.shard_size */
-  int32_t owners;      /* sub-shards in all: layout.world */
+  int32_t holders;     /* sub-shards in all: layout.world */
   int32_t own_shard;   /* this rank's collective shard */
   int32_t own_sub;     /* this rank's sub-shard inside it */
   int64_t shard_start; /* own_shard * shard_size: its collective shard in the rank-major buffers */
@@ -76,11 +76,11 @@ typedef struct bucket {
   int gather_kind;     /* GATHER, or WEIGHT when identity */
   mfsdp_buffer buf[MFSDP_BUF_COUNT];
   int8_t present[MFSDP_BUF_COUNT];
-  int8_t owner[MFSDP_BUF_COUNT];        /* kind whose storage this buffer uses (itself for owners) */
-  int64_t view_offset[MFSDP_BUF_COUNT]; /* element offset into the owner */
-  int8_t temporary[MFSDP_BUF_COUNT];    /* owner whose storage is released between uses */
+  int8_t storage[MFSDP_BUF_COUNT];      /* kind whose memory this buffer uses (itself for a storage) */
+  int64_t view_offset[MFSDP_BUF_COUNT]; /* element offset into its storage */
+  int8_t temporary[MFSDP_BUF_COUNT];    /* a storage whose memory is released between uses */
   int8_t materialized[MFSDP_BUF_COUNT];
-  int8_t host[MFSDP_BUF_COUNT];         /* owner in the backend's host memory ([Note: offloaded buckets]) */
+  int8_t host[MFSDP_BUF_COUNT];         /* a storage in the backend's host memory ([Note: offloaded buckets]) */
   int32_t wstate;
   int8_t keep_weights; /* ZeRO-3: reshard leaves WEIGHT allocated, stale ([Note: kept full weights] in weights.c) */
   mfsdp_work* gather_work;
@@ -164,7 +164,7 @@ static inline void* pl_at(const mfsdp_buffer* b, int64_t offset) {
   return b->data ? (char*)b->data + offset * mfsdp_dtype_size(b->dtype) : NULL;
 }
 
-/* Where owner v's sub-shard starts in the rank-major buffers ([Note: bucket geometry]). */
+/* Where holder v's sub-shard starts in the rank-major buffers ([Note: bucket geometry]). */
 static inline int64_t pl_slot_of(const bucket* bk, int32_t v) {
   return ((int64_t)(v % bk->shards) * bk->subs + v / bk->shards) * bk->sub_size;
 }
@@ -177,7 +177,7 @@ static inline void pl_runs(const bucket* bk, int32_t i, int32_t r, mfsdp_runs* o
   mfsdp_piece_runs(bk->numels[i], bk->pieces[i], bk->outers[i], r, out);
 }
 
-/* Elements of owner r's piece of item i (the rest of pieces[i] is padding). */
+/* Elements of holder r's piece of item i (the rest of pieces[i] is padding). */
 static inline int64_t pl_piece_size(const bucket* bk, int32_t i, int32_t r) {
   mfsdp_runs ru;
   pl_runs(bk, i, r, &ru);
@@ -187,7 +187,7 @@ static inline int64_t pl_piece_size(const bucket* bk, int32_t i, int32_t r) {
 /* The memory ops (and their context) that made buffer `kind`'s storage: the host memory for an
  * offloaded bucket's host buffers ([Note: offloaded buckets] in buffers.c), else the device's. */
 static inline const mfsdp_memory_ops* pl_memory_of(const mfsdp_pipeline* p, const bucket* bk, int kind, void** ctx) {
-  int host = bk->owner[kind] >= 0 && bk->host[bk->owner[kind]] && p->be.host_memory != NULL;
+  int host = bk->storage[kind] >= 0 && bk->host[bk->storage[kind]] && p->be.host_memory != NULL;
   *ctx = host ? p->be.host_memory_ctx : p->be.memory_ctx;
   return host ? p->be.host_memory : p->be.memory;
 }
@@ -203,7 +203,7 @@ static inline mfsdp_status pl_host_wait_offloaded(mfsdp_pipeline* p) {
 /* The main weights have storage of their own (a wider dtype than the compute weights, or an
  * offloaded bucket's host copy). */
 static inline int pl_own_main(const bucket* bk) {
-  return bk->present[MFSDP_BUF_MAIN_SHARD] && bk->owner[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD;
+  return bk->present[MFSDP_BUF_MAIN_SHARD] && bk->storage[MFSDP_BUF_MAIN_SHARD] == MFSDP_BUF_MAIN_SHARD;
 }
 
 /* ZeRO-1/2 with main == compute dtype and distinct layouts: the main weights are this rank's

@@ -42,7 +42,7 @@
  * core/mfsdp_layout.h) carries, in the tail of every sub-shard, for each item i: [i] used, [n + i]
  * trains, [2n + i] frozen. At each launch (write_flags, after the zeros of unready items and the
  * packing, before the reduction's scaling) this rank's FLAGS (1 where a gradient arrived since the
- * bucket's last launch, `used`; its trainable bits) go into every owner's tail: the used third is
+ * bucket's last launch, `used`; its trainable bits) go into every holder's tail: the used third is
  * added, the other two overwrite. The reduction then sums them like gradients (any op, pre/post
  * scaling, wire dtype, exchange, a sum in the comm dtype, across replicas): sums of 0/1 times a
  * positive factor, so "> 0" reads "on some rank" exactly (a positive sum never rounds to 0),
@@ -123,7 +123,7 @@ static bucket* pop_front(mfsdp_pipeline* p) {
   return bk;
 }
 
-/* [Note: used-flag tail]: this rank's flags into the tail of every owner's sub-shard of GRAD
+/* [Note: used-flag tail]: this rank's flags into the tail of every holder's sub-shard of GRAD
  * (materialised, this backward's gradients in): the used third added, the check thirds set. */
 static mfsdp_status write_flags(mfsdp_pipeline* p, bucket* bk) {
   if (!bk->flags) return MFSDP_OK;
@@ -144,7 +144,7 @@ static mfsdp_status write_flags(mfsdp_pipeline* p, bucket* bk) {
   const mfsdp_buffer* g = &bk->buf[MFSDP_BUF_GRAD];
   for (int check = 0; check < 2; ++check) {
     packer pk = {p, g->data, g->dtype, 1.0, !check, 0, {{0}}};
-    for (int32_t r = 0; r < bk->owners; ++r)
+    for (int32_t r = 0; r < bk->holders; ++r)
       MFSDP_CHECK(pl_packer_add(&pk, pl_at(f, check ? n : 0), MFSDP_F32,
                                 pl_slot_of(bk, r) + pl_tail_of(bk) + (check ? n : 0), check ? 2 * (int64_t)n : n));
     MFSDP_CHECK(pl_packer_flush(&pk));
@@ -174,13 +174,13 @@ mfsdp_status pl_zero_item_flags(mfsdp_pipeline* p, bucket* bk, int32_t item) {
   bk->used[item] = 0;
   int persistent = bk->spec.grad_mode != MFSDP_GRAD_SCATTER_ACCUMULATE;
   const mfsdp_buffer* g = &bk->buf[persistent ? MFSDP_BUF_GRAD : MFSDP_BUF_GRAD_SHARD];
-  int32_t slots = persistent ? bk->owners : bk->subs;
+  int32_t slots = persistent ? bk->holders : bk->subs;
   for (int32_t r = 0; r < slots; ++r) {
     int64_t slot = persistent ? pl_slot_of(bk, r) : (int64_t)r * bk->sub_size;
     MFSDP_CHECK(k->fill_zero(kc, pl_at(g, slot + pl_tail_of(bk) + item), g->dtype, 1));
   }
   const mfsdp_buffer* held = &bk->buf[MFSDP_BUF_GRAD];
-  for (int32_t r = 0; !persistent && bk->held_grads && r < bk->owners; ++r)
+  for (int32_t r = 0; !persistent && bk->held_grads && r < bk->holders; ++r)
     MFSDP_CHECK(k->fill_zero(kc, pl_at(held, pl_slot_of(bk, r) + pl_tail_of(bk) + item), held->dtype, 1));
   return MFSDP_OK;
 }
@@ -346,7 +346,7 @@ mfsdp_status pl_launch_bucket(mfsdp_pipeline* p, int32_t id) {
       MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, g->data, g->dtype, bk->full_size));
     } else if (bk->n_ready < bk->spec.layout.n_items) {
       for (int32_t j = 0; j < bk->spec.layout.n_items; ++j)
-        for (int32_t r = 0; r < bk->owners && !bk->ready[j]; ++r)
+        for (int32_t r = 0; r < bk->holders && !bk->ready[j]; ++r)
           MFSDP_CHECK(k->fill_zero(p->be.kernels_ctx, pl_at(g, pl_slot_of(bk, r) + bk->shard_offsets[j]), g->dtype,
                                    bk->pieces[j]));
     }

@@ -14,7 +14,7 @@
  * in one step), its reduced part is divided by the replicas first, so that it is counted once.
  *
  * [Note: optimizer sharded across replicas]
- * HFSDP (cfg.outer_sharded): a sharded bucket is laid out over owners = shards * subs
+ * HFSDP (cfg.outer_sharded): a sharded bucket is laid out over holders = shards * subs
  * sub-shards (its layout.world; subs = the replicas), torch.chunk over every data-parallel
  * rank: rank g = o * shards + i (replica o, inner rank i) holds the rows of sub-shard g, so its
  * parameters are Shard(0) over the flattened (outer, inner) mesh. The rank-major buffers put

@@ -40,7 +40,7 @@ static mfsdp_status pack_own_rows(mfsdp_pipeline* p, bucket* bk, void* dst, int3
 
 /* See [Note: cast on gather]. */
 static int casts_on_gather(const bucket* bk) {
-  return bk->gathered && pl_own_main(bk) && bk->owner[MFSDP_BUF_WEIGHT_SHARD] != MFSDP_BUF_WEIGHT_SHARD;
+  return bk->gathered && pl_own_main(bk) && bk->storage[MFSDP_BUF_WEIGHT_SHARD] != MFSDP_BUF_WEIGHT_SHARD;
 }
 
 /* Two ways in (pl_init_mode). Full (direct = 0): the full weights are materialised, items are
@@ -59,7 +59,7 @@ mfsdp_status mfsdp_pipeline_init_begin(mfsdp_pipeline* p, int32_t b, int direct)
     MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT));
   }
   if (direct) { /* the shards receive rows item by item: their padding must be zero */
-    if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
+    if (bk->storage[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
       MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT_SHARD));
     if (pl_own_main(bk)) MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_MAIN_SHARD));
   }
@@ -86,7 +86,7 @@ mfsdp_status mfsdp_pipeline_set_item(mfsdp_pipeline* p, int32_t b, int32_t item,
    * takes its whole collective shard: under HFSDP the rows of its replicas' twins too) */
   int64_t to = bk->shard_offsets[item], width = mfsdp_dtype_size(src_dtype);
   mfsdp_runs ru;
-  if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
+  if (bk->storage[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD)
     for (int32_t o = 0; o < bk->subs; ++o) {
       pl_runs(bk, item, o * bk->shards + bk->own_shard, &ru);
       for (int64_t j = 0; j < ru.count; ++j)
@@ -120,7 +120,7 @@ mfsdp_status mfsdp_pipeline_set_local(mfsdp_pipeline* p, int32_t b, int32_t item
   if (n == 0) return MFSDP_OK;
   const mfsdp_kernel_ops* k = p->be.kernels;
   int64_t to = bk->shard_offsets[item];
-  if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) /* HFSDP: the replicas' gather brings the rest */
+  if (bk->storage[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) /* HFSDP: the replicas' gather brings the rest */
     MFSDP_CHECK(k->copy(p->be.kernels_ctx, pl_at(&bk->buf[MFSDP_BUF_WEIGHT_SHARD], bk->sub_start + to),
                         bk->spec.param_dtype, src, src_dtype, n, 1.0));
   if (pl_own_main(bk))
@@ -141,7 +141,7 @@ mfsdp_status mfsdp_pipeline_init_end(mfsdp_pipeline* p, int32_t b) {
   if (bk->init == PL_INIT_NONE) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "bucket %d: init_end without init_begin", b);
   if (bk->init == PL_INIT_FULL) { /* derive the shards from the full weights; padding zero */
     const mfsdp_buffer* w = &bk->buf[MFSDP_BUF_WEIGHT];
-    if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) {
+    if (bk->storage[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) {
       MFSDP_CHECK(zero_buffer(p, bk, MFSDP_BUF_WEIGHT_SHARD));
       MFSDP_CHECK(pack_own_rows(p, bk, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype, w, 1));
     }
@@ -177,7 +177,7 @@ static mfsdp_status start_gather(mfsdp_pipeline* p, bucket* bk) {
   MFSDP_CHECK(fill_own_slice(p, bk));
   bk->wstate = MFSDP_W_GATHERING;
   if (!pl_communicates(p, bk)) {
-    if (bk->owner[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) /* one inner rank (HFSDP 4x1): a copy */
+    if (bk->storage[MFSDP_BUF_WEIGHT_SHARD] == MFSDP_BUF_WEIGHT_SHARD) /* one inner rank (HFSDP 4x1): a copy */
       MFSDP_CHECK(p->be.kernels->copy(p->be.kernels_ctx, pl_at(&bk->buf[bk->gather_kind], bk->shard_start),
                                       bk->spec.param_dtype, bk->buf[MFSDP_BUF_WEIGHT_SHARD].data, bk->spec.param_dtype,
                                       bk->shard_size, 1.0));
@@ -197,7 +197,7 @@ static mfsdp_status copy_out(mfsdp_pipeline* p, bucket* bk) {
   packer k = {p, bk->buf[MFSDP_BUF_WEIGHT].data, bk->spec.param_dtype, 1.0, 0, 0, {{0}}};
   int32_t skip = pl_main_in_weight(bk) ? bk->spec.shard_rank : -1;
   for (int32_t i = 0; i < bk->spec.layout.n_items; ++i)
-    for (int32_t r = 0; r < bk->owners; ++r) {
+    for (int32_t r = 0; r < bk->holders; ++r) {
       if (r == skip) continue;
       mfsdp_runs ru;
       pl_runs(bk, i, r, &ru);

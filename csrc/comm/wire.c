@@ -163,7 +163,7 @@ static mfsdp_status qpacker_add(qpacker* k, const void* wire, int64_t src_offset
   return MFSDP_OK;
 }
 
-/* The gather landed: every owner's rows, this rank's own too, dequantized from their pieces
+/* The gather landed: every holder's rows, this rank's own too, dequantized from their pieces
  * straight into the parameter-major full weights (the copy-out of weights.c, fused). Owner r's
  * sub-shard is in piece r % shards at (r / shards) * sub_size ([Note: bucket geometry]). */
 mfsdp_status pl_wire_finish_gather(mfsdp_pipeline* p, bucket* bk) {
@@ -172,7 +172,7 @@ mfsdp_status pl_wire_finish_gather(mfsdp_pipeline* p, bucket* bk) {
   qpacker k = {p, bk->buf[MFSDP_BUF_WEIGHT].data, bk->spec.param_dtype, bk->q_weights, bk->q_block, bk->shard_size,
                0, {{0}}};
   for (int32_t i = 0; i < bk->spec.layout.n_items; ++i)
-    for (int32_t r = 0; r < bk->owners; ++r) {
+    for (int32_t r = 0; r < bk->holders; ++r) {
       mfsdp_runs ru; /* one run per block of an item sharded on an inner dim ([Note: chunked layout]) */
       pl_runs(bk, i, r, &ru);
       for (int64_t j = 0; j < ru.count; ++j)

@@ -1,6 +1,6 @@
 /* torch_memory.c: the engine's buffers as torch tensors (torch_memory.h).
  *
- * Every owner buffer is one flat torch tensor made once; materialise/release resize its untyped
+ * Every storage buffer is one flat torch tensor made once; materialise/release resize its untyped
  * storage (see [Note: storage resize] in csrc/comm/buffers.c). A buffer's handle is its tensor. */
 #include "torch_memory.h"
 
@@ -31,12 +31,12 @@ static mfsdp_status mem_create(void* ctx, int64_t numel, int32_t dtype, mfsdp_bu
   return s;
 }
 
-static mfsdp_status mem_create_view(void* ctx, const mfsdp_buffer* owner, int64_t offset, int64_t numel,
+static mfsdp_status mem_create_view(void* ctx, const mfsdp_buffer* storage, int64_t offset, int64_t numel,
                                     mfsdp_buffer* out) {
   (void)ctx;
-  PyObject* t = PyObject_CallMethod((PyObject*)owner->handle, "narrow", "iLL", 0, (long long)offset, (long long)numel);
+  PyObject* t = PyObject_CallMethod((PyObject*)storage->handle, "narrow", "iLL", 0, (long long)offset, (long long)numel);
   if (t == NULL) return py_fail("create view");
-  *out = (mfsdp_buffer){NULL, numel, owner->dtype, owner->device, t};
+  *out = (mfsdp_buffer){NULL, numel, storage->dtype, storage->device, t};
   return MFSDP_OK;
 }
 

@@ -68,7 +68,7 @@ int64_t count_differences(const void* a, const void* b, int dtype, int64_t n) {
   return wrong;
 }
 
-/* ---- heap memory: owners hold a heap_block; views hold a heap_block whose mem is NULL ---- */
+/* ---- heap memory: storages hold a heap_block; views hold a heap_block whose mem is NULL ---- */
 
 static mfsdp_status heap_create(void* ctx, int64_t numel, int32_t dtype, mfsdp_buffer* out) {
   (void)ctx;
@@ -85,13 +85,13 @@ static mfsdp_status heap_create(void* ctx, int64_t numel, int32_t dtype, mfsdp_b
   return MFSDP_OK;
 }
 
-static mfsdp_status heap_create_view(void* ctx, const mfsdp_buffer* owner, int64_t offset, int64_t numel,
+static mfsdp_status heap_create_view(void* ctx, const mfsdp_buffer* storage, int64_t offset, int64_t numel,
                                      mfsdp_buffer* out) {
   (void)ctx;
   (void)offset;
   heap_block* b = calloc(1, sizeof *b);
   if (b == NULL) return MFSDP_FAIL(MFSDP_ERR_OUT_OF_MEMORY, "view");
-  *out = (mfsdp_buffer){NULL, numel, owner->dtype, owner->device, b};
+  *out = (mfsdp_buffer){NULL, numel, storage->dtype, storage->device, b};
   return MFSDP_OK;
 }
 

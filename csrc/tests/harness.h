@@ -1,6 +1,6 @@
 /* harness.h: what the C tests need to run the engine without Python.
  *
- * - heap memory ops: buffers are calloc'd blocks (owners) or offsets into them (views);
+ * - heap memory ops: buffers are calloc'd blocks (storages) or offsets into them (views);
  * - a thread transport: every rank of a world is a thread of this process, collectives meet at
  *   a barrier and sum in rank order (like a single-node gloo, minus the sockets);
  * - a tiny check framework and a deterministic PRNG. */

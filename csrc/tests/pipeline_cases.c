@@ -470,7 +470,7 @@ static double q_main_value(const quant_case* c, int item, int64_t j, int steps) 
   return v;
 }
 
-/* The expected full compute weights (parameter-major, param dtype) of a gather: every owner's
+/* The expected full compute weights (parameter-major, param dtype) of a gather: every holder's
  * shard in the main dtype (the gather's source), quantized and dequantized when `quantized`. */
 static void q_expected_weights(const quant_case* c, const mfsdp_bucket_plan* bp, int quantized, int steps,
                                void* out) {

@@ -97,7 +97,7 @@ void test_in_flight(void) {
   late_gather g = {0};
   mfsdp_pipeline* p = zero3(&g);
   if (p == NULL) return;
-  int o = p->b[0].owner[p->b[0].gather_kind];
+  int o = p->b[0].storage[p->b[0].gather_kind];
   CHECK_OK(mfsdp_pipeline_unshard(p, &b0, 1));
   CHECK_OK(mfsdp_pipeline_wait_unshard(p, &b0, 1));
   CHECK_OK(mfsdp_pipeline_reshard(p, &b0, 1));
