@@ -162,3 +162,10 @@ def test_one_word_per_idea():
            if re.search(r"\bowners?\b", line.replace("_owner.py", ""))]
     assert not bad, "'owner' in the C engine (holder: a rank's sub-shard; storage: a buffer views use):\n" + \
         "\n".join(bad)
+    # retired Python names, each with the one that replaced it everywhere
+    retired = {"hold_outer": "outer_hold (as the engine's set_outer_hold and the C bucket field)"}
+    py = subprocess.run(["git", "ls-files", "megatron_fsdp_c", "tests", "docs", "benchmarks"], cwd=ROOT,
+                        capture_output=True, text=True, check=True).stdout.split()
+    bad = [f"{f}: {old} (now {new})" for f in py if f.endswith((".py", ".pyi", ".md")) and f != "tests/test_docs.py"
+           for old, new in retired.items() if re.search(rf"\b{old}\b", (ROOT / f).read_text(errors="replace"))]
+    assert not bad, "\n".join(bad)

@@ -34,7 +34,7 @@ class ShardGroup:
     reshard_after_forward: Optional[bool]  # None: FSDP2's default, set at the lazy init (False for the root)
     reshard_after_backward: bool = True
     hold: bool = False             # gradients held, not reduced: set_requires_gradient_sync(False)
-    hold_outer: bool = False       # HSDP: no all-reduce across replicas: set_requires_all_reduce(False)
+    outer_hold: bool = False       # HSDP: no all-reduce across replicas: set_requires_all_reduce(False)
     forward_prefetch: Optional[List[nn.Module]] = None
     backward_prefetch: Optional[List[nn.Module]] = None
     divide_factor: Optional[float] = None

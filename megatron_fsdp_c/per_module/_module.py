@@ -196,7 +196,7 @@ class FSDPModule(TorchFSDPModule):
         ([Note: hybrid sharding] in csrc/comm/replicas.c). No effect on a 1-D mesh."""
         groups = self._groups(recurse)
         for g in groups:
-            g.hold_outer = not requires_all_reduce
+            g.outer_hold = not requires_all_reduce
         self._reconfigure(groups)
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:

@@ -183,7 +183,7 @@ class RootState(Registration, StepEnd, EngineOwner):
         if grads:
             engine.set_hold(grads, g.hold)
             if self.dist_ctx.outer_world > 1:
-                engine.set_outer_hold(grads, g.hold_outer)
+                engine.set_outer_hold(grads, g.outer_hold)
             # [Note: expert gradient scaling]
             # A group's gradients are summed over its mesh's data-parallel ranks after dividing by
             # its divide factor: by default the mesh's data-parallel size (FSDP2's default, so an
