@@ -61,11 +61,15 @@ SPAWN_CELLS = int(os.environ.get("RANK_GRID_SPAWN_CELLS", 100))
 # waits are the other's compute. Chunks share nothing (once() values are per spawn, needs order
 # grids, not chunks), and each spawn starts its cells together and bounds every wait as before.
 # Measured (pytest tests, idle machine): 902-944 s one spawn at a time, 730 s two side by side,
-# 800 s three (more waiting for the cores than the overlap saves). Off by default (1) for now: in
-# one of six full runs with two side by side, a rank died of SIGSEGV inside a gloo all-gather
-# (test_user_loops' moe_unused_experts at world 2, passing alone and in the other five runs), a
-# crash not seen with one spawn at a time and not yet understood.
-SPAWN_PARALLEL = int(os.environ.get("RANK_GRID_SPAWN_PARALLEL", 1))
+# 800 s three (more waiting for the cores than the overlap saves); on 2026-12-07's machine 345 s
+# one at a time, 294-300 s two. Two is the default since 2026-12-07: the SIGSEGV in a gloo
+# all-gather once seen so (2026-11, test_user_loops' moe_unused_experts at world 2, a cell with a
+# 15 s collective timeout) has the shape of a timed-out gloo collective writing into memory freed
+# meanwhile, which the engine now never frees ([Note: buffers under a collective] in
+# csrc/comm/buffers.c), and two runs starting side by side no longer race for a rendezvous port
+# ([Note: the rendezvous port] in megatron_fsdp_c/testing.py); five full suites side by side ran
+# clean after that (docs/testing.md). RANK_GRID_SPAWN_PARALLEL=1: one spawn at a time.
+SPAWN_PARALLEL = int(os.environ.get("RANK_GRID_SPAWN_PARALLEL", 2))
 
 CellId = Tuple[str, Any, int]  # (module, key, world)
 
