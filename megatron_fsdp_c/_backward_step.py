@@ -62,46 +62,48 @@ class BackwardSteps:
         self.waiting: List[int] = []  # the buckets of the unit whose backward ended last
         self.busy: list = []  # optimizers with steps submitted in this pass
         self.stepping: set = set()  # their buckets, until joined
-        self.armed = False  # a stepping optimizer holds a parameter of this owner (at the last forward)
+        self.held: Dict[int, tuple] = {}  # id(dist param) -> (stepping optimizer, group index), at the last forward
         # buckets stepped in the last syncing backward: while it ran, and at its end; gathers that
         # waited for a step, and that went on while steps ran
         self.counts = {"during": 0, "at_end": 0, "waits": 0, "passed": 0}
 
     def before_forward(self) -> None:
         """At the root's pre-forward: joins every step (the forward reads the weights), and notes
-        whether an optimizer that steps in backward holds one of this owner's parameters. Per
-        owner, not "any stepper alive": another model's optimizer, alive until the collector takes
-        it, must not change what this model's backward does."""
+        which of this owner's parameters an optimizer that steps in backward holds (the pass's
+        backward plans from it). Per owner, not "any stepper alive": another model's optimizer,
+        alive until the collector takes it, must not change what this model's backward does."""
         self.join()
-        self.armed = False
+        self.held = {}
         if not _STEPPERS:
-            return
-        mine = {id(r.dist_param) for r in self.owner.param_buffer.records}
-        self.armed = any(id(p) in mine for opt in list(_STEPPERS) for g in opt.param_groups for p in g["params"])
-
-    def may_step(self, unit) -> bool:
-        """At a unit's forward: whether its backward's end may step a bucket (so it must be told,
-        even where nothing reshards the unit after its backward: ZeRO-2)."""
-        return self.armed and bool(unit.grad_buckets)
-
-    def begin(self, sync: bool) -> None:
-        """At the start of a backward, before the engine's: which buckets' parameters a stepping
-        optimizer holds. Raises (nothing launched yet) when one of them was stepped in an earlier
-        backward and optimizer.step() has not come since."""
-        self.plan, self.waiting = None, []
-        if sync:
-            self.counts = {"during": 0, "at_end": 0, "waits": 0, "passed": 0}
-        if not sync or not _STEPPERS:
             return
         where = {}
         for opt in list(_STEPPERS):
             for gi, group in enumerate(opt.param_groups):
                 for p in group["params"]:
                     where[id(p)] = (opt, gi)
+        for r in self.owner.param_buffer.records:
+            hit = where.get(id(r.dist_param))
+            if hit is not None:
+                self.held[id(r.dist_param)] = hit
+
+    def may_step(self, unit) -> bool:
+        """At a unit's forward: whether its backward's end may step a bucket (so it must be told,
+        even where nothing reshards the unit after its backward: ZeRO-2)."""
+        return bool(self.held) and bool(unit.grad_buckets)
+
+    def begin(self, sync: bool) -> None:
+        """At the start of a backward, before the engine's: which buckets' parameters a stepping
+        optimizer holds (as the forward found, before_forward). Raises (nothing launched yet) when
+        one of them was stepped in an earlier backward and optimizer.step() has not come since."""
+        self.plan, self.waiting = None, []
+        if sync:
+            self.counts = {"during": 0, "at_end": 0, "waits": 0, "passed": 0}
+        if not sync or not self.held:
+            return
         plan: Dict[int, list] = {}
         trainable = self.owner._trainable
         for r in self.owner.param_buffer.records:
-            hit = where.get(id(r.dist_param))
+            hit = self.held.get(id(r.dist_param))
             if hit is None or r.grad_dtensor is None or not trainable[r.index]:
                 continue
             if r.dist_param._local_tensor.device.type != "cpu":  # the fused step refuses it at optimizer.step()
@@ -143,9 +145,7 @@ class BackwardSteps:
         them. Returns how many buckets were stepped in it."""
         self.plan, self.waiting = None, []
         stepped, busy = len(self.stepping), list(self.busy)
-        for opt in busy:
-            opt._seal()
-        self.join()
+        self.join()  # each optimizer's _join seals first
         for opt in busy:
             opt._forget_backward_steps()
         return stepped

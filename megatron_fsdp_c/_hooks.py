@@ -296,7 +296,7 @@ class HookManager:
 
     # -- forward --------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
-        self.end_abandoned_backward()  # [Note: a backward that raised]
+        # the owner ended a backward that raised before this ([Note: a backward that raised])
         self.backward_steps.before_forward()
         if not in_backward():
             self.pass_state.fwd_next = self.pass_state.fwd_done = 0

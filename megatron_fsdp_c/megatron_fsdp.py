@@ -270,8 +270,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
         """Zeroes the main gradient buffers and detaches `.grad` from the distributed parameters."""
         self._end_abandoned_backward()
         for o in self.owners():
-            o._drop_grads()
-        self._grads_pending = False
+            o._drop_grads()  # this wrapper's clears _grads_pending too
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad_buffer()
