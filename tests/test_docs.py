@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import os
+import pathlib
 import re
 import subprocess
 from pathlib import Path
@@ -12,6 +14,21 @@ PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 LINK = re.compile(r"\[[^\]]+\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 NOTE_IN = re.compile(r"\[Note: ([^\]]+)\] in\s+`([^`]+)`")
+
+
+# Not sources: environments, build outputs and caches (the compatibility pass runs this file in a
+# plain copy of the tree, .ci/compat, where there is no git to ask).
+_SKIP_DIRS = {".git", ".venv", "venv", "build", "bin", "__pycache__", "bench_out", "node_modules"}
+
+
+def source_files(*roots: str) -> list:
+    """The tree's files under `roots` (default: all), relative to the root, in a stable order."""
+    out = []
+    for top in [ROOT / r for r in roots] or [ROOT]:
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
+            out += [str((pathlib.Path(dirpath) / f).relative_to(ROOT)) for f in sorted(filenames)]
+    return out
 
 
 def slug(heading: str) -> str:
@@ -68,7 +85,7 @@ def test_code_blocks_parse():
 
 def test_note_pointers_resolve():
     """A pointer names a path from the root or the end of one (`_common.py`: megatron_fsdp_c's)."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = source_files()
     bad = []
     for page in PAGES:
         text = re.sub(r"\s+", " ", page.read_text())
@@ -90,7 +107,7 @@ def test_note_pointers_in_the_code_resolve():
     """Every "[Note: X] in FILE" of the tracked sources (comments and docstrings) names a file that
     defines that Note (a line of its own, the Note's title): FILE relative to the citing file's
     folder, from the root, or the end of a path."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = source_files()
     texts, defined = {}, {}
     for f in files:
         if f.startswith("tests/torch_suite/") or not f.endswith((".py", ".pyi", ".c", ".h", ".cu", ".cuh", ".sh",
@@ -119,7 +136,7 @@ def test_note_pointers_in_the_code_resolve():
 def test_every_cited_note_is_defined():
     """A Note cited anywhere ("[Note: X]", with or without a file) is defined once: one line of its
     own in one file."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = source_files()
     where: dict = {}
     cited = {}
     for f in files:
@@ -143,8 +160,7 @@ def test_every_source_file_is_on_the_map():
     of the engine (tests apart): a file nobody can find is a file nobody maintains."""
     design = (ROOT / "docs" / "design.md").read_text()
     table = design[design.index("## Where things are"):]
-    files = subprocess.run(["git", "ls-files", "megatron_fsdp_c", "csrc"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = source_files("megatron_fsdp_c", "csrc")
     missing = [f for f in files if f.endswith((".py", ".pyi", ".c", ".h", ".cu", ".cuh"))
                and not f.startswith("csrc/tests/") and not f.endswith("__init__.py")
                and f.rsplit("/", 1)[-1] not in table]
@@ -155,8 +171,7 @@ def test_one_word_per_idea():
     """docs/design.md's "One word per idea", where a grep can check it: in the engine's C, "owner"
     is not a word (Python's engine owner is; C says holder for a rank's sub-shard and storage for a
     buffer views point into)."""
-    files = subprocess.run(["git", "ls-files", "csrc"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = source_files("csrc")
     bad = [f"{f}:{n}: {line.strip()}" for f in files if f.endswith((".c", ".h", ".cu", ".cuh"))
            for n, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1)
            if re.search(r"\bowners?\b", line.replace("_owner.py", ""))]
@@ -164,8 +179,7 @@ def test_one_word_per_idea():
         "\n".join(bad)
     # retired Python names, each with the one that replaced it everywhere
     retired = {"hold_outer": "outer_hold (as the engine's set_outer_hold and the C bucket field)"}
-    py = subprocess.run(["git", "ls-files", "megatron_fsdp_c", "tests", "docs", "benchmarks"], cwd=ROOT,
-                        capture_output=True, text=True, check=True).stdout.split()
+    py = source_files("megatron_fsdp_c", "tests", "docs", "benchmarks")
     bad = [f"{f}: {old} (now {new})" for f in py if f.endswith((".py", ".pyi", ".md")) and f != "tests/test_docs.py"
            for old, new in retired.items() if re.search(rf"\b{old}\b", (ROOT / f).read_text(errors="replace"))]
     assert not bad, "\n".join(bad)
