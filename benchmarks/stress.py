@@ -38,6 +38,7 @@ be added as module::key (its registered function; a recording cell's checks are 
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
 import datetime
 import faulthandler
@@ -88,11 +89,7 @@ def _cell_fn(name):
             test_backward_step.against_ddp(rank, world, ck, **kwargs)
             return failures_of(ck.items)
         return run
-    module, _, key = name.partition("::")
-    importlib.import_module(module)
-    from support import rank_grid
-
-    spec = rank_grid.spec_of((module, key, 0))
+    spec = _registered(name)
 
     def run_registered(rank, world):
         value = spec.fn(rank, world, *spec.args, **spec.kwargs)
@@ -104,11 +101,23 @@ def _cell_fn(name):
 def _worlds_of(name):
     if name in SUSPECT:
         return SUSPECT[name][1]
+    return _registered(name).worlds
+
+
+def _registered(name):
+    """The spec of a pytest grid's cell named module::key; a key that is not a registered string is
+    read as a Python literal (test_hybrid's keys are tuples: "test_hybrid::('per-module', (2, 2), 1, 3,
+    'set_requires_all_reduce')")."""
     module, _, key = name.partition("::")
     importlib.import_module(module)
     from support import rank_grid
 
-    return rank_grid.spec_of((module, key, 0)).worlds
+    keys = rank_grid.Cells(module).keys()
+    if key not in keys:
+        key = ast.literal_eval(key)
+    if key not in keys:
+        raise SystemExit(f"no cell {key!r} in {module}; its keys: {keys}")
+    return rank_grid.spec_of((module, key, 0))
 
 
 def _rank_main(rank, world, cells, plan, out_dir):
