@@ -28,7 +28,11 @@ unit's backward), so its reduction overlaps that unit's backward as before. It i
 - The stepped weights are the worker's until it is joined: every gather of the engine, the
   root's pre-forward, `optimizer.step()`, `zero_grad()` and the optimizer's state dicts join
   first (a gather only when it reads a bucket still being stepped: never in the backward that
-  stepped it, whose gathers are of buckets not yet final).
+  stepped it, whose gathers are of buckets not yet final). A `.to()`/`.double()` of the model
+  (which hands the engine's buffers back, [Note: re-initialisation] in per_module/_registration.py)
+  joins too, and is refused until `optimizer.step()` when the backward stepped parameters: the
+  worker would otherwise write buffers already handed back (memory freed under a running step),
+  and the step would step the parameters again.
 Runs where main weights are host memory: CPU meshes, and offloaded buckets on a GPU. There the
 kernels that add the reduced slice into the host gradient shard may still be queued when
 `finish_grads` returns: the worker waits for that bucket's mark (`engine.wait_grads`, an event
@@ -160,8 +164,21 @@ class BackwardSteps:
             return
         busy, self.busy = self.busy, []
         self.stepping.clear()
-        for opt in busy:
-            opt._join()
+        first = None
+        for opt in busy:  # every optimizer's worker is waited for, also after one raised
+            try:
+                opt._join()
+            except Exception as e:  # noqa: BLE001 - re-raised below, once all are joined
+                first = first or e
+        if first is not None:
+            raise first
+
+    def settle(self) -> bool:
+        """Waits for every step of this pass; whether a parameter stepped in it still waits for
+        its optimizer.step() (which will skip it)."""
+        busy = list(self.busy)
+        self.join()
+        return any(opt._awaits_step() for opt in busy)
 
     def _finish(self, buckets, when: str) -> None:
         engine = self.owner.param_buffer.engine

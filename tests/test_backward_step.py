@@ -198,6 +198,20 @@ def refusals(rank, world, ck):
     expect("a second syncing backward before optimizer.step()",
            lambda: gpt_loss(model, gpt_data(2, rank)).backward(), "a second backward that syncs gradients")
 
+    # .to()/.double() hands the engine's buffers back: not while the worker may still write them, and
+    # not between the backward that stepped and optimizer.step() (which skips what was stepped)
+    model, opt = sharded("per_module", "optim_grads_params", False, True)
+    _one_step(model, opt, rank)
+    expect(".double() between a stepping backward and optimizer.step()", model.double,
+           "and optimizer.step(): call optimizer.step() first")
+    ck.true("the refused conversion waited for the steps", not opt._pending, f"{len(opt._pending)} steps in flight")
+    opt.step()
+    opt.zero_grad()
+    model.double()  # after the step: converted as usual (the same dtype: a new engine), and training goes on
+    _one_step(model, opt, rank)
+    opt.step()
+    ck.true("training goes on after the conversion", all(bool(torch.isfinite(full(p)).all()) for p in model.parameters()))
+
 
 @pytest.mark.parametrize("name,world", rank_grid.params(CELLS, CELLS.keys(), {}))
 def test_backward_step(name, world):

@@ -193,6 +193,8 @@ def leak_worker(rank, world):
     return out
 
 
+@pytest.mark.skipif(os.environ.get("MFSDP_SANITIZE") == "address",
+                    reason="AddressSanitizer keeps freed memory in its quarantine (256 MiB): resident memory grows there")
 def test_no_growth_over_100_steps():
     for rank, res in enumerate(CELLS.result("leaks", 2)):
         for strategy, marks in res.items():

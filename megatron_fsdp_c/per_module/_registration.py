@@ -89,6 +89,11 @@ class Registration:
         engine's unreduced buffers, in no .grad, so nothing could carry them."""
         if self.hooks.pass_state.in_backward or self.pass_root is not None or self.methods_running:
             raise RuntimeError(f"{why} inside a forward or backward pass: call it between training steps")
+        # the optimizer's worker writes the engine's buffers until joined; the buffers are handed
+        # back below ([Note: stepping in backward] in ../_backward_step.py)
+        if self.hooks.backward_steps.settle():
+            raise RuntimeError(f"{why} between a backward that stepped parameters (FusedAdam(step_in_backward=True)) "
+                               "and optimizer.step(): call optimizer.step() first")
         if self.extension_gathers is not None:
             raise NotImplementedError(f"{why} after the first forward of a model with tensor-subclass parameters (FSDP2's "
                                       "all-gather extensions) is not supported by megatron_fsdp_c yet: convert the "

@@ -137,6 +137,9 @@ def _grid_worker(rank: int, world: int, cells: Sequence[CellId], out_dir: str, s
     err = open(os.path.join(out_dir, f"stderr.{rank}"), "w")
     os.dup2(err.fileno(), 2)
     sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
+    # a fatal signal (glibc's heap checks abort, a SIGSEGV) prints every thread's Python stack after
+    # the C runtime's last words: the crash report then names the line each thread was on
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     torch.set_num_threads(1)
     # imports (and each module's prepare hook) now, not inside a cell where peers wait in a collective
     for module in dict.fromkeys(c[0] for c in cells):
@@ -290,7 +293,8 @@ def _crash_report(out_dir: str, j: int, world: int, outcomes: list) -> list:
             continue
         status, value = outcomes[r]
         if status == "dead":
-            tail = _tail(os.path.join(out_dir, f"stderr.{r}"), 3000)
+            # the C runtime's last words, then faulthandler's stacks of every thread
+            tail = _tail(os.path.join(out_dir, f"stderr.{r}"), 6000)
             if value == -9:
                 how = "hung and was killed after the spawn's timeout"
             elif "Timeout (" in tail:
