@@ -22,7 +22,10 @@ run), --malloc-perturb N (glibc's MALLOC_PERTURB_: freed and new blocks are fill
 N / ~N, so a stale read sees garbage and a stale write is more likely to break a chunk header),
 --threads (torch's thread count per repetition, cycled; FusedAdam's step takes torch's count),
 --jitter-ms (random sleeps at the hand-offs between the autograd thread and the optimizer's
-threads: [Note: jitter at the hand-offs] in megatron_fsdp_c/_jitter.py).
+threads: [Note: jitter at the hand-offs] in megatron_fsdp_c/_jitter.py), --malloc-check (glibc's
+checking malloc in the ranks, libc_malloc_debug.so with glibc.malloc.check=3: every block gets a
+check byte past its end, tested when it is freed, so a small overflow aborts at the free of the
+block it ran past, with faulthandler's stacks, not at a later allocation elsewhere).
 
 It prints `failures/runs` per world and in all, and the first failure's cell and seed, and
 appends the summary line to --log (benchmarks/results/stress.log), which is committed: counts
@@ -102,6 +105,12 @@ def _worlds_of(name):
     if name in SUSPECT:
         return SUSPECT[name][1]
     return _registered(name).worlds
+
+
+def _torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch")
 
 
 def _registered(name):
@@ -237,6 +246,7 @@ def main():
     ap.add_argument("--reps", type=int, default=1000, help="the most repetitions per world")
     ap.add_argument("--budget-s", type=float, default=600.0, help="the wall-clock bound of the whole run")
     ap.add_argument("--malloc-perturb", type=int, default=0, help="glibc's MALLOC_PERTURB_ byte (0: off)")
+    ap.add_argument("--malloc-check", action="store_true", help="glibc's checking malloc in the ranks")
     ap.add_argument("--threads", default="1", help="torch thread counts, cycled: 1,2,4")
     ap.add_argument("--jitter-ms", type=float, default=0.0, help="the most sleep at each hand-off (0: none)")
     ap.add_argument("--seed", type=int, default=0, help="the first repetition's seed")
@@ -252,6 +262,17 @@ def main():
         os.environ["MFSDP_TEST_JITTER_MS"] = str(args.jitter_ms)
     if args.malloc_perturb:
         os.environ["MALLOC_PERTURB_"] = str(args.malloc_perturb)
+    if args.malloc_check:
+        if os.environ.get("MFSDP_SANITIZE"):
+            ap.error("--malloc-check: not under a sanitizer (ASan replaces malloc)")
+        lib = subprocess.run(["gcc", "-print-file-name=libc_malloc_debug.so.0"], capture_output=True,
+                             text=True).stdout.strip()
+        if not os.path.isabs(lib):
+            lib = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
+        if not os.path.exists(lib):
+            ap.error(f"--malloc-check: glibc's libc_malloc_debug.so.0 not found ({lib}; glibc 2.34+)")
+        os.environ["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), lib]))
+        os.environ["GLIBC_TUNABLES"] = "glibc.malloc.check=3"
     t0 = time.time()
     deadline = t0 + args.budget_s
     commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
@@ -275,8 +296,10 @@ def main():
     line = (f"{time.strftime('%Y-%m-%d %H:%M')} {commit} failures/runs = {total_failures}/{total_runs} "
             f"({', '.join(parts)}) in {seconds:.0f} s; cells {','.join(args.cells) if args.cells else 'suspect'}, "
             f"threads {','.join(map(str, args.threads))}, malloc_perturb {args.malloc_perturb}, "
-            f"jitter_ms {args.jitter_ms:g}, seed {args.seed}, reps {args.reps}, budget {args.budget_s:.0f} s"
-            + (f", sanitizer {os.environ['MFSDP_SANITIZE']}" if os.environ.get("MFSDP_SANITIZE") else ""))
+            f"jitter_ms {args.jitter_ms:g}, seed {args.seed}, reps {args.reps}, budget {args.budget_s:.0f} s, "
+            f"torch {_torch_version()}"
+            + (f", sanitizer {os.environ['MFSDP_SANITIZE']}" if os.environ.get("MFSDP_SANITIZE") else "")
+            + (", malloc_check" if args.malloc_check else ""))
     print(line)
     if first:
         print("first failure: " + first)
