@@ -321,10 +321,12 @@ class MegatronFSDP(EngineOwner, nn.Module):
                     engine.wait_unshard(stale)
 
     def synchronize_param_gather(self) -> None:
+        self._end_abandoned_backward()  # a drain inside a backward is refused (csrc/comm/pipeline.c)
         for o in self.owners():
             o.param_buffer.engine.drain()
 
     def synchronize_gradient_reduce(self) -> None:
+        self._end_abandoned_backward()
         for o in self.owners():
             o.param_buffer.engine.drain()
 

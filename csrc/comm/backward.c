@@ -28,12 +28,6 @@ mfsdp_status mfsdp_pipeline_begin_backward(mfsdp_pipeline* p, int sync) {
   if (p->in_backward) return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "begin_backward inside a backward");
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
-    /* gradients a backward left unpacked (one drained before its end, or a pack that failed)
-     * belong to no backward now: kept, they would be added to this one's, and its arrivals
-     * would be appended past the table's n_items slots */
-    for (int32_t j = 0; j < bk->n_pending; ++j)
-      if (bk->pending[j].handle) p->be.memory->drop(p->be.memory_ctx, bk->pending[j].handle);
-    bk->n_pending = 0;
     bk->n_ready = 0;
     bk->launched = 0;
     bk->complete = 0;

@@ -302,7 +302,7 @@ mfsdp_status mfsdp_pipeline_set_trainable(mfsdp_pipeline* p, int32_t bucket, con
  * caller knows nobody reads them: no `.grad` is attached). Refused for a bucket with a trainable
  * item or holding local gradients not yet reduced; a bucket without buffers is left alone. */
 mfsdp_status mfsdp_pipeline_release_grads(mfsdp_pipeline* p, const int32_t* buckets, int32_t n);
-/* Finish every in-flight collective. */
+/* Finish every in-flight collective (between backwards: refused inside one). */
 mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p);
 /* Where the bucket's reduced used-parameter flags are ([Note: used-flag tail] in reduce.c): *n
  * items (0: the bucket carries none), 3 * *n float elements of GRAD_SHARD from element *offset

@@ -394,13 +394,18 @@ mfsdp_status mfsdp_pipeline_set_comm_dtype(mfsdp_pipeline* p, int32_t dtype) {
 
 mfsdp_status mfsdp_pipeline_drain(mfsdp_pipeline* p) {
   MFSDP_CHECK(pl_healthy(p));
+  /* Inside a backward its gradients are not all reported: ending it here left those that were in
+   * the buckets' pending tables, which the next backward then added to its own and appended its
+   * arrivals past (csrc/tests/core/test_misuse.c). */
+  if (p->in_backward)
+    return MFSDP_FAIL(MFSDP_ERR_INVALID_STATE, "drain inside a backward pass: wait for the collectives after the "
+                                               "backward (synchronize_gradient_reduce / synchronize_param_gather)");
   MFSDP_CHECK(pl_complete_all(p));
   MFSDP_CHECK(pl_complete_outer(p, 1));
   for (int32_t i = 0; i < p->n; ++i) {
     bucket* bk = &p->b[i];
     if (bk->wstate == MFSDP_W_GATHERING) MFSDP_CHECK(pl_finish_gather(p, bk));
   }
-  p->in_backward = 0;
   return MFSDP_OK;
 }
 

@@ -35,8 +35,9 @@ void test_pipeline_misuse(void) {
   CHECK_OK(mfsdp_pipeline_end_backward(p));
   mfsdp_pipeline_destroy(p);
 
-  /* a backward drained before its end leaves gradients unpacked: the next backward starts
-   * without them (once they were added to its own, and its arrivals written past the table) */
+  /* a drain inside a backward is refused and the backward goes on (once it ended the backward,
+   * leaving gradients in the pending table: the next backward added them to its own and wrote
+   * its arrivals past the table, an ASan heap-buffer-overflow in mfsdp_pipeline_grad_ready) */
   int64_t two_off[2] = {0, 4}, two_numels[2] = {4, 4};
   mfsdp_bucket_layout two = {1, 2, two_numels, two_numels, two_off, two_off, 8, 8};
   mfsdp_bucket_spec pair = {two, 0, MFSDP_F32, MFSDP_F32, MFSDP_F32, MFSDP_F32, 0, 0, MFSDP_GRAD_ALL_REDUCE};
@@ -44,7 +45,9 @@ void test_pipeline_misuse(void) {
   float first[4] = {100, 100, 100, 100}, a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8};
   CHECK_OK(mfsdp_pipeline_begin_backward(p, 1));
   CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, 0, first, MFSDP_F32, 4, NULL)); /* item 1 never comes */
-  CHECK_OK(mfsdp_pipeline_drain(p));
+  CHECK(mfsdp_pipeline_drain(p) == MFSDP_ERR_INVALID_STATE && strstr(mfsdp_last_error(), "inside a backward"),
+        "drain inside a backward refused: %s", mfsdp_last_error());
+  CHECK_OK(mfsdp_pipeline_end_backward(p));
   CHECK_OK(mfsdp_pipeline_zero_grads(p));
   CHECK_OK(mfsdp_pipeline_begin_backward(p, 1));
   CHECK_OK(mfsdp_pipeline_grad_ready(p, 0, 0, a, MFSDP_F32, 4, NULL));
