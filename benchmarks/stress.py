@@ -4,6 +4,7 @@ repetition costs a cell (about a second), not a process start. Not part of make 
     python benchmarks/stress.py                        # the suspect cells, worlds 2 and 4, 600 s
     python benchmarks/stress.py --world 2 --reps 200 --budget-s 300 --threads 1,4 --jitter-ms 3
     python benchmarks/stress.py --cells "megatron[2, offload]" --cells test_api::<key> ...
+    python benchmarks/stress.py --world 4 --chunk-of "test_hybrid::('per-module', (2, 2), 1, 3, 'set_requires_all_reduce')"
 
 One spawn of --world ranks (forked from the forkserver of megatron_fsdp_c.testing) runs
 repetition after repetition: each one a fresh model and optimizer (the cell makes them), seeded
@@ -111,6 +112,32 @@ def _torch_version() -> str:
     from importlib.metadata import version
 
     return version("torch")
+
+
+def _chunk_of(name: str, world: int) -> list:
+    """The cells of make test's spawn that runs cell `name` (module::key) at `world` ranks, in that
+    spawn's order, each as module::key: the suite collected as make test collects it, the cell's
+    slot cut into chunks as its spawns are (spawns.chunks_of). A crash's neighbours, replayed."""
+    import contextlib
+    import io
+
+    import pytest
+    from support import rank_grid, spawns
+
+    target = (name.partition("::")[0], _registered(name).key, world)
+    with contextlib.redirect_stdout(io.StringIO()):
+        pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), str(ROOT / "tests")])
+    slot = rank_grid._slot(target)
+    cells = rank_grid._order([c for c in rank_grid._selected() if rank_grid._slot(c) == slot])
+    for chunk in spawns.chunks_of(cells):
+        if target in chunk:
+            # a cell reading what a spawn of another world wrote (a checkpoint to reshard) cannot run here
+            alone = [c for c in chunk if any(rank_grid._slot(need) != slot for need in rank_grid.spec_of(c).needs)]
+            if alone:
+                print(f"--chunk-of: left out {len(alone)} cell(s) that read another spawn's files: "
+                      f"{', '.join(str(c[:2]) for c in alone)}", flush=True)
+            return [f"{m}::{k}" if isinstance(k, str) else f"{m}::{k!r}" for m, k, _ in chunk if (m, k, _) not in alone]
+    raise SystemExit(f"--chunk-of: {name} runs in no spawn of world {world} in make test")
 
 
 def _registered(name):
@@ -243,6 +270,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--cells", action="append", help="a cell name (default: every suspect cell of the world)")
+    ap.add_argument("--chunk-of", help="a cell (module::key): every cell of make test's spawn holding it, in its order")
     ap.add_argument("--reps", type=int, default=1000, help="the most repetitions per world")
     ap.add_argument("--budget-s", type=float, default=600.0, help="the wall-clock bound of the whole run")
     ap.add_argument("--malloc-perturb", type=int, default=0, help="glibc's MALLOC_PERTURB_ byte (0: off)")
@@ -277,10 +305,19 @@ def main():
     deadline = t0 + args.budget_s
     commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
                             text=True).stdout.strip() or "?"
+    if args.chunk_of:  # (the collection's session ends with it: before the harness's own session below)
+        chosen = {world: _chunk_of(args.chunk_of, world) for world in args.world}
+        for world, cells in chosen.items():
+            print(f"world {world}: the chunk of make test's spawn with {args.chunk_of}: {len(cells)} cells", flush=True)
+    else:
+        chosen = {world: [c for c in (args.cells or list(SUSPECT)) if world in _worlds_of(c)] for world in args.world}
+    from support import rank_grid
+
+    rank_grid.session_dir()  # before the ranks start: the directory the grid cells share (checkpoints)
     total_runs = total_failures = 0
     first, parts = "", []
     for n, world in enumerate(args.world):
-        cells = [c for c in (args.cells or list(SUSPECT)) if world in _worlds_of(c)]
+        cells = chosen[world]
         if not cells:
             print(f"world {world}: no selected cell runs at this world size", flush=True)
             continue
@@ -292,9 +329,12 @@ def main():
         total_failures += failures
         first = first or why
         parts.append(f"world {world} {failures}/{runs}")
+    rank_grid.end_session()
     seconds = time.time() - t0
+    what = (f"make test's spawn chunk with {args.chunk_of}" if args.chunk_of
+            else ','.join(args.cells) if args.cells else 'suspect')
     line = (f"{time.strftime('%Y-%m-%d %H:%M')} {commit} failures/runs = {total_failures}/{total_runs} "
-            f"({', '.join(parts)}) in {seconds:.0f} s; cells {','.join(args.cells) if args.cells else 'suspect'}, "
+            f"({', '.join(parts)}) in {seconds:.0f} s; cells {what}, "
             f"threads {','.join(map(str, args.threads))}, malloc_perturb {args.malloc_perturb}, "
             f"jitter_ms {args.jitter_ms:g}, seed {args.seed}, reps {args.reps}, budget {args.budget_s:.0f} s, "
             f"torch {_torch_version()}"

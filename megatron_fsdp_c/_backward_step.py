@@ -30,7 +30,8 @@ unit's backward), so its reduction overlaps that unit's backward as before. It i
   first (a gather only when it reads a bucket still being stepped: never in the backward that
   stepped it, whose gathers are of buckets not yet final). A `.to()`/`.double()` of the model
   (which hands the engine's buffers back, [Note: re-initialisation] in per_module/_registration.py)
-  joins too, and is refused until `optimizer.step()` when the backward stepped parameters: the
+  joins too, and is refused until `optimizer.step()` when the backward stepped parameters (a forward
+  or unshard() in between changes nothing): the
   worker would otherwise write buffers already handed back (memory freed under a running step),
   and the step would step the parameters again.
 Runs where main weights are host memory: CPU meshes, and offloaded buckets on a GPU. There the
@@ -174,11 +175,16 @@ class BackwardSteps:
             raise first
 
     def settle(self) -> bool:
-        """Waits for every step of this pass; whether a parameter stepped in it still waits for
-        its optimizer.step() (which will skip it)."""
-        busy = list(self.busy)
+        """Waits for every step of this pass; whether a parameter of this owner that a backward
+        stepped still waits for its optimizer.step() (which is to skip it). Asks each optimizer
+        that holds the owner's parameters (`held`), not only this pass's `busy`: a forward or an
+        unshard() since the backward joined its steps and emptied `busy`, and the step is still due."""
         self.join()
-        return any(opt._awaits_step() for opt in busy)
+        for r in self.owner.param_buffer.records:
+            hit = self.held.get(id(r.dist_param))
+            if hit is not None and r.grad_dtensor is not None and hit[0]._stepped_in_backward(r.grad_dtensor):
+                return True
+        return False
 
     def _finish(self, buckets, when: str) -> None:
         engine = self.owner.param_buffer.engine

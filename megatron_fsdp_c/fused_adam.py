@@ -255,10 +255,6 @@ class FusedAdam(torch.optim.Optimizer):
         _hooks.py)."""
         self._stepped.clear()
 
-    def _awaits_step(self) -> bool:
-        """Whether a backward stepped parameters that the next optimizer.step() is to skip."""
-        return bool(self._stepped)
-
     def _stepped_already(self, group_index, group, p, g) -> bool:
         """Whether a backward stepped `p` since the last optimizer.step(), checking that nothing
         the step read has changed since ([Note: stepping in backward] in _backward_step.py)."""

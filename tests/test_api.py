@@ -83,6 +83,52 @@ def step_without_sync_kwargs(rank, world):
     return dict(main_moved=not torch.equal(before, after_main))
 
 
+@CELLS.cell("synchronize", tests=["test_synchronize_waits"])
+def synchronize_waits(rank, world):
+    """Megatron-FSDP's waits, synchronize_gradient_reduce() and synchronize_param_gather(): around
+    a step they change no number; inside a backward (a gradient hook) they raise, saying when to
+    call them, and the next call ends that backward, so training goes on."""
+    def build():
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        return mf.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), fsdp_unit_modules=[Block],
+                              zero_dp_strategy=3)
+
+    full = {}
+    for waits in (False, True):
+        fsdp, opt = build()
+        for step in range(2):
+            fsdp(*batch(CFG, 2, seed=step * 10 + rank)).backward()
+            if waits:
+                fsdp.synchronize_gradient_reduce()
+            opt.step()
+            opt.zero_grad()
+            if waits:
+                fsdp.synchronize_param_gather()
+        full[waits] = fsdp.full_parameters()
+    out = dict(worst=max((full[True][n] - full[False][n]).abs().max().item() for n in full[False]))
+
+    fsdp, opt = build()
+    def wait_in_backward(mod, args, y):
+        y.register_hook(lambda g: fsdp.synchronize_gradient_reduce())
+
+    hook = fsdp.module.blocks[0].register_forward_hook(wait_in_backward)
+    try:  # the hook runs after the later blocks' backward: inside ours
+        fsdp(*batch(CFG, 2, seed=rank)).backward()
+        out["inside"] = "no error"
+    except RuntimeError as e:
+        out["inside"] = str(e)
+    hook.remove()
+    fsdp.synchronize_gradient_reduce()  # ends the backward that raised, as its final callback would have
+    before = fsdp.full_parameters()
+    loss = fsdp(*batch(CFG, 2, seed=rank + 5))
+    loss.backward()
+    opt.step()
+    after = fsdp.full_parameters()
+    out["trains_on"] = bool(torch.isfinite(loss)) and all(not torch.equal(before[n], after[n]) for n in before)
+    return out
+
+
 def _get(name):
     return CELLS.result(name, 2)[0]
 
@@ -109,3 +155,10 @@ def test_sync_context_and_auto_sync():
 
 def test_step_keyword_arguments():
     assert _get("step_kwargs")["main_moved"]
+
+
+def test_synchronize_waits():
+    r = _get("synchronize")
+    assert r["worst"] == 0.0, r  # the same reductions in the same order: bit for bit
+    assert "drain inside a backward pass" in r["inside"] and "after the backward" in r["inside"], r["inside"]
+    assert r["trains_on"], r

@@ -205,6 +205,15 @@ def refusals(rank, world, ck):
     expect(".double() between a stepping backward and optimizer.step()", model.double,
            "and optimizer.step(): call optimizer.step() first")
     ck.true("the refused conversion waited for the steps", not opt._pending, f"{len(opt._pending)} steps in flight")
+    # a forward or unshard() in between joins the steps, and optimizer.step() still has to skip them
+    with torch.no_grad():
+        gpt_loss(model, gpt_data(3, rank))
+    expect(".double() after a forward between the stepping backward and optimizer.step()", model.double,
+           "and optimizer.step(): call optimizer.step() first")
+    model.unshard()
+    model.reshard()
+    expect(".double() after unshard() between the stepping backward and optimizer.step()", model.double,
+           "and optimizer.step(): call optimizer.step() first")
     opt.step()
     opt.zero_grad()
     model.double()  # after the step: converted as usual (the same dtype: a new engine), and training goes on

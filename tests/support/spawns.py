@@ -208,6 +208,17 @@ def _tail(path: str, n: int = 1500) -> str:
     return "\n".join(lines)[-n:]
 
 
+def chunks_of(cells: Sequence[CellId]) -> List[List[CellId]]:
+    """A grid's cells cut into its spawns' chunks: equal ones, as many as SPAWN_PARALLEL keeps busy
+    together (none left to run alone at the end). benchmarks/stress.py --chunk-of replays one."""
+    cells = list(cells)
+    parallel = max(1, SPAWN_PARALLEL)
+    n_chunks = -(-len(cells) // SPAWN_CELLS)
+    n_chunks = -(-n_chunks // parallel) * parallel if len(cells) >= 2 * parallel else n_chunks
+    size = -(-len(cells) // max(1, n_chunks))
+    return [cells[i:i + size] for i in range(0, len(cells), max(1, size))]
+
+
 def run_grid(world: int, cells: Sequence[CellId],
              spec_of: Callable) -> Tuple[Dict[CellId, list], Dict[CellId, float]]:
     """({cell: [per rank (status, value, seconds)]}, {cell: CPU seconds summed over its ranks});
@@ -215,14 +226,9 @@ def run_grid(world: int, cells: Sequence[CellId],
     rank left). spec_of(cell) gives the cell's CellSpec in the ranks. See [Note: crash-tolerant
     grids]; the cells go in chunks of SPAWN_CELLS, SPAWN_PARALLEL chunks at a time ([Note: spawns
     side by side])."""
-    cells = list(cells)
     deadline = time.time() + GRID_BUDGET_S
-    # equal chunks, as many as SPAWN_PARALLEL keeps busy together (none left to run alone at the end)
     parallel = max(1, SPAWN_PARALLEL)
-    n_chunks = -(-len(cells) // SPAWN_CELLS)
-    n_chunks = -(-n_chunks // parallel) * parallel if len(cells) >= 2 * parallel else n_chunks
-    size = -(-len(cells) // max(1, n_chunks))
-    chunks = [cells[i:i + size] for i in range(0, len(cells), max(1, size))]
+    chunks = chunks_of(cells)
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         done = list(pool.map(lambda chunk: _run_chunk(world, chunk, spec_of, deadline), chunks))
     results: Dict[CellId, list] = {}
