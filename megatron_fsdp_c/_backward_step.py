@@ -29,7 +29,7 @@ unit's backward), so its reduction overlaps that unit's backward as before. It i
   root's pre-forward, `optimizer.step()`, `zero_grad()` and the optimizer's state dicts join
   first (a gather only when it reads a bucket still being stepped: never in the backward that
   stepped it, whose gathers are of buckets not yet final). A `.to()`/`.double()` of the model
-  (which hands the engine's buffers back, [Note: re-initialisation] in per_module/_registration.py)
+  (which hands the engine's buffers back, [Note: re-initialisation] in per_module/_root.py)
   joins too, and is refused until `optimizer.step()` when the backward stepped parameters (a forward
   or unshard() in between changes nothing): the
   worker would otherwise write buffers already handed back (memory freed under a running step),

@@ -1,7 +1,7 @@
 """torch 2.15's FSDPModule surface on the per-module API, on every torch of the range (ours implements
 it where torch's does not have it yet): manual backward finalization (set_manual_backward_finalization,
 finalize_backward and its GradientReductionHandle; [Note: manual backward finalization] in
-megatron_fsdp_c/per_module/_step_end.py) and set_keep_unsharded_storage ([Note: kept full weights]
+megatron_fsdp_c/per_module/_root.py) and set_keep_unsharded_storage ([Note: kept full weights]
 in csrc/comm/weights.c).
 
 Cells at worlds 2 and 4, float64: against DDP on the same per-rank data (rtol 1e-9), and where the

@@ -2,7 +2,7 @@
 Schedule1F1B at world 4 (pp 2 x dp 2), each stage a model sharded over its dp ranks. The stage
 recognises our modules as FSDPModule, runs the microbatches' backwards with gradient sync off and
 asks for the reduction through torch's state key ([Note: torch's state key] in
-per_module/_torch_state.py, [Note: reductions outside a backward] in per_module/_step_end.py).
+per_module/_torch_state.py, [Note: reductions outside a backward] in per_module/_root.py).
 The same script with torch's FSDP2: float64 losses and parameters to rtol 1e-9."""
 import pytest
 import torch

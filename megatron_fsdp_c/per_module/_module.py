@@ -79,14 +79,14 @@ class UnshardHandle(TorchUnshardHandle):
             buckets = list(self._group.unit_state.buckets)
             if buckets:
                 self._state.param_buffer.engine.wait_unshard(buckets)
-            self._state.register(self._group.unit_state.index, True)
+            self._state.registration.register(self._group.unit_state.index, True)
             self._group = None
 
 
 class GradientReductionHandle(_TorchReductionHandle):
     """What finalize_backward(async_op=True) returns (a subclass of torch 2.15's
     GradientReductionHandle where torch has one): wait() before using the gradients. The reduction
-    itself completes inside finalize_backward ([Note: manual backward finalization] in _step_end.py),
+    itself completes inside finalize_backward ([Note: manual backward finalization] in _root.py),
     so wait() only ends the handle; after reset_iter_state it raises, as torch's does."""
 
     def __init__(self, root_group):
@@ -202,7 +202,7 @@ class FSDPModule(TorchFSDPModule):
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """torch 2.15: on, the caller ends each logical backward with finalize_backward(). Ours
         finishes each backward at its end anyway, and finalize_backward reduces what the backwards
-        held back and reshards ([Note: manual backward finalization] in _step_end.py). Checked as
+        held back and reshards ([Note: manual backward finalization] in _root.py). Checked as
         torch checks it: the root only (once known), and no change during a backward."""
         g = group_of(self)
         if g.owner is not None and g.owner.root is not self:
@@ -217,7 +217,7 @@ class FSDPModule(TorchFSDPModule):
         again), reduces what they held back and reshards by the current settings, on every rank at
         the same point. Before the first forward, nothing to do. With async_op, returns a
         GradientReductionHandle to wait() on before using the gradients (the reduction is complete
-        already: [Note: manual backward finalization] in _step_end.py)."""
+        already: [Note: manual backward finalization] in _root.py)."""
         g = group_of(self)
         if g.pending_reduction is not None:
             raise RuntimeError("The previous gradient reduction must be waited on before finalizing backward again")
@@ -360,7 +360,7 @@ class FSDPModule(TorchFSDPModule):
 
     def _apply(self, fn, *args, **kwargs):
         g = group_of(self)
-        if g.owner is not None:  # see [Note: re-initialisation] in _registration.py; every engine of the model
+        if g.owner is not None:  # see [Note: re-initialisation] in _root.py; every engine of the model
             why = f"{type(self).__name__}: .to()/.to_empty()/.float() after the first forward"
             for state in list(g.owner.owners()):
                 state.release_engine(why)

@@ -1,7 +1,12 @@
 """The root state of the per-module API: at the first forward of a root, one engine for every
 group under it (the lazy init, see [Note: per-module groups] in _fully_shard.py); the owner its
 HookManager sees, with the DTensor compute parameters of dp_mesh_dims ([Note: SPMD compute
-parameters]); and the forward hooks fully_shard registers on every sharded module.
+parameters]) and the Registration of what each group's modules hold (_registration.py); the
+engine handed back for a .to() ([Note: re-initialisation]); the step ends outside a backward
+(pipelining, finalize_backward, reset_iter_state); and the forward hooks fully_shard registers on
+every sharded module. One object: the step ends and the hand-back read and write a dozen of the
+root's fields (groups, held units, pass state, engine), so an object of their own would only hold
+the root again.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C
-from .._common import ShardingStrategy, in_backward, weak_call
+from .._common import ShardingStrategy, in_backward, move_storage, weak_call
 from .._extensions import ExtensionGathers, ExtensionParam, check_local_shard, is_extension, plan_inputs, shard_mesh
 from .._owner import EngineOwner
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
@@ -22,13 +27,12 @@ from ._group import ShardGroup, check_extension_use, check_origins, group_of, re
 from ._lazy_init import check_materialised, check_meshes, groups_under, post_order
 from ._policy import cast_floats, compute_dtype, engine_policy, is_cpu_offload, is_torch_policy
 from ._registration import Registration, to_sharded_hook
-from ._step_end import StepEnd
 from ._stepped import watch_optimizer_steps
 
 __all__ = ["RootState", "build_states", "post_forward", "pre_forward", "state_of", "to_sharded_hook"]
 
 
-class RootState(Registration, StepEnd, EngineOwner):
+class RootState(EngineOwner):
     """The engine of one root's groups (see [Note: per-module groups] in _fully_shard.py); the
     HookOwner (_hooks.py) of its HookManager."""
 
@@ -116,12 +120,7 @@ class RootState(Registration, StepEnd, EngineOwner):
         self._start(buf, [g.modules[0] for g in groups],  # [Note: owner start-up] in ../_owner.py
                     post_order=sorted(range(len(groups)), key=lambda u: ends.get(u, -1)), register_module_hooks=False)
         self.extension_gathers = ExtensionGathers(buf, exts, shard_mesh(ctx), self.hooks) if exts else None
-        self.adopt_grads()  # gradients carried through a .to() ([Note: re-initialisation] in _registration.py)
-        # [Note: per-group registration]: what each group's modules hold, by unit index
-        self._unit_records = [[] for _ in groups]
-        for r in records:
-            self._unit_records[r.unit].append(r)
-        self._unsharded = [False] * len(groups)  # fully_shard registered the sharded parameters
+        self.adopt_grads()  # gradients carried through a .to() ([Note: re-initialisation])
         self._seen = [r.dist_param._version for r in records]
         self._optimizer_stepped = False  # [Note: stepped parameters] in _stepped.py
         watch_optimizer_steps()
@@ -135,7 +134,11 @@ class RootState(Registration, StepEnd, EngineOwner):
         for g in groups:  # prefetch targets name other groups' units: all of them set first
             self.configure(g)
         self._spmd_hooked = set()  # indices of SPMD compute parameters with their gradient hook
-        self._spmd_params = {i: self._spmd_param(records[i], *spec) for i, spec in spmd_specs.items()}
+        spmd_params = {i: self._spmd_param(records[i], *spec) for i, spec in spmd_specs.items()}
+        unit_records = [[] for _ in groups]
+        for r in records:
+            unit_records[r.unit].append(r)
+        self.registration = Registration(unit_records, spmd_params)  # [Note: per-group registration]
 
     # -- compute parameters on the SPMD mesh of dp_mesh_dims ----------------------------------------
     def _spmd_param(self, r, mesh, placements) -> nn.Parameter:
@@ -204,7 +207,7 @@ class RootState(Registration, StepEnd, EngineOwner):
 
     def _trainable_changed(self) -> None:
         records = self.param_buffer.records
-        for i, sp in self._spmd_params.items():  # they follow their plain compute parameters
+        for i, sp in self.registration.spmd_params.items():  # they follow their plain compute parameters
             on = bool(self._trainable[i])
             if sp.requires_grad != on:
                 sp.requires_grad_(on)
@@ -301,6 +304,214 @@ class RootState(Registration, StepEnd, EngineOwner):
             for t in shards:
                 hook(t)
         current.wait_stream(stream)
+
+    # -- [Note: per-group registration] in _registration.py: the hooks' calls ----------------------
+    def _unit_gathering(self, unit) -> None:  # HookOwner (_hooks.py)
+        if self.extension_gathers is not None:
+            self.extension_gathers.gathering(unit.index)
+
+    def _unit_unsharded(self, unit) -> None:  # HookOwner (_hooks.py)
+        if self.extension_gathers is not None:  # [Note: extension parameters] in ../_extensions.py
+            self.extension_gathers.unsharded(unit.index, self.registration.unsharded[unit.index])
+        self.registration.register(unit.index, True)
+
+    def _unit_resharded(self, unit) -> None:  # HookOwner (_hooks.py)
+        if self.extension_gathers is not None:
+            self.extension_gathers.resharded(unit.index)
+        self.registration.register(unit.index, False)
+
+    def reshard_group(self, g: ShardGroup) -> None:
+        """FSDPModule.reshard(): releases the group's gathered weights (ZeRO-3) and registers
+        its sharded parameters."""
+        if g.unit_state.releasable:
+            self.param_buffer.engine.reshard(list(g.unit_state.releasable))
+        self._unit_resharded(g.unit_state)
+
+    # -- handing the engine back for a .to() ----------------------------------------------------
+    def release_engine(self, why: str) -> None:
+        """[Note: re-initialisation]
+        FSDP2 lets .to(dtype)/.float()/.to(device) run on a sharded model after its first
+        forward (its sharded parameters are plain DTensors it re-reads). Ours live in the
+        engine's buffers, planned for their dtype and device, so such a call first hands them
+        back: every group's sharded DTensor parameters are registered, their local shards are
+        copied out of the engine into the storage they had (the same Parameter objects and
+        local tensors, so optimizers and state dicts taken of them keep working, [Note: local
+        shards keep their storage] in ../_common.py), the gradient hooks are removed and every
+        group under the root forgets the engine; the next forward (or unshard()) initialises a
+        new one from the converted parameters, as the first did. An attached .grad is copied out
+        of the engine too (the same DTensor object), so .to() converts it as torch's
+        Module._apply converts any gradient, and the new engine starts from it (adopt_grads: the
+        next backward accumulates onto it, as FSDP2's onto its sharded .grad). Refused inside a forward or backward, and
+        while gradients are held back by set_requires_gradient_sync(False): those live in the
+        engine's unreduced buffers, in no .grad, so nothing could carry them."""
+        if self.hooks.pass_state.in_backward or self.pass_root is not None or self.methods_running:
+            raise RuntimeError(f"{why} inside a forward or backward pass: call it between training steps")
+        # the optimizer's worker writes the engine's buffers until joined; the buffers are handed
+        # back below ([Note: stepping in backward] in ../_backward_step.py)
+        if self.hooks.backward_steps.settle():
+            raise RuntimeError(f"{why} between a backward that stepped parameters (FusedAdam(step_in_backward=True)) "
+                               "and optimizer.step(): call optimizer.step() first")
+        if self.extension_gathers is not None:
+            raise NotImplementedError(f"{why} after the first forward of a model with tensor-subclass parameters (FSDP2's "
+                                      "all-gather extensions) is not supported by megatron_fsdp_c yet: convert the "
+                                      "model before its first forward")
+        if self.held_units:
+            raise RuntimeError(f"{why} while gradients are held back by set_requires_gradient_sync(False): finish the "
+                               "accumulation with a backward that syncs (and the optimizer step) first")
+        stuck = [r.name for r in self.param_buffer.records if r.dist_param.grad is not None and r.grad_dtensor is not None
+                 and not self._adoptable(r)]
+        if stuck:  # refused here, at the call, rather than at the next forward's adopt_grads
+            raise RuntimeError(f"{why} while parameters hold gradients the new engine could not start from "
+                               f"({', '.join(stuck[:4])}{', ...' if len(stuck) > 4 else ''}: replicated or HSDP "
+                               "gradients); call optimizer.zero_grad(set_to_none=True) (or model.zero_grad()) first")
+        self.registration.register_all(False)
+        self.hooks.remove()
+        moved = set()
+        with torch.no_grad():
+            for r in self.param_buffer.records:
+                dp = r.dist_param
+                out = dp._local_tensor.detach().clone()  # out of the engine's buffer, into the same storage
+                if not move_storage(dp._local_tensor, out, moved):  # ([Note: local shards keep their storage])
+                    dp._local_tensor = out
+                if isinstance(dp.grad, DTensor):  # the gradient DTensor views the engine's buffer too
+                    dp.grad._local_tensor = dp.grad._local_tensor.detach().clone()
+                origin = getattr(dp, "_mfsdp_origin", None)
+                if origin is not None:
+                    origin.owner = None
+        for g in self.groups:
+            g.owner = g.unit_state = None
+
+    def _adoptable(self, r) -> bool:
+        """Only a sharded gradient the engine accumulates into, reduced over one level, can start
+        from a value: a full gradient buffer (replicated parameters) or an all-reduce across
+        replicas (HSDP) would reduce the adopted value again, counting it several times."""
+        return (self.param_buffer.specs[r.bucket]["grad_mode"] == _C.GRAD_SCATTER_ACCUMULATE
+                and self.dist_ctx.outer_world == 1)
+
+    def adopt_grads(self) -> None:
+        """At the engine's initialisation: a .grad the sharded parameters already hold (carried
+        through a .to() from an earlier engine, [Note: re-initialisation], or set by the user
+        before the first forward) is copied into the engine's gradient shard and attached as
+        before, so the next backward accumulates onto it as FSDP2's does. A gradient of another
+        layout than the parameter's is refused here rather than dropped."""
+        for r in self.param_buffer.records:
+            g = r.dist_param.grad
+            if g is None or r.grad_dtensor is None:  # a frozen parameter's .grad is left to the user
+                continue
+            if not isinstance(g, DTensor) or g.placements != r.grad_dtensor.placements or g.shape != r.dist_param.shape:
+                raise RuntimeError(f"parameter '{r.name}' holds a .grad that is not a DTensor laid out as the parameter "
+                                   f"({type(g).__name__} {tuple(g.shape)}): set it to None (zero_grad(set_to_none=True)) "
+                                   "or to a DTensor with the parameter's mesh and placements before the forward")
+            spec = self.param_buffer.specs[r.bucket]
+            if not self._adoptable(r):
+                raise RuntimeError(f"parameter '{r.name}' holds a .grad from before the engine was (re-)initialised "
+                                   "(e.g. .to() after a backward); its engine reduces it as a replicated or HSDP "
+                                   "gradient, which cannot start from a value: call "
+                                   "optimizer.zero_grad(set_to_none=True) (or model.zero_grad()) before the .to()")
+            with torch.no_grad():
+                if spec["main_dtype"] != spec["grad_dtype"]:  # .grad is a copy: the engine accumulates in GRAD_SHARD
+                    self.param_buffer.local_view(r, _C.BUF_GRAD_SHARD).copy_(g._local_tensor)
+                r.grad_dtensor._local_tensor.copy_(g._local_tensor)
+            self._has_grad[r.index] = 1
+            r.dist_param.grad = r.grad_dtensor
+
+    # -- step ends outside a backward: pipelining, finalize_backward, reset_iter_state -----------
+    def reduce_held(self) -> None:
+        """[Note: reductions outside a backward]
+        torch.distributed.pipelining runs every microbatch's backward with gradient sync off, then
+        asks for the reduction itself, outside any backward (stage.perform_reduce_grad: through
+        torch's state key before torch 2.15, see _torch_state.py; FSDPModule.finalize_backward
+        from 2.15). The engine reduces in a backward only, so this runs one without autograd: the
+        buckets of the groups that held gradients back (and whose sync is on again) are sealed,
+        all others put on hold meanwhile so that they send nothing, and end_backward reduces them
+        in the shared order; then the releases and .grad follow as in a backward's final
+        callback. Every rank of the data-parallel group calls it at the same point (pipelining
+        does), so the collectives match."""
+        self.reduce_requested = False
+        held = [u for u in sorted(self.held_units) if not self.groups[u].hold]
+        if not held:
+            return
+        if self.hooks.pass_state.in_backward:
+            raise RuntimeError("the reduction of held gradients was requested inside a backward pass")
+        engine = self.param_buffer.engine
+        sealed = [b for u in held for b in self.groups[u].unit_state.grad_buckets]
+        others = [b for b in self.param_buffer.grad_buckets() if b not in sealed]
+        if others:
+            engine.set_hold(others, True)
+        try:
+            engine.begin_backward(True)
+            engine.seal(sealed)
+            engine.end_backward()
+        finally:
+            for g in self.groups:  # each bucket's own hold back
+                self.configure(g)
+        self.release_after_backward()
+        self._after_backward(True)
+
+    def release_after_backward(self) -> None:
+        """Releases the gathered weights of the groups set to reshard after backward, and registers
+        their sharded parameters, as a backward's final callback does."""
+        release = [b for u in self.hooks.unit_states if u.reshard_after_backward for b in u.releasable]
+        if release:
+            self.param_buffer.engine.reshard(release)
+        for u in self.hooks.unit_states:
+            if u.reshard_after_backward:
+                self.registration.register(u.index, False)
+
+    def finalize_backward(self) -> None:
+        """[Note: manual backward finalization]
+        torch 2.15's FSDPModule.finalize_backward on the root: after the backwards of one logical
+        step (run with gradient sync off, then sync turned back on), reduce what they held and
+        reshard by the groups' current settings (2.15's pipelining stage does exactly this in
+        perform_reduce_grad). FSDP2 in manual mode skips a backward's own final callback and
+        leaves that work here; ours always runs it at each backward's end, and this completes
+        whatever the backwards left: held gradients (reduce_held) and gathered weights. So the
+        gradients are reduced, and the weights released, by the time finalize_backward returns
+        (earlier than FSDP2 where a backward synced), which is what its contract lets a caller
+        rely on. Every rank calls it at the same point."""
+        if self.hooks.pass_state.in_backward or in_backward():
+            raise RuntimeError("finalize_backward was called inside a backward pass: call it after the backward "
+                               "passes of the step, before reading or clearing gradients")
+        self.reduce_held()
+        self.release_after_backward()
+
+    def reset_iter_state(self) -> None:
+        """FSDPModule.reset_iter_state on the root: a forward or backward raised part way. An
+        interrupted backward is ended (its collectives run: every rank calls this), the step's
+        gradients are discarded, every gathered bucket is released and the sharded parameters
+        are put back; the hooks' per-pass positions start again."""
+        engine, hooks = self.param_buffer.engine, self.hooks
+        try:
+            if hooks.pass_state.in_backward:
+                engine.end_backward()
+        finally:
+            hooks.reset_pass()
+        self._drop_grads()
+        if hooks.all_sharded:
+            engine.reshard(list(hooks.all_sharded))
+        self.pass_root, self.methods_running, self.reduce_requested = None, 0, False
+        self.registration.register_all(False)
+
+    # -- hooks after the reduction ---------------------------------------------------------------
+    def _run_post_accumulate_grad_hooks(self, units) -> None:
+        """[Note: post-accumulate-grad hooks]
+        A hook the user registered on a sharded (DTensor) parameter with
+        register_post_accumulate_grad_hook never fires by itself: autograd accumulates into the
+        compute parameter, never into the DTensor. FSDP2 calls those hooks itself, once per
+        parameter, after the group's reduce-scatter set the sharded .grad (foreach_reduce);
+        this calls them once per parameter that has a gradient, after the reduction of every
+        synced group is done (so an optimizer step inside a hook, torchtune's optimizer in
+        backward, changes no weight another group still computes with: the next forward picks
+        the new shards up, _refresh_changed_weights), groups in backward order (the last group
+        first), parameters in registration order. A backward with gradient sync off reduces
+        nothing and calls none, as FSDP2."""
+        pending = [r for r in self.param_buffer.records
+                   if r.unit in units and getattr(r.dist_param, "_post_accumulate_grad_hooks", None)]
+        for r in sorted(pending, key=lambda r: (-r.unit, r.index)):
+            dp = r.dist_param
+            if dp.grad is not None:
+                for hook in tuple(dp._post_accumulate_grad_hooks.values()):
+                    hook(dp)
 
 
 def add_unit_policy(policies: dict, compute: torch.dtype, policy, name: str) -> None:

@@ -14,7 +14,7 @@ fully_shard (_fully_shard.py) registers one TorchState per group under that key 
 group's modules, and "fully_shard" in the composable registry, so torch's own fully_shard and
 replicate refuse such a module as already sharded. TorchState offers exactly those names, each
 calling ours: the forward hooks of _root.py, and RootState.reduce_held ([Note: reductions outside
-a backward] in _step_end.py) for the post-backward pair (torch 2.15's pipelining calls
+a backward] in _root.py) for the post-backward pair (torch 2.15's pipelining calls
 FSDPModule.finalize_backward instead, ours too). Anything else torch's FSDPState has is
 absent, so a new use in torch fails with an AttributeError naming it instead of misbehaving.
 tests/test_per_module_dropin.py fails if torch's lookup stops finding it.
@@ -120,7 +120,7 @@ class TorchState(_State):
             # the inner forwards left the FORWARD state, so the group reshards there whatever its
             # reshard_after_forward: its sharded parameters are registered ([Note: per-group
             # registration] in _registration.py; the engine keeps the gathered weights for a backward).
-            state.register(self._group.unit_state.index, False)
+            state.registration.register(self._group.unit_state.index, False)
         return output
 
     def _root_post_backward_final_callback(self) -> None:
