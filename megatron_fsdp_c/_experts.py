@@ -56,8 +56,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._distributed import DistContext, check_rank_partition, check_same_model, make_dist_context
 from ._owner import EngineOwner
 from ._param_buffer import ParamBuffer, ParamRecord
+from ._param_record import FoundParam
 
-__all__ = ["ExpertOwner", "expert_context", "expert_scaling", "is_expert_param", "split_expert_records"]
+__all__ = ["ExpertOwner", "expert_context", "expert_scaling", "is_expert_param", "split_experts"]
 
 
 def is_expert_param(p: nn.Parameter) -> bool:
@@ -120,10 +121,10 @@ def expert_context(expt_device_mesh, hybrid_fsdp_expt_group, *, dp_shard_dim, dp
         raise type(e)(f"expt_device_mesh / hybrid_fsdp_expt_group: {e}") from e
 
 
-def split_expert_records(records: List[ParamRecord], expert_ctx) -> tuple:
-    """(dense records, expert records), each indexed from 0; a missing mesh or missing experts
-    refused with the fix ([Note: expert data-parallel mesh])."""
-    experts = [r for r in records if is_expert_param(r.param)]
+def split_experts(found: List[FoundParam], expert_ctx) -> tuple:
+    """(dense, experts) of the found parameters; a missing mesh or missing experts refused with
+    the fix ([Note: expert data-parallel mesh])."""
+    experts = [f for f in found if is_expert_param(f.param)]
     if expert_ctx is None:
         if experts:
             raise ValueError(
@@ -131,19 +132,16 @@ def split_expert_records(records: List[ParamRecord], expert_ctx) -> tuple:
                 f"'{experts[0].name}') but fully_shard got no expt_device_mesh: pass expt_device_mesh (the expert "
                 "parallel DeviceMesh whose dp_shard_dim holds the ranks with the same experts), or clear the mark "
                 "(ep size 1: the experts are dense parameters)")
-        return records, []
+        return found, []
     if not experts:
         raise ValueError(
             "fully_shard got expt_device_mesh but no parameter is marked as an expert (Megatron-core sets "
             "param.allreduce = False on expert-parallel weights; is_expert = True is accepted too): mark the experts' "
             "parameters before fully_shard, or drop expt_device_mesh")
-    dense = [r for r in records if not is_expert_param(r.param)]
+    dense = [f for f in found if not is_expert_param(f.param)]
     if not dense:
         raise ValueError("every parameter is an expert parameter: shard the model with device_mesh= the expert mesh "
                          "and no expt_device_mesh")
-    for part in (dense, experts):
-        for i, r in enumerate(part):
-            r.index = i
     return dense, experts
 
 

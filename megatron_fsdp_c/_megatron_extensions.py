@@ -19,7 +19,6 @@ from typing import List
 import torch
 import torch.nn as nn
 
-from ._common import ShardingStrategy
 from ._extensions import ExtensionGathers, ExtensionParam, plan_inputs, repoint, shard_mesh, value_names, values_of
 
 __all__ = ["MegatronExtensions"]
@@ -29,7 +28,7 @@ class MegatronExtensions:
     """The extension parameters of one MegatronFSDP engine: made before its ParamBuffer (their
     payloads are planned from every rank's inputs), `start`ed once the buffer and hooks exist."""
 
-    def __init__(self, records, ctx, strategy: ShardingStrategy, tp_used: bool, meta: bool):
+    def __init__(self, records, ctx, tp_used: bool, meta: bool):
         self.records = [r for r in records if r.extension]
         self.exts: List[ExtensionParam] = []
         self.shards: List[torch.Tensor] = []  # each record's local shard: the subclass its dist param holds
@@ -52,8 +51,7 @@ class MegatronExtensions:
                                       "yet: shard it with megatron_fsdp_c.per_module.fully_shard, or use plain parameters")
         from torch.distributed.fsdp import MixedPrecisionPolicy  # what FSDP2 passes: the module computes in its dtype
         self.mesh = shard_mesh(ctx)
-        for r in self.records:
-            r.replicated = r.replicated or strategy == ShardingStrategy.NO_SHARD
+        for r in self.records:  # (replicated under no_shard: make_records)
             full = r.param.detach()
             self.shards.append(full if r.replicated else torch.chunk(full, ctx.world, dim=0)[ctx.rank].clone())
             self.exts.append(ExtensionParam(r, r.places[0][0], MixedPrecisionPolicy(), r.param.dtype, []))

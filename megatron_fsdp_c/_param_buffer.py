@@ -34,10 +34,10 @@ from ._extensions import ROLE_EXTENSION, ROLE_PARAMS, ROLE_PAYLOAD, values_of, r
 from ._memory_report import StorageTally, memory_report
 from ._bucket_dtypes import bucket_dtypes
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
-from ._param_record import ParamRecord, as_dtype, into_engine, rows_of, collect_params, engine_dtype, local_shape
+from ._param_record import ParamRecord, as_dtype, into_engine, rows_of, engine_dtype, local_shape
 from ._tensor_parallel import spmd_layout
 
-__all__ = ["ParamRecord", "ParamBuffer", "collect_params"]  # the records re-exported from _param_record.py
+__all__ = ["ParamRecord", "ParamBuffer"]  # ParamRecord re-exported from _param_record.py
 
 ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -16,7 +16,8 @@ from ._extensions import check_local_shard, is_extension
 from .no_shard import is_no_shard
 from ._tensor_parallel import TPSpec
 
-__all__ = ["ParamRecord", "as_dtype", "collect_params", "engine_dtype", "into_engine", "local_shape", "rows_of"]
+__all__ = ["FoundParam", "ParamRecord", "as_dtype", "engine_dtype", "find_params", "into_engine", "local_shape", "make_records",
+           "rows_of"]
 
 
 def into_engine(t: torch.Tensor) -> torch.Tensor:
@@ -59,21 +60,31 @@ class ParamRecord:
         return self.param.requires_grad
 
 
-def collect_params(root: nn.Module, units: List[nn.Module], trains_later=()) -> List[ParamRecord]:
-    """Every distinct parameter of `root` in registration order, with its unit; those in
-    `trains_later` (frozen parameters expected to train) marked so.
+@dataclasses.dataclass(frozen=True)
+class FoundParam:
+    """A distinct parameter of a model, as the Megatron-style API's walk finds it: what its
+    ParamRecord is made from (make_records)."""
+    param: nn.Parameter
+    name: str         # first registered name, relative to the wrapped module
+    unit: int         # FSDP unit index, -1 outside every unit (or shared across units)
+    places: tuple     # ((module, attribute), ...) where it is registered
+    aliases: tuple    # every qualified name it is registered under
+    replicated: bool  # fsdp_no_shard marked a place of it, or it is 0-d
+
+
+def find_params(root: nn.Module, units: List[nn.Module]) -> List[FoundParam]:
+    """Every distinct parameter of `root` in registration order, with its unit.
 
     A parameter registered under modules of two different units (or of a unit and the rest of
     the model), e.g. tied embeddings, belongs to no unit: it stays gathered for the whole pass.
     A parameter is replicated if fsdp_no_shard marked any place it is registered, or if it is
     0-d (a scalar has no rows to shard).
     """
-    later = {id(p) for p in trains_later}
     unit_of_module: Dict[int, int] = {}
     for u, unit in enumerate(units):
         for sub in unit.modules():
             unit_of_module.setdefault(id(sub), u)
-    records: Dict[int, ParamRecord] = {}
+    found: Dict[int, dict] = {}  # id(param) -> its facts so far, in registration order
     seen_places = set()
     for mod_name, mod in root.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
@@ -82,20 +93,38 @@ def collect_params(root: nn.Module, units: List[nn.Module], trains_later=()) -> 
             seen_places.add((id(mod), attr))
             unit = unit_of_module.get(id(mod), -1)
             qualified = f"{mod_name}.{attr}" if mod_name else attr
-            rec = records.get(id(p))
-            if rec is None:
+            f = found.get(id(p))
+            if f is None:
                 _check_plain(p, qualified)
-                name = f"{mod_name}.{attr}" if mod_name else attr
-                rec = records[id(p)] = ParamRecord(len(records), name, p, p.shape, unit, [(mod, attr)])
-                rec.trains_later = id(p) in later
-                rec.extension = not isinstance(p, DTensor) and is_extension(p.data)
-            else:
-                rec.places.append((mod, attr))
-                if rec.unit != unit:
-                    rec.unit = -1
-            rec.replicated = rec.replicated or is_no_shard(mod, attr) or p.dim() == 0
-            rec.aliases.append(qualified)
-    return list(records.values())
+                f = found[id(p)] = dict(param=p, name=qualified, unit=unit, places=[], aliases=[], replicated=False)
+            elif f["unit"] != unit:
+                f["unit"] = -1
+            f["places"].append((mod, attr))
+            f["aliases"].append(qualified)
+            f["replicated"] = f["replicated"] or is_no_shard(mod, attr) or p.dim() == 0
+    return [FoundParam(f["param"], f["name"], f["unit"], tuple(f["places"]), tuple(f["aliases"]), f["replicated"])
+            for f in found.values()]
+
+
+def make_records(found: List[FoundParam], trains_later=(), tp_of: Optional[Callable] = None,
+                 replicate_extensions: bool = False) -> List[ParamRecord]:
+    """The Megatron-style API's records of `found`, indexed from 0, each whole when made: those in
+    `trains_later` (frozen parameters expected to train) marked so; `tp_of(param, what)` gives a
+    parameter's TPSpec or None ([Note: tensor parallelism] in _tensor_parallel.py: `shape` is then
+    the local TP shard's); extension parameters replicated under no_shard when
+    `replicate_extensions` ([Note: extension parameters under MegatronFSDP] in
+    _megatron_extensions.py)."""
+    later = {id(p) for p in trains_later}
+    records = []
+    for f in found:
+        p = f.param
+        extension = not isinstance(p, DTensor) and is_extension(p.data)
+        tp = tp_of(p, f"parameter '{f.name}'") if tp_of is not None else None
+        records.append(ParamRecord(
+            len(records), f.name, p, p.shape if tp is None else tp.local_shape, f.unit, list(f.places),
+            replicated=f.replicated or (extension and replicate_extensions), aliases=list(f.aliases),
+            trains_later=id(p) in later, tp=tp, extension=extension))
+    return records
 
 
 def _check_plain(p: nn.Parameter, name: str) -> None:

@@ -23,8 +23,8 @@ class UnitState:
         self.bpos = -1                    # position in the backward gather order (trainable ZeRO-3)
         self.members = 1                  # modules sharing the unit (the per-module API's list groups)
         self.members_left = 1             # of them, still to run in this forward before the release
-        self.reshard_after_forward = True   # (ZeRO-3) release after forward / after backward
-        self.reshard_after_backward = True
+        self.reshard_after_forward = True   # reshard after forward / after backward: ZeRO-3 releases, every
+        self.reshard_after_backward = True  # strategy registers its sharded parameters again (per-module API)
         self.forward_prefetch = None      # units to have gathered when this one runs (None: the next one)
         self.backward_prefetch = None
 

@@ -54,8 +54,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._common import contiguous_stride
 
-__all__ = ["TPSpec", "assign_tp", "compose_meshes", "dtensor_tp_spec", "megatron_tp_spec", "other_dims", "spmd_layout",
-           "tp_mesh_of"]
+__all__ = ["TPSpec", "check_even_shards", "compose_meshes", "dtensor_tp_spec", "megatron_tp_spec", "other_dims",
+           "spmd_layout", "tp_mesh_of", "tp_spec_of"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -257,30 +257,26 @@ def other_dims(device_mesh, dp_dims) -> list:
     return [n for i, n in enumerate(device_mesh.mesh_dim_names) if n not in dp_dims and device_mesh.size(i) > 1]
 
 
-def assign_tp(records, tp_mesh: Optional[DeviceMesh], dp_mesh: DeviceMesh, unnamed_dims=()) -> None:
-    """The Megatron-style API's records under tp_dim: each gets its TPSpec and the engine lays out
-    its TP shard (records' `shape` becomes the local one). Without tp_dim, a DTensor parameter,
-    or a Megatron-style shard while the mesh has `unnamed_dims` (dims of size > 1 no argument
-    named), is refused with the fix."""
-    for r in records:
-        p, what = r.param, f"parameter '{r.name}'"
-        if tp_mesh is None:
-            if isinstance(p, DTensor):
-                raise ValueError(
-                    f"{what} is a DTensor on the mesh {p.device_mesh.mesh_dim_names} (tensor parallel): pass "
-                    "device_mesh= the full mesh, dp_shard_dim= its data-parallel dim and tp_dim= its tensor-parallel "
-                    "dim, the one the parameter lives on")
-            if getattr(p, "tensor_model_parallel", False) and unnamed_dims:
-                raise ValueError(
-                    f"{what} is a Megatron-style tensor-parallel shard (tensor_model_parallel=True) and the device mesh "
-                    f"has the dims {list(unnamed_dims)} besides the data-parallel ones: pass tp_dim= its "
-                    "tensor-parallel dim")
-            continue
+def tp_spec_of(p: nn.Parameter, what: str, tp_mesh: Optional[DeviceMesh], dp_mesh: DeviceMesh,
+               unnamed_dims=()) -> Optional[TPSpec]:
+    """The TPSpec of a Megatron-style API parameter under tp_dim (its record's `shape` is the
+    local TP shard's), None without tp_dim. Without tp_dim, a DTensor parameter, or a
+    Megatron-style shard while the mesh has `unnamed_dims` (dims of size > 1 no argument named),
+    is refused with the fix. check_even_shards checks the records after."""
+    if tp_mesh is None:
         if isinstance(p, DTensor):
-            r.tp = dtensor_tp_spec(p, what, dp_mesh, tp_mesh)
-        else:
-            r.tp = megatron_tp_spec(p, what, tp_mesh)
-            compose_meshes(dp_mesh, tp_mesh, what)
-        r.shape = r.tp.local_shape
-    if tp_mesh is not None:
-        check_even_shards(records, tp_mesh)
+            raise ValueError(
+                f"{what} is a DTensor on the mesh {p.device_mesh.mesh_dim_names} (tensor parallel): pass "
+                "device_mesh= the full mesh, dp_shard_dim= its data-parallel dim and tp_dim= its tensor-parallel "
+                "dim, the one the parameter lives on")
+        if getattr(p, "tensor_model_parallel", False) and unnamed_dims:
+            raise ValueError(
+                f"{what} is a Megatron-style tensor-parallel shard (tensor_model_parallel=True) and the device mesh "
+                f"has the dims {list(unnamed_dims)} besides the data-parallel ones: pass tp_dim= its "
+                "tensor-parallel dim")
+        return None
+    if isinstance(p, DTensor):
+        return dtensor_tp_spec(p, what, dp_mesh, tp_mesh)
+    spec = megatron_tp_spec(p, what, tp_mesh)
+    compose_meshes(dp_mesh, tp_mesh, what)
+    return spec

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import weakref
 from typing import Iterator, List, Optional, Tuple
@@ -32,12 +33,13 @@ import torch.nn as nn
 from ._common import ShardingStrategy, logger
 from ._state_dict_hooks import register_model_hooks
 from ._distributed import DistContext, check_same_model
-from ._experts import ExpertOwner, expert_scaling, split_expert_records
+from ._experts import ExpertOwner, expert_scaling, split_experts
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
 from ._owner import EngineOwner, clip_grad_norm
-from ._param_buffer import ParamBuffer, collect_params
-from ._tensor_parallel import assign_tp
+from ._param_buffer import ParamBuffer
+from ._param_record import find_params, make_records
+from ._tensor_parallel import check_even_shards, tp_spec_of
 from ._megatron_extensions import MegatronExtensions
 from ._extensions import ROLE_PAYLOAD
 
@@ -74,9 +76,13 @@ class MegatronFSDP(EngineOwner, nn.Module):
         self._setup_host_heap(dist_ctx.device)
 
         mark_by_name(module)
-        records, expert_records = split_expert_records(collect_params(module, fsdp_unit_modules, trains_later),
-                                                       expert_ctx)
-        assign_tp(records, tp_mesh, dist_ctx.mesh, unnamed_dims)  # [Note: tensor parallelism]
+        dense, experts = split_experts(find_params(module, fsdp_unit_modules), expert_ctx)
+        tp_of = functools.partial(tp_spec_of, tp_mesh=tp_mesh, dp_mesh=dist_ctx.mesh, unnamed_dims=unnamed_dims)
+        records = make_records(dense, trains_later, tp_of,  # [Note: tensor parallelism]
+                               replicate_extensions=zero_dp_strategy == ShardingStrategy.NO_SHARD)
+        if tp_mesh is not None:
+            check_even_shards(records, tp_mesh)
+        expert_records = make_records(experts, trains_later)
         if init_model_with_meta_device and any(r.tp is not None and r.tp.dtensor_compute for r in records):
             raise NotImplementedError("init_model_with_meta_device with torch tensor-parallel (DTensor) parameters is "
                                       "not supported yet: materialise the parallelized model first (to_empty + its "
@@ -86,8 +92,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
             raise NotImplementedError("tensor-subclass expert parameters (FSDP2's all-gather extensions) with "
                                       "expt_device_mesh are not supported yet: keep the experts' weights plain")
         # [Note: extension parameters under MegatronFSDP] in _megatron_extensions.py
-        self.extensions = MegatronExtensions(records, dist_ctx, zero_dp_strategy, tp_mesh is not None,
-                                             init_model_with_meta_device)
+        self.extensions = MegatronExtensions(records, dist_ctx, tp_mesh is not None, init_model_with_meta_device)
         self.replicated_roots = replicated_roots(module, [r.param for r in records if r.replicated])
         if self.replicated_roots and dist_ctx.rank == 0:
             logger.info("replicated (fsdp_no_shard) subtrees, never gathered: %s", ", ".join(self.replicated_roots))

@@ -183,3 +183,16 @@ def test_one_word_per_idea():
     bad = [f"{f}: {old} (now {new})" for f in py if f.endswith((".py", ".pyi", ".md")) and f != "tests/test_docs.py"
            for old, new in retired.items() if re.search(rf"\b{old}\b", (ROOT / f).read_text(errors="replace"))]
     assert not bad, "\n".join(bad)
+
+
+def test_records_are_whole_when_made():
+    """A ParamRecord's facts (name, unit, places, sharding, TP spec, extension, ...) are set by its
+    constructor only: both APIs make each record whole (per_module/_root.py, _param_record.py's
+    make_records). What the buffer plans later (bucket, item, local, the DTensors) and the compute
+    parameter's replacement (meta init, extension placeholders) are not facts and may follow."""
+    facts = "index|name|shape|unit|places|replicated|aliases|trains_later|shard_dim|tp|extension|origin"
+    assign = re.compile(rf"\b(r|rec|record)\.({facts})\s*(=[^=]|\+=|\.append\()")
+    bad = [f"{f}:{n}: {line.strip()}" for f in source_files("megatron_fsdp_c") if f.endswith(".py")
+           for n, line in enumerate((ROOT / f).read_text().splitlines(), 1)
+           if assign.search(line) and not line.lstrip().startswith("#")]
+    assert not bad, "a ParamRecord fact set after its constructor:\n" + "\n".join(bad)

@@ -11,12 +11,14 @@
  *
  * [Note: offloaded buckets]
  * CPU offload (spec.offload: FSDP2's CPUOffloadPolicy, Megatron's optimizer_cpu_offload) keeps
- * what the optimizer owns in host memory: MAIN_SHARD, the main gradients GRAD_SHARD (ZeRO-2/3)
- * and OPT_GRAD, each a storage of its own made by the backend's host memory ops. The device
- * keeps only the temporaries of the collectives (GATHER or WEIGHT, GRAD, COMM, EXCHANGE) and
- * persistent compute weights (ZeRO-1/2, no_shard). No copy step is added: the paths that already
- * move data between these buffers do it, as kernels that reach the host memory in place (pinned,
- * mapped memory on a GPU), in stream order:
+ * what the optimizer owns in host memory, each a storage of its own made by the backend's host
+ * memory ops: MAIN_SHARD, the main gradients GRAD_SHARD of ZeRO-2/3, and OPT_GRAD where it is not
+ * a view of GRAD_SHARD (main and gradient dtypes differ; or no_shard/ZeRO-1, whose GRAD_SHARD is a
+ * view of the device GRAD: the optimizer's host copy is made at the sync; pl_create_grad_buffers).
+ * The device keeps only the temporaries of the collectives (GATHER or WEIGHT, GRAD, COMM,
+ * EXCHANGE) and persistent compute weights (ZeRO-1/2, no_shard). No copy step is added: the paths that already
+ * move data between these buffers do it, as kernels that reach the host memory in place (pinned
+ * memory on a GPU, mapped by unified addressing), in stream order:
  *   - a gather casts this rank's rows from the host MAIN_SHARD into the device gather buffer
  *     ([Note: cast on gather] in weights.c: an offloaded bucket always casts on gather, so no
  *     WEIGHT_SHARD stays on the device); unsharded buckets copy it into WEIGHT at

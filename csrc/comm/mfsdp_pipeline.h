@@ -45,8 +45,9 @@
  *                 all-gather output (one piece per replica, uint8, temporary) and this rank's.
  *   FLAGS         float32, 3 per item: this rank's used-parameter flags and trainable check,
  *                 copied into every shard's tail at each launch ([Note: used-flag tail] in reduce.c).
- * An offloaded bucket (spec.offload) keeps MAIN_SHARD, GRAD_SHARD and OPT_GRAD in host memory,
- * each with storage of its own ([Note: offloaded buckets] in buffers.c). */
+ * An offloaded bucket (spec.offload) keeps what the optimizer owns in host memory: MAIN_SHARD, the
+ * ZeRO-2/3 GRAD_SHARD, and OPT_GRAD where it is not a view of GRAD_SHARD ([Note: offloaded buckets]
+ * in buffers.c). */
 #ifndef MFSDP_PIPELINE_H
 #define MFSDP_PIPELINE_H
 
@@ -162,7 +163,7 @@ typedef struct mfsdp_backend {
   const mfsdp_transport_ops* outer; /* hybrid sharding: the transport over the replicas (NULL: none) */
   void* outer_ctx;
   /* Offloaded buckets' host buffers ([Note: offloaded buckets] in buffers.c): memory the kernels
-   * reach in place (pinned, mapped host memory on a GPU). NULL: `memory` serves them too (the
+   * reach in place (torch's pinned host memory on a GPU, which unified addressing maps). NULL: `memory` serves them too (the
    * CPU, where every buffer is host memory). */
   const mfsdp_memory_ops* host_memory;
   void* host_memory_ctx;

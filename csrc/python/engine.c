@@ -111,10 +111,12 @@ static PyObject* none_or_fail(PyObject* self, mfsdp_status s) {
 /* construction */
 
 PyDoc_STRVAR(engine_doc,
-             "Engine(buckets, dp_world, dp_rank, grad_prescale, reduce_op, reduce_queue_bytes, device, transport)\n\n"
+             "Engine(buckets, dp_world, dp_rank, grad_prescale, reduce_op, reduce_queue_bytes, device, transport,\n"
+             "       force_comm=False, outer_transport=None, outer_world=1, outer_sharded=False, pin_host=False)\n\n"
              "One collective pipeline over the given bucket specs (see csrc/comm/mfsdp_pipeline.h).\n"
              "reduce_op: 'sum' or 'avg'. device: torch.device of every buffer. transport: a\n"
-             "TorchTransport or NcclTransport over the data-parallel ranks (of one replica).\n"
+             "TorchTransport or NcclTransport over the data-parallel ranks (of one replica). force_comm:\n"
+             "collectives even on one rank (single_rank_collectives: a transport tested on one GPU).\n"
              "outer_transport, outer_world: hybrid sharding, the replicas across which reduced gradients\n"
              "are also all-reduced ([Note: hybrid sharding] in csrc/comm/replicas.c). outer_sharded:\n"
              "HFSDP, sharded buckets also split over the replicas ([Note: optimizer sharded across\n"
@@ -647,7 +649,8 @@ static PyMethodDef engine_methods[] = {
      "release_grads(buckets): free the gradient buffers of buckets none of whose items trains."},
     {"unshard", engine_unshard, METH_O, "unshard(buckets): start all-gathers of the full weights."},
     {"wait_unshard", engine_wait_unshard, METH_O, "wait_unshard(buckets): full weights usable after this."},
-    {"reshard", engine_reshard, METH_O, "reshard(buckets): release full weights (ZeRO-3 buckets)."},
+    {"reshard", engine_reshard, METH_O, "reshard(buckets): release the full weights of the ZeRO-3 buckets among them (kept stale under "
+     "set_keep_weights); others are left as they are."},
     {"set_keep_weights", engine_set_keep_weights, METH_VARARGS,
      "set_keep_weights(buckets, keep): ZeRO-3 buckets keep their full weights' memory when resharded (stale)."},
     {"install_main_weights", engine_install_main_weights, METH_VARARGS,

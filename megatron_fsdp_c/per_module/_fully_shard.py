@@ -50,7 +50,7 @@ __all__ = ["fully_shard"]
 
 
 def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
-                reshard_after_forward: Optional[bool] = None, shard_placement_fn=None, mp_policy=None,
+                reshard_after_forward: Union[bool, int, None] = None, shard_placement_fn=None, mp_policy=None,
                 offload_policy=None, ignored_params: Optional[Iterable[nn.Parameter]] = None, dp_mesh_dims=None,
                 zero_dp_strategy: Union[int, str] = "optim_grads_params", quantized_comm_policy=None):
     """Shards `module` (or a list of modules, one group) the way torch's FSDP2 fully_shard does
@@ -59,7 +59,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[Dev
     per-module groups] and [Note: torch's FSDPModule] in _module.py). torch 2.13's signature:
 
     reshard_after_forward: None (FSDP2's default) is True for every module but the root (the
-    module whose forward runs first), False there; True/False set it. An int n (FSDP2: keep the
+    outermost sharded module, whose first forward builds the engine), False there; True/False set it. An int n (FSDP2: keep the
     weights sharded over groups of n ranks after forward, gather over them in backward) must
     divide the shard group's size, as in torch; 1 is False and the group's size is True, as in
     torch, and any other n behaves as True (see [Note: reshard to a smaller world] in _mesh.py). dp_mesh_dims (torch's DataParallelMeshDims): `mesh` is a

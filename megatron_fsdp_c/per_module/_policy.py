@@ -12,8 +12,8 @@ from .._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from ..mixed_precision import MixedPrecisionPolicy as OurPolicy
 from ..mixed_precision import QuantizedCommPolicy
 
-__all__ = ["cast_floats", "check_param_dtype", "check_policies", "check_quant_policy",
-           "compute_dtype", "engine_policy", "is_torch_policy", "param_policy", "sharded_dtype"]
+__all__ = ["cast_floats", "check_offload", "check_param_dtype", "check_policies", "check_quant_policy",
+           "compute_dtype", "engine_policy", "is_cpu_offload", "is_torch_policy", "param_policy", "sharded_dtype"]
 
 _ENGINE_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the engine casts and sums
 
@@ -62,8 +62,10 @@ def reduce_dtype(mp, param_dtype: torch.dtype, compute: torch.dtype, dp) -> torc
 
 
 def engine_policy(mp, param_dtype: torch.dtype, dp=None):
-    """(compute dtype, our MixedPrecisionPolicy) for parameters stored in `param_dtype` (`dp`: the
-    sharded parameter, whose grad_dtype torch 2.15's policy may follow)."""
+    """(compute dtype, our MixedPrecisionPolicy) of a parameter whose dtype at fully_shard was
+    `param_dtype` (torch's policy: the sharded parameter's, which becomes the main dtype; ours: the
+    compute dtype ShardGroup.compute_dtypes recorded) (`dp`: the sharded parameter, whose
+    grad_dtype torch 2.15's policy may follow)."""
     if param_dtype not in _ENGINE_FLOATS:
         # Integer (and other non-castable) parameters are frozen and never cast, as FSDP2 keeps
         # non-floating parameters; the policy is never resolved for them (no gradients).
@@ -91,7 +93,7 @@ def sharded_dtype(mp, dtype: torch.dtype) -> torch.dtype:
     state dict made at any time holds the float32 main weights and their float32 gradients,
     while the module computes in its own dtype at fully_shard (ShardGroup.compute_dtypes; the
     engine casts the main weights into each gather). Attaching a float32 gradient to a bf16
-    parameter instead would need Tensor.grad_dtype (torch 2.13 has it) but leave the optimizer
+    parameter instead would need Tensor.grad_dtype (torch 2.15's) but leave the optimizer
     stepping bf16 weights: not what the policy asks for."""
     if isinstance(mp, OurPolicy) and dtype in _ENGINE_FLOATS:
         return mp.main_dtype(dtype)
@@ -159,8 +161,8 @@ def check_offload(offload_policy, device: torch.device, what: str) -> None:
     torch's CPUOffloadPolicy keeps the sharded parameters, their gradients and the optimizer state
     in host memory and steps the optimizer there. The policy marks the group's buckets offloaded
     ([Note: offloaded buckets] in csrc/comm/buffers.c): the main weights, main gradients and the
-    optimizer's gradients are host buffers of their own, the sharded parameters and their .grad
-    views of them, and the gathers and reductions copy between them and the device's collective
+    optimizer's gradients are host memory (buffers of their own, or views of the host main gradients
+    where the dtypes agree), the sharded parameters and their .grad views of them, and the gathers and reductions copy between them and the device's collective
     buffers. On a GPU those copies are kernels that read and write the host memory in place, which
     must be pinned: pin_memory=False is refused there (FSDP2 would stage through pageable memory
     with synchronous copies). On a CPU mesh both are host memory and the same copies run

@@ -65,16 +65,19 @@ class RootState(EngineOwner):
             g = getattr(mod, "_mfsdp_group", None)
             if g is not None and g in groups:  # (groups on another mesh are another engine's)
                 ends[groups.index(g)] = k
-        records, by_param, spmd_specs, exts = [], {}, {}, []
+        records, spmd_specs, exts = [], {}, []
         policies = [{} for _ in groups]  # per group: compute dtype -> engine policy (each UnitConfig's, whole)
+        sites = {}  # id(dp) -> every (module, attribute) holding it, in group order: one record each
+        for g in groups:
+            for mod, attr, dp in g.places:
+                sites.setdefault(id(dp), []).append((mod, attr))
+        made = set()
         for u, g in enumerate(groups):
             for (mod, attr, dp), tp in zip(g.places, g.tp_specs):
                 name = fqn(mod, attr)
-                r = by_param.get(id(dp))
-                if r is not None:
-                    r.places.append((mod, attr))
-                    r.aliases.append(name)
+                if id(dp) in made:  # an alias: the record made at its first place has it
                     continue
+                made.add(id(dp))
                 # hooks set on the local shard after fully_shard (FSDP2 finds them there)
                 check_local_shard(dp._local_tensor, f"the local shard of parameter '{name}'")
                 mp = g.param_policies.get((id(mod), attr), g.mp_policy)  # torch 2.15: per parameter
@@ -96,10 +99,10 @@ class RootState(EngineOwner):
                 # FSDP2 keeps every sharded parameter in its own dtype, frozen or not: main weights
                 # planned so, any floating one can start training (trains_later; [Note: changing
                 # requires_grad]; _bucket_dtypes.bucket_dtypes ignores the others)
-                r = by_param[id(dp)] = ParamRecord(
-                    len(records), name, placeholder, dp.shape if tp is None else tp.local_shape, u, [(mod, attr)],
+                r = ParamRecord(
+                    len(records), name, placeholder, dp.shape if tp is None else tp.local_shape, u, sites[id(dp)],
                     replicated=replicated, shard_dim=shard_dim, dist_param=dp, tp=tp, extension=extension,
-                    trains_later=True, aliases=[name])
+                    trains_later=True, aliases=[fqn(m, a) for m, a in sites[id(dp)]])
                 if extension:
                     exts.append(ExtensionParam(r, mod, mp, getattr(mp, "param_dtype", None) or dp.dtype, []))
                 records.append(r)
