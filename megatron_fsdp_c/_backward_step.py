@@ -91,10 +91,10 @@ class BackwardSteps:
             if hit is not None:
                 self.held[id(r.dist_param)] = hit
 
-    def may_step(self, unit) -> bool:
+    def may_step(self, unit_state) -> bool:
         """At a unit's forward: whether its backward's end may step a bucket (so it must be told,
         even where nothing reshards the unit after its backward: ZeRO-2)."""
-        return bool(self.held) and bool(unit.grad_buckets)
+        return bool(self.held) and bool(unit_state.grad_buckets)
 
     def begin(self, sync: bool) -> None:
         """At the start of a backward, before the engine's: which buckets' parameters a stepping
@@ -125,13 +125,13 @@ class BackwardSteps:
                         "make the optimizer with step_in_backward=False")
         self.plan = plan or None
 
-    def unit_done(self, unit) -> None:
+    def unit_done(self, unit_state) -> None:
         """After a unit's backward: step the buckets of the unit before it (one unit late, so a
         reduction overlaps the next unit's backward) whose gradients are final."""
         if self.plan is None:
             return
         self._finish(self.waiting, "during")
-        self.waiting = [b for b in unit.grad_buckets if b in self.plan]
+        self.waiting = [b for b in unit_state.grad_buckets if b in self.plan]
 
     def backward_done(self) -> None:
         """At the end of the backward (every reduction in): step what is left."""

@@ -89,7 +89,7 @@ class HookOwner(Protocol):
                              The answer is passed to engine.begin_backward.
     `_after_backward(synced)` called from the backward's final callback, after engine.end_backward
                              and the releases, with the answer `_should_sync()` gave.
-    `_unit_unsharded(unit)`, `_unit_resharded(unit)` (optional, looked up once): a unit's full
+    `_unit_unsharded(unit_state)`, `_unit_resharded(unit_state)` (optional, looked up once): a unit's full
                              weights are ready for its compute (pre-forward, pre-backward, after the
                              wait), and a unit is resharded (after forward or backward, by its
                              flags, whether or not its buckets are released: a unit whose weights
@@ -97,7 +97,7 @@ class HookOwner(Protocol):
                              the sharded parameters there ([Note: per-group registration] in
                              per_module/_registration.py); MegatronFSDP swaps every parameter per pass.
     `_drop_grads()`          after ending a backward that raised: every gradient of the step gone.
-    `_unit_gathering(unit)`  (optional, looked up once): before each gather of a unit is started,
+    `_unit_gathering(unit_state)`  (optional, looked up once): before each gather of a unit is started,
                              whatever its buckets' state ([Note: extension parameters] in _extensions.py).
     """
 
@@ -119,13 +119,13 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
 
     @staticmethod
-    def forward(ctx, manager, unit, *inputs):
-        ctx.manager, ctx.unit = manager, unit
+    def forward(ctx, manager, unit_state, *inputs):
+        ctx.manager, ctx.unit_state = manager, unit_state
         return inputs if len(inputs) > 1 else inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.manager.post_backward(ctx.unit)
+        ctx.manager.post_backward(ctx.unit_state)
         return (None, None) + grads
 
 
@@ -154,10 +154,10 @@ class HookManager:
         # [Note: gather order]: the forward order over gathered units, the backward order over
         # trainable ZeRO-3 units; positions before *_done are settled (ran or released), gathers
         # are issued up to *_next.
-        self.fwd_seq = [u for u in self.unit_states if u.buckets]
+        self.fwd_seq = [s for s in self.unit_states if s.buckets]
         self.ends = {u: k for k, u in enumerate(post_order if post_order is not None else range(len(self.unit_states)))}
-        for pos, unit in enumerate(self.fwd_seq):
-            unit.pos = pos
+        for pos, unit_state in enumerate(self.fwd_seq):
+            unit_state.pos = pos
         self.pass_state = PassState(0)
         self.retrain()
         self.warned_order = False
@@ -178,21 +178,22 @@ class HookManager:
         """Forgets a pass an error interrupted (FSDPModule.reset_iter_state): the next forward
         starts the gather orders from the top, every unit's modules still to run."""
         self.pass_state = PassState(len(self.bwd_seq))
-        for unit in self.unit_states:
-            unit.members_left = unit.members
+        for unit_state in self.unit_states:
+            unit_state.members_left = unit_state.members
 
     def retrain(self) -> None:
         """The units' trainable buckets and the backward gather order over the trainable ZeRO-3
         units, from the buckets that train now ([Note: changing requires_grad] in _trainable.py).
         Called outside passes only."""
         trainable = set(self.owner.param_buffer.grad_buckets())
-        for unit in self.unit_states:
-            unit.grad_buckets = tuple(b for b in self.owner.param_buffer.buckets_of_unit(unit.index) if b in trainable)
-            unit.bpos = -1
-        self.bwd_seq = sorted((u for u in self.fwd_seq if u.releasable and u.grad_buckets),
-                              key=lambda u: self.ends[u.index])
-        for pos, unit in enumerate(self.bwd_seq):
-            unit.bpos = pos
+        for unit_state in self.unit_states:
+            buckets = self.owner.param_buffer.buckets_of_unit(unit_state.index)
+            unit_state.grad_buckets = tuple(b for b in buckets if b in trainable)
+            unit_state.bpos = -1
+        self.bwd_seq = sorted((s for s in self.fwd_seq if s.releasable and s.grad_buckets),
+                              key=lambda s: self.ends[s.index])  # (s: a unit state)
+        for pos, unit_state in enumerate(self.bwd_seq):
+            unit_state.bpos = pos
         self.pass_state.bwd_next = self.pass_state.bwd_done = len(self.bwd_seq)
 
     # -- registration ---------------------------------------------------------------------
@@ -200,11 +201,11 @@ class HookManager:
         if self.fwd_seq and self.register_module_hooks:  # see [Note: compile]
             pre_forward = torch.compiler.disable(self.pre_forward, recursive=True)
             post_forward = torch.compiler.disable(self.post_forward, recursive=True)
-        for unit in self.fwd_seq if self.register_module_hooks else ():
-            self.handles.append(unit.module.register_forward_pre_hook(
-                functools.partial(pre_forward, unit), prepend=True, with_kwargs=True))
-            self.handles.append(unit.module.register_forward_hook(
-                functools.partial(post_forward, unit), always_call=False))
+        for unit_state in self.fwd_seq if self.register_module_hooks else ():
+            self.handles.append(unit_state.module.register_forward_pre_hook(
+                functools.partial(pre_forward, unit_state), prepend=True, with_kwargs=True))
+            self.handles.append(unit_state.module.register_forward_hook(
+                functools.partial(post_forward, unit_state), always_call=False))
         self.hook_grads([rec for rec in self.owner.param_buffer.records if self.trainable[rec.index]])
 
     def hook_grads(self, records) -> None:
@@ -232,24 +233,24 @@ class HookManager:
         self.hooked.clear()
 
     # -- the shared gather order ------------------------------------------------------------
-    def gather(self, unit: UnitState) -> None:
-        """Starts `unit`'s gathers (every one goes through here, after the owner's `_unit_gathering`
+    def gather(self, unit_state: UnitState) -> None:
+        """Starts `unit_state`'s gathers (every one goes through here, after the owner's `_unit_gathering`
         and the steps in flight: [Note: stepping in backward] in _backward_step.py)."""
-        self.backward_steps.join(unit.buckets)
+        self.backward_steps.join(unit_state.buckets)
         if self.on_gathering is not None:
-            self.on_gathering(unit)
-        self.engine.unshard(unit.buckets)
+            self.on_gathering(unit_state)
+        self.engine.unshard(unit_state.buckets)
 
-    def _out_of_order(self, unit: UnitState, behind: bool) -> None:
-        """`unit` is used again after the shared order passed it; `behind`: not right after its
+    def _out_of_order(self, unit_state: UnitState, behind: bool) -> None:
+        """`unit_state` is used again after the shared order passed it; `behind`: not right after its
         previous use (so it is not simply a unit run twice in a row)."""
         if behind and not self.warned_order:
             self.warned_order = True
             logger.warning("megatron_fsdp_c: FSDP unit #%d (%s) ran out of the units' registration order; it is "
                            "gathered again where it runs (an extra all-gather). Register units in the order they "
                            "execute, or see [Note: gather order] in megatron_fsdp_c/_hooks.py",
-                           unit.index, type(unit.module).__name__)
-        self.gather(unit)
+                           unit_state.index, type(unit_state.module).__name__)
+        self.gather(unit_state)
 
     def _settle(self, seq, positions, issued_before, forward: bool) -> None:
         """Units of `seq` at `positions` did not run here: gather those not yet gathered (a peer
@@ -262,35 +263,35 @@ class HookManager:
             if skipped.reshard_after_forward if forward else skipped.reshard_after_backward:
                 self._reshard(skipped)
 
-    def _reshard(self, unit: UnitState) -> None:
+    def _reshard(self, unit_state: UnitState) -> None:
         """Releases a unit (its ZeRO-3 buckets) and tells the owner."""
-        if unit.releasable:
-            self.engine.reshard(unit.releasable)
+        if unit_state.releasable:
+            self.engine.reshard(unit_state.releasable)
         if self.on_resharded is not None:
-            self.on_resharded(unit)
+            self.on_resharded(unit_state)
 
-    def _forward_reach(self, unit: UnitState) -> None:
-        """Gathers for `unit` in the shared forward order (see [Note: gather order])."""
-        pos = unit.pos
+    def _forward_reach(self, unit_state: UnitState) -> None:
+        """Gathers for `unit_state` in the shared forward order (see [Note: gather order])."""
+        pos = unit_state.pos
         if pos < self.pass_state.fwd_done:
-            self._out_of_order(unit, pos < self.pass_state.fwd_done - 1)
+            self._out_of_order(unit_state, pos < self.pass_state.fwd_done - 1)
             return
         self._settle(self.fwd_seq, range(self.pass_state.fwd_done, pos), lambda q: q >= self.pass_state.fwd_next, True)
         if pos >= self.pass_state.fwd_next:
-            self.gather(unit)
+            self.gather(unit_state)
             self.pass_state.fwd_next = pos + 1
         self.pass_state.fwd_done = pos + 1
 
-    def _backward_reach(self, unit: UnitState) -> None:
-        """Gathers for a trainable ZeRO-3 `unit` in the shared backward order."""
-        pos = unit.bpos
+    def _backward_reach(self, unit_state: UnitState) -> None:
+        """Gathers for a trainable ZeRO-3 `unit_state` in the shared backward order."""
+        pos = unit_state.bpos
         if pos >= self.pass_state.bwd_done:
-            self._out_of_order(unit, pos > self.pass_state.bwd_done)
+            self._out_of_order(unit_state, pos > self.pass_state.bwd_done)
             return
         now = self.pass_state
         self._settle(self.bwd_seq, range(now.bwd_done - 1, pos, -1), lambda q: q < now.bwd_next, False)
         if pos < self.pass_state.bwd_next:
-            self.gather(unit)
+            self.gather(unit_state)
             self.pass_state.bwd_next = pos
         self.pass_state.bwd_done = pos
 
@@ -306,11 +307,11 @@ class HookManager:
 
     def root_post_forward(self, output):
         if not in_backward():
-            for unit in self.grouped:  # a group only some of whose modules ran: its forward ends here
-                if 0 < unit.members_left < unit.members:
-                    unit.members_left = 0
-                    if unit.reshard_after_forward:
-                        self._reshard(unit)
+            for unit_state in self.grouped:  # a group only some of whose modules ran: its forward ends here
+                if 0 < unit_state.members_left < unit_state.members:
+                    unit_state.members_left = 0
+                    if unit_state.reshard_after_forward:
+                        self._reshard(unit_state)
             n = len(self.fwd_seq)
             now = self.pass_state
             self._settle(self.fwd_seq, range(now.fwd_done, n), lambda q: q >= now.fwd_next, True)
@@ -321,29 +322,29 @@ class HookManager:
                 register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
         return output
 
-    def pre_forward(self, unit: UnitState, module, args, kwargs):
+    def pre_forward(self, unit_state: UnitState, module, args, kwargs):
         if not in_backward():
-            if unit.index not in self.pass_state.ran:
-                self.pass_state.ran.add(unit.index)
-                unit.members_left = unit.members
-            if unit.pos >= 0:
-                self._forward_reach(unit)
+            if unit_state.index not in self.pass_state.ran:
+                self.pass_state.ran.add(unit_state.index)
+                unit_state.members_left = unit_state.members
+            if unit_state.pos >= 0:
+                self._forward_reach(unit_state)
                 if self.owner.overlap_param_gather:
-                    self._prefetch_forward(unit)
-        elif unit.bpos >= 0:  # activation recomputation inside backward
+                    self._prefetch_forward(unit_state)
+        elif unit_state.bpos >= 0:  # activation recomputation inside backward
             self.start_backward()
-            self._backward_reach(unit)
+            self._backward_reach(unit_state)
         else:
-            self.gather(unit)
-        if unit.buckets:
-            self.engine.wait_unshard(unit.buckets)
+            self.gather(unit_state)
+        if unit_state.buckets:
+            self.engine.wait_unshard(unit_state.buckets)
         if self.on_unsharded is not None:
-            self.on_unsharded(unit)
-        if (unit.releasable or self.backward_steps.may_step(unit)) and torch.is_grad_enabled():
+            self.on_unsharded(unit_state)
+        if (unit_state.releasable or self.backward_steps.may_step(unit_state)) and torch.is_grad_enabled():
             flat, spec = tree_flatten((args, kwargs))
             positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if positions:
-                wrapped = _PostBackward.apply(self, unit, *(flat[i] for i in positions))
+                wrapped = _PostBackward.apply(self, unit_state, *(flat[i] for i in positions))
                 if len(positions) == 1:
                     wrapped = (wrapped,)
                 for i, t in zip(positions, wrapped):
@@ -351,23 +352,24 @@ class HookManager:
                 args, kwargs = tree_unflatten(flat, spec)
         return args, kwargs
 
-    def _prefetch_forward(self, unit: UnitState) -> None:
+    def _prefetch_forward(self, unit_state: UnitState) -> None:
         """Gathers ahead in the shared order: through the next unit, or through the furthest of
         the units named by set_modules_to_forward_prefetch (every unit between in order too)."""
-        through = unit.pos + 1 if unit.forward_prefetch is None else max(unit.forward_prefetch, default=-1)
+        named = unit_state.forward_prefetch
+        through = unit_state.pos + 1 if named is None else max(named, default=-1)
         while self.pass_state.fwd_next <= min(through, len(self.fwd_seq) - 1):
             self.gather(self.fwd_seq[self.pass_state.fwd_next])
             self.pass_state.fwd_next += 1
 
-    def post_forward(self, unit: UnitState, module, args, output):
-        if not in_backward() and unit.reshard_after_forward:
-            unit.members_left -= 1
-            if unit.members_left <= 0:  # the last of the unit's modules to run in this forward
-                self._reshard(unit)
+    def post_forward(self, unit_state: UnitState, module, args, output):
+        if not in_backward() and unit_state.reshard_after_forward:
+            unit_state.members_left -= 1
+            if unit_state.members_left <= 0:  # the last of the unit's modules to run in this forward
+                self._reshard(unit_state)
         if torch.is_grad_enabled():
             tensors = grad_tensors(output)
             if tensors:
-                register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit), mode="any")
+                register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit_state), mode="any")
         return output
 
     # -- backward -------------------------------------------------------------------------
@@ -382,7 +384,7 @@ class HookManager:
         self.engine.begin_backward(sync)
         now.bwd_next = now.bwd_done = len(self.bwd_seq)
         if now.ran:  # units that ran in no forward since the last backward get no gradient: they may
-            skipped = [b for u in self.fwd_seq if u.index not in now.ran for b in u.grad_buckets]  # reduce in turn
+            skipped = [b for s in self.fwd_seq if s.index not in now.ran for b in s.grad_buckets]  # reduce in turn
             now.ran = set()
             if skipped:
                 self.engine.seal(skipped)
@@ -391,31 +393,32 @@ class HookManager:
     def _root_pre_backward(self, grads):
         self.start_backward()
 
-    def _pre_backward(self, unit: UnitState, grads):
+    def _pre_backward(self, unit_state: UnitState, grads):
         self.start_backward()
-        if unit.bpos >= 0:
-            self._backward_reach(unit)
+        if unit_state.bpos >= 0:
+            self._backward_reach(unit_state)
             if self.owner.overlap_param_gather:
-                self._prefetch_backward(unit)
+                self._prefetch_backward(unit_state)
         else:
-            self.gather(unit)
-        self.engine.wait_unshard(unit.buckets)
+            self.gather(unit_state)
+        self.engine.wait_unshard(unit_state.buckets)
         if self.on_unsharded is not None:
-            self.on_unsharded(unit)
+            self.on_unsharded(unit_state)
 
-    def _prefetch_backward(self, unit: UnitState) -> None:
+    def _prefetch_backward(self, unit_state: UnitState) -> None:
         """Gathers ahead in the shared backward order: the unit before, or down through the
         furthest of the units named by set_modules_to_backward_prefetch."""
-        through = unit.bpos - 1 if unit.backward_prefetch is None else min(unit.backward_prefetch, default=unit.bpos)
+        named = unit_state.backward_prefetch
+        through = unit_state.bpos - 1 if named is None else min(named, default=unit_state.bpos)
         through = max(through, 0)
         while self.pass_state.bwd_next > through:
             self.pass_state.bwd_next -= 1
             self.gather(self.bwd_seq[self.pass_state.bwd_next])
 
-    def post_backward(self, unit: UnitState) -> None:
-        if unit.releasable and unit.reshard_after_backward:
-            self._reshard(unit)
-        self.backward_steps.unit_done(unit)
+    def post_backward(self, unit_state: UnitState) -> None:
+        if unit_state.releasable and unit_state.reshard_after_backward:
+            self._reshard(unit_state)
+        self.backward_steps.unit_done(unit_state)
 
     def grad_hook(self, index: int, bucket: int, item: int, param: torch.Tensor, *, to_local=None) -> None:
         self.start_backward()
@@ -471,14 +474,14 @@ class HookManager:
             self._settle(self.bwd_seq, range(now.bwd_done - 1, -1, -1), lambda q: q < now.bwd_next, False)
             self.pass_state.bwd_next = self.pass_state.bwd_done = 0
             self.engine.end_backward()
-            release = [b for u in self.unit_states if u.reshard_after_backward for b in u.releasable]
+            release = [b for s in self.unit_states if s.reshard_after_backward for b in s.releasable]
             release += [b for b in self.all_sharded if self.bucket_unit[b] < 0]
             if release:
                 self.engine.reshard(release)
             if self.on_resharded is not None:
-                for u in self.unit_states:
-                    if u.reshard_after_backward:
-                        self.on_resharded(u)
+                for unit_state in self.unit_states:
+                    if unit_state.reshard_after_backward:
+                        self.on_resharded(unit_state)
         finally:
             self.pass_state.in_backward = False
         self.owner._after_backward(self.pass_state.sync)

@@ -74,14 +74,14 @@ class MegatronExtensions:
                                    requires_grad=r.param.requires_grad)
         buf.engine.install_main_weights(True)  # payloads start stale: the full load left persistent ones ready
 
-    def gathering(self, unit) -> None:
+    def gathering(self, unit_state) -> None:
         if self.gathers is not None:
-            self.gathers.gathering(unit.index)
+            self.gathers.gathering(unit_state.index)
 
-    def unsharded(self, unit) -> None:
+    def unsharded(self, unit_state) -> None:
         """The unit's compute parameters made or refreshed, and registered after the swap."""
-        if self.gathers is not None and unit.index in self.gathers.by_unit:
-            self._register(unit.index)
+        if self.gathers is not None and unit_state.index in self.gathers.by_unit:
+            self._register(unit_state.index)
 
     def root_pre_forward(self) -> None:
         """Units whose payloads are never gathered (one rank, no_shard): no hook of theirs runs,
@@ -97,7 +97,7 @@ class MegatronExtensions:
             for mod, attr in e.record.places:
                 mod._parameters[attr] = e.record.param
 
-    def resharded(self, unit) -> None:
-        if self.gathers is not None and unit.index in self.gathers.by_unit:
-            self.gathers.resharded(unit.index)
-            self.registered.discard(unit.index)
+    def resharded(self, unit_state) -> None:
+        if self.gathers is not None and unit_state.index in self.gathers.by_unit:
+            self.gathers.resharded(unit_state.index)
+            self.registered.discard(unit_state.index)

@@ -130,10 +130,10 @@ class ParamBuffer:
         for b, bp in enumerate(self.plan):
             first = named(bp)[0] if named(bp) else None
             dtype = dtype_of[bp["dtype"]]
-            unit = None if units is None or bp["unit"] < 0 else units[bp["unit"]]
+            config = None if units is None or bp["unit"] < 0 else units[bp["unit"]]
             spec = self._bucket_spec(b, bp, dtype, self.strategy_of_unit(bp["unit"]),
-                                     policy if unit is None or bp["role"] == ROLE_PAYLOAD else unit.policies[dtype],
-                                     quant_policy if unit is None else unit.quant,
+                                     policy if config is None or bp["role"] == ROLE_PAYLOAD else config.policies[dtype],
+                                     quant_policy if config is None else config.quant,
                                      first.name if first is not None else "",
                                      any(r.trains_later for r in named(bp)), b in offloaded)
             specs.append(spec)

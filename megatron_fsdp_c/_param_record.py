@@ -81,8 +81,8 @@ def find_params(root: nn.Module, units: List[nn.Module]) -> List[FoundParam]:
     0-d (a scalar has no rows to shard).
     """
     unit_of_module: Dict[int, int] = {}
-    for u, unit in enumerate(units):
-        for sub in unit.modules():
+    for u, module in enumerate(units):
+        for sub in module.modules():
             unit_of_module.setdefault(id(sub), u)
     found: Dict[int, dict] = {}  # id(param) -> its facts so far, in registration order
     seen_places = set()

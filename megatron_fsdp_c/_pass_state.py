@@ -1,5 +1,6 @@
-"""The state the hooks keep (_hooks.py's HookManager): one UnitState per unit (the object; a
-"unit" alone is its index, as ParamRecord.unit), and one PassState for where the current pass
+"""The state the hooks keep (_hooks.py's HookManager): one UnitState per unit (the object, named
+unit_state wherever it is held; a "unit" alone is its index, as ParamRecord.unit: tests/test_docs.py
+checks that no `unit` has attributes), and one PassState for where the current pass
 stands, replaced whole when a pass starts again (HookManager.reset_pass)."""
 from __future__ import annotations
 

@@ -134,14 +134,14 @@ class MegatronFSDP(EngineOwner, nn.Module):
             self._log_summary(fsdp_unit_modules)
 
     # -- HookOwner: extension parameters' gathers ([Note: extension parameters under MegatronFSDP]) --
-    def _unit_gathering(self, unit) -> None:
-        self.extensions.gathering(unit)
+    def _unit_gathering(self, unit_state) -> None:
+        self.extensions.gathering(unit_state)
 
-    def _unit_unsharded(self, unit) -> None:
-        self.extensions.unsharded(unit)
+    def _unit_unsharded(self, unit_state) -> None:
+        self.extensions.unsharded(unit_state)
 
-    def _unit_resharded(self, unit) -> None:
-        self.extensions.resharded(unit)
+    def _unit_resharded(self, unit_state) -> None:
+        self.extensions.resharded(unit_state)
 
     # -- engine owners --------------------------------------------------------------------
     def owners(self) -> tuple:

@@ -196,3 +196,21 @@ def test_records_are_whole_when_made():
            for n, line in enumerate((ROOT / f).read_text().splitlines(), 1)
            if assign.search(line) and not line.lstrip().startswith("#")]
     assert not bad, "a ParamRecord fact set after its constructor:\n" + "\n".join(bad)
+
+
+def test_a_unit_is_an_index():
+    """docs/design.md's "One word per idea": a unit alone is an index (ParamRecord.unit, the plan's
+    "unit"); its hooks' object is a unit state (`unit_state`), its configuration a unit config, a
+    module a module. An index has no attributes, so a name `unit` or `u` followed by `.` in the
+    package's code is one of the others under the index's name."""
+    import io
+    import tokenize
+    skip = {tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT}
+    bad = []
+    for f in source_files("megatron_fsdp_c"):
+        if not f.endswith(".py"):
+            continue
+        toks = [t for t in tokenize.generate_tokens(io.StringIO((ROOT / f).read_text()).readline) if t.type not in skip]
+        bad += [f"{f}:{b.start[0]}: {b.line.strip()}" for a, b, c in zip(toks, toks[1:], toks[2:])
+                if b.type == tokenize.NAME and b.string in ("unit", "u") and c.string == "." and a.string != "."]
+    assert not bad, "a unit (an index) used as an object:\n" + "\n".join(bad)

@@ -176,12 +176,12 @@ class RootState(EngineOwner):
         return list(self.param_buffer.buckets_of_unit(self.groups.index(g)))
 
     def configure(self, g: ShardGroup) -> None:
-        unit, engine = g.unit_state, self.param_buffer.engine
-        unit.reshard_after_forward = g.reshard_after_forward
-        unit.reshard_after_backward = g.reshard_after_backward
-        unit.forward_prefetch = None if g.forward_prefetch is None else [
+        unit_state, engine = g.unit_state, self.param_buffer.engine
+        unit_state.reshard_after_forward = g.reshard_after_forward
+        unit_state.reshard_after_backward = g.reshard_after_backward
+        unit_state.forward_prefetch = None if g.forward_prefetch is None else [
             group_of(m).unit_state.pos for m in g.forward_prefetch if group_of(m).unit_state.pos >= 0]
-        unit.backward_prefetch = None if g.backward_prefetch is None else [
+        unit_state.backward_prefetch = None if g.backward_prefetch is None else [
             group_of(m).unit_state.bpos for m in g.backward_prefetch if group_of(m).unit_state.bpos >= 0]
         engine.set_keep_weights(self.buckets_of(g), g.keep_unsharded_storage)  # [Note: kept full weights]
         # every bucket that can train, also while frozen ([Note: changing requires_grad] in ../_trainable.py)
@@ -309,19 +309,19 @@ class RootState(EngineOwner):
         current.wait_stream(stream)
 
     # -- [Note: per-group registration] in _registration.py: the hooks' calls ----------------------
-    def _unit_gathering(self, unit) -> None:  # HookOwner (_hooks.py)
+    def _unit_gathering(self, unit_state) -> None:  # HookOwner (_hooks.py)
         if self.extension_gathers is not None:
-            self.extension_gathers.gathering(unit.index)
+            self.extension_gathers.gathering(unit_state.index)
 
-    def _unit_unsharded(self, unit) -> None:  # HookOwner (_hooks.py)
+    def _unit_unsharded(self, unit_state) -> None:  # HookOwner (_hooks.py)
         if self.extension_gathers is not None:  # [Note: extension parameters] in ../_extensions.py
-            self.extension_gathers.unsharded(unit.index, self.registration.unsharded[unit.index])
-        self.registration.register(unit.index, True)
+            self.extension_gathers.unsharded(unit_state.index, self.registration.unsharded[unit_state.index])
+        self.registration.register(unit_state.index, True)
 
-    def _unit_resharded(self, unit) -> None:  # HookOwner (_hooks.py)
+    def _unit_resharded(self, unit_state) -> None:  # HookOwner (_hooks.py)
         if self.extension_gathers is not None:
-            self.extension_gathers.resharded(unit.index)
-        self.registration.register(unit.index, False)
+            self.extension_gathers.resharded(unit_state.index)
+        self.registration.register(unit_state.index, False)
 
     def reshard_group(self, g: ShardGroup) -> None:
         """FSDPModule.reshard(): releases the group's gathered weights (ZeRO-3) and registers
@@ -454,12 +454,12 @@ class RootState(EngineOwner):
     def release_after_backward(self) -> None:
         """Releases the gathered weights of the groups set to reshard after backward, and registers
         their sharded parameters, as a backward's final callback does."""
-        release = [b for u in self.hooks.unit_states if u.reshard_after_backward for b in u.releasable]
+        release = [b for s in self.hooks.unit_states if s.reshard_after_backward for b in s.releasable]
         if release:
             self.param_buffer.engine.reshard(release)
-        for u in self.hooks.unit_states:
-            if u.reshard_after_backward:
-                self.registration.register(u.index, False)
+        for s in self.hooks.unit_states:  # (s: a unit state)
+            if s.reshard_after_backward:
+                self.registration.register(s.index, False)
 
     def finalize_backward(self) -> None:
         """[Note: manual backward finalization]
