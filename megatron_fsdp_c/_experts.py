@@ -55,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._distributed import DistContext, check_rank_partition, check_same_model, make_dist_context
 from ._owner import EngineOwner
-from ._param_buffer import ParamBuffer, ParamRecord
+from ._param_buffer import ParamBuffer, ParamRecord, model_wide
 from ._param_record import FoundParam
 
 __all__ = ["ExpertOwner", "expert_context", "expert_scaling", "is_expert_param", "split_experts"]
@@ -168,10 +168,11 @@ class ExpertOwner(EngineOwner):
         self.dist_ctx = ctx
         self._holds_dist_params = False
         check_same_model(records, ctx)  # the ranks of one expert mesh hold the same experts
-        buf = ParamBuffer(records, strategy, policy, ctx, bucket_cap=bucket_cap, reduce_queue_bytes=reduce_queue_bytes,
-                          grad_prescale=grad_prescale, reduce_op=reduce_op,
-                          single_rank_collectives=single_rank_collectives, quant_policy=quant_policy,
-                          offload_fraction=offload_fraction, pin_host=True)
+        unit_configs, outside = model_wide(strategy, policy, quant_policy, len(units))
+        buf = ParamBuffer(records, ctx, unit_configs, outside, bucket_cap=bucket_cap,
+                          reduce_queue_bytes=reduce_queue_bytes, grad_prescale=grad_prescale, reduce_op=reduce_op,
+                          single_rank_collectives=single_rank_collectives, offload_fraction=offload_fraction,
+                          pin_host=True)
         buf.load_params()
         buf.build_dist_params(wrapper)  # the optimizer finds the wrapper from them
         for r in records:  # the mark stays visible on model.parameters() (Megatron's optimizers read it)

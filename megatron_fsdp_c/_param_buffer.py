@@ -37,7 +37,7 @@ from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
 from ._param_record import ParamRecord, as_dtype, into_engine, rows_of, engine_dtype, local_shape
 from ._tensor_parallel import spmd_layout
 
-__all__ = ["ParamRecord", "ParamBuffer"]  # ParamRecord re-exported from _param_record.py
+__all__ = ["ParamBuffer", "ParamRecord", "UnitConfig", "model_wide"]  # ParamRecord re-exported from _param_record.py
 
 ALIGN_BYTES = 16  # shard boundaries on 16-byte multiples: aligned vector access on every rank
 
@@ -51,16 +51,15 @@ def wire_fields(quant: Optional[QuantizedCommPolicy]) -> dict:
             "wire_outer_weights": code(quant.outer_weights), "wire_block": quant.block}
 
 
-def offload_buckets(plan: List[dict], units: Optional[List[UnitConfig]], fraction: float) -> set:
+def offload_buckets(plan: List[dict], units: List["UnitConfig"], fraction: float) -> set:
     """The buckets whose optimizer-side buffers live in host memory: a unit's when its UnitConfig
-    says offload; without units, the first buckets in plan order until `fraction` of the
-    parameters' elements is offloaded (Megatron's optimizer_offload_fraction, honoured to a
-    bucket: the last one may pass it). Payload buckets (extension parameters' gather inputs) are
-    no optimizer's: they stay."""
+    says offload (FSDP2's CPUOffloadPolicy, per group), and the first buckets in plan order until
+    `fraction` of the parameters' elements is offloaded (Megatron's optimizer_offload_fraction, of
+    the model, not of a unit: honoured to a bucket, the last one may pass it). Payload buckets
+    (extension parameters' gather inputs) are no optimizer's: they stay."""
     params = [b for b, bp in enumerate(plan) if bp["role"] != ROLE_PAYLOAD]
-    if units is not None:
-        return {b for b in params if plan[b]["unit"] >= 0 and units[plan[b]["unit"]].offload}
-    total, chosen, done = sum(plan[b]["weight_size"] for b in params), set(), 0
+    chosen = {b for b in params if plan[b]["unit"] >= 0 and units[plan[b]["unit"]].offload}
+    total, done = sum(plan[b]["weight_size"] for b in params), 0
     for b in params:
         if done >= fraction * total:  # (fraction 0: none)
             break
@@ -71,35 +70,49 @@ def offload_buckets(plan: List[dict], units: Optional[List[UnitConfig]], fractio
 
 @dataclasses.dataclass(frozen=True)
 class UnitConfig:
-    """How one unit's buckets are built where units differ (the per-module API: one per group,
-    converted once, by RootState): its strategy, its quantized wire, and its engine policy by
-    compute dtype (a group's parameters share their storage dtype, as FSDP2 requires, so the
-    compute dtype picks the policy)."""
+    """How one unit's buckets are built: its strategy, its quantized wire, its engine policy by
+    bucket dtype (`policies`: the per-module API's, by compute dtype, a group's parameters sharing
+    their storage dtype as FSDP2 requires; `policy` for every dtype not named: the Megatron-style
+    API's one policy, extension payloads') and whether it is offloaded. The per-module API makes
+    one per group (RootState), the Megatron-style API one for every unit (model_wide)."""
     strategy: ShardingStrategy
     quant: Optional[QuantizedCommPolicy]
-    policies: Dict[torch.dtype, MixedPrecisionPolicy]
+    policy: MixedPrecisionPolicy
+    policies: Dict[torch.dtype, MixedPrecisionPolicy] = dataclasses.field(default_factory=dict)
     offload: bool = False  # CPUOffloadPolicy ([Note: offloaded buckets] in csrc/comm/buffers.c)
+
+    def policy_of(self, dtype: torch.dtype) -> MixedPrecisionPolicy:
+        return self.policies.get(dtype, self.policy)
+
+
+def model_wide(strategy: ShardingStrategy, policy: MixedPrecisionPolicy, quant: Optional[QuantizedCommPolicy],
+               n_units: int) -> tuple:
+    """(units, outside) of the Megatron-style API: its one configuration for each of its `n_units`
+    units and outside them."""
+    config = UnitConfig(strategy, quant, policy)
+    return [config] * n_units, config
 
 
 class ParamBuffer:
-    """Builds the plan and the engine for one model and keeps the parameter records. The model's
-    strategy, policy and quant_policy hold for every unit, unless `units` gives each unit its own
-    (UnitConfig, by unit index). `payloads`: (unit, PayloadInput) of the extension parameters'
-    all-gather inputs, each an item of a payload bucket ([Note: extension parameters] in
-    _extensions.py); their (bucket, item) is set here. `offload_fraction` (without `units`) and
-    each UnitConfig's `offload` say which buckets keep their main weights, main gradients and
-    optimizer gradients in host memory, pinned on a GPU when `pin_host` ([Note: offloaded
-    buckets] in csrc/comm/buffers.c; offload_buckets)."""
+    """Builds the plan and the engine for one model and keeps the parameter records. Each unit's
+    buckets are built by its UnitConfig (`units`, by unit index), the buckets outside every unit
+    (parameters shared across units) by `outside`, whose strategy is also the model's: no_shard
+    plans one shard per bucket. Payload buckets (`payloads`: (unit, PayloadInput) of the
+    extension parameters' all-gather inputs, [Note: extension parameters] in _extensions.py;
+    their (bucket, item) is set here) take their unit's strategy and wire and `outside`'s policy:
+    they have no gradients. Each UnitConfig's `offload` and `offload_fraction` (the Megatron-style
+    API's) say which buckets keep their main weights, main gradients and optimizer gradients in
+    host memory, pinned on a GPU when `pin_host` ([Note: offloaded buckets] in
+    csrc/comm/buffers.c; offload_buckets)."""
 
-    def __init__(self, records: List[ParamRecord], strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
-                 ctx: DistContext, *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float,
-                 reduce_op: str, single_rank_collectives: bool = False, quant_policy: Optional[QuantizedCommPolicy] = None,
-                 units: Optional[List[UnitConfig]] = None, payloads=(), offload_fraction: float = 0.0,
+    def __init__(self, records: List[ParamRecord], ctx: DistContext, units: List[UnitConfig], outside: UnitConfig,
+                 *, bucket_cap: int, reduce_queue_bytes: Optional[int], grad_prescale: float, reduce_op: str,
+                 single_rank_collectives: bool = False, payloads=(), offload_fraction: float = 0.0,
                  pin_host: bool = False):
         self.single_rank_collectives = single_rank_collectives
         self.records = records
-        self.strategy = strategy
         self.units = units
+        self.outside = outside
         self.ctx = ctx
         codes = _C.DTYPE_CODES
         plan_input = []
@@ -108,13 +121,13 @@ class ParamBuffer:
             plan_input.append((math.prod(r.shape), row, codes[engine_dtype(r.param.dtype)], r.unit,
                                int(r.param.requires_grad), int(r.replicated), outer,
                                ROLE_EXTENSION if r.extension else ROLE_PARAMS))
-        shard_world = 1 if strategy == ShardingStrategy.NO_SHARD else ctx.pieces
+        shard_world = 1 if outside.strategy == ShardingStrategy.NO_SHARD else ctx.pieces
         for unit, inp in payloads:  # one piece of inp.numel elements per rank (replicated: the whole input)
             pieces = 1 if inp.replicated else shard_world
             plan_input.append((inp.numel * pieces, 1, codes[inp.engine_dtype], unit, 0, int(inp.replicated), 1,
                                ROLE_PAYLOAD))
         # quantized gradients: the flag tail on their blocks' boundaries ([Note: used-flag tail])
-        quants = [quant_policy] if units is None else [c.quant for c in units]
+        quants = [c.quant for c in units] + [outside.quant]
         blocks = {q.block for q in quants if q is not None and q.grads}
         # _C.FLAG_TAIL elements per item at the end of every shard: the used-parameter flags and the
         # trainable check, laid out and read by the engine ([Note: used-flag tail] in csrc/comm/reduce.c)
@@ -130,10 +143,9 @@ class ParamBuffer:
         for b, bp in enumerate(self.plan):
             first = named(bp)[0] if named(bp) else None
             dtype = dtype_of[bp["dtype"]]
-            config = None if units is None or bp["unit"] < 0 else units[bp["unit"]]
-            spec = self._bucket_spec(b, bp, dtype, self.strategy_of_unit(bp["unit"]),
-                                     policy if config is None or bp["role"] == ROLE_PAYLOAD else config.policies[dtype],
-                                     quant_policy if config is None else config.quant,
+            config = self.config_of_unit(bp["unit"])
+            policy = self.outside.policy if bp["role"] == ROLE_PAYLOAD else config.policy_of(dtype)
+            spec = self._bucket_spec(b, bp, dtype, config.strategy, policy, config.quant,
                                      first.name if first is not None else "",
                                      any(r.trains_later for r in named(bp)), b in offloaded)
             specs.append(spec)
@@ -161,8 +173,8 @@ class ParamBuffer:
         self.bucket_units = [bp["unit"] for bp in self.plan]
         self.bucket_roles = [bp["role"] for bp in self.plan]
 
-    def strategy_of_unit(self, unit: int) -> ShardingStrategy:
-        return self.strategy if self.units is None or unit < 0 else self.units[unit].strategy
+    def config_of_unit(self, unit: int) -> UnitConfig:
+        return self.outside if unit < 0 else self.units[unit]
 
     def _bucket_spec(self, b: int, bp: dict, dtype: torch.dtype, strategy: ShardingStrategy,
                      policy: MixedPrecisionPolicy, quant: Optional[QuantizedCommPolicy], name: str,
@@ -350,7 +362,7 @@ class ParamBuffer:
         return memory_report(self.engine, self.specs, optimizer, locations)
 
     def placement(self, r: ParamRecord):
-        sharded = self.strategy_of_unit(r.unit) != ShardingStrategy.NO_SHARD
+        sharded = self.config_of_unit(r.unit).strategy != ShardingStrategy.NO_SHARD
         return Shard(r.shard_dim) if sharded and not r.replicated else Replicate()
 
     def layout(self, r: ParamRecord) -> tuple:

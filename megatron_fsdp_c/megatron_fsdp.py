@@ -37,7 +37,7 @@ from ._experts import ExpertOwner, expert_scaling, split_experts
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
 from ._owner import EngineOwner, clip_grad_norm
-from ._param_buffer import ParamBuffer
+from ._param_buffer import ParamBuffer, model_wide
 from ._param_record import find_params, make_records
 from ._tensor_parallel import check_even_shards, tp_spec_of
 from ._megatron_extensions import MegatronExtensions
@@ -103,9 +103,11 @@ class MegatronFSDP(EngineOwner, nn.Module):
         else:
             prescale, op = 1.0 / dist_ctx.dp_world, "sum"
         cap = 0 if bucket_size is None else int(bucket_size)
-        buf = ParamBuffer(records, zero_dp_strategy, mixed_precision_policy, dist_ctx, bucket_cap=cap,
+        units, outside = model_wide(zero_dp_strategy, mixed_precision_policy, quantized_comm_policy,
+                                    len(fsdp_unit_modules))
+        buf = ParamBuffer(records, dist_ctx, units, outside, bucket_cap=cap,
                           reduce_queue_bytes=reduce_queue_bytes, grad_prescale=prescale, reduce_op=op,
-                          single_rank_collectives=single_rank_collectives, quant_policy=quantized_comm_policy,
+                          single_rank_collectives=single_rank_collectives,
                           payloads=self.extensions.payloads(), offload_fraction=offload_fraction, pin_host=True)
         self.init_peak_bytes = None
         if init_model_with_meta_device:

@@ -19,7 +19,7 @@ static mfsdp_status mem_create(void* ctx, int64_t numel, int32_t dtype, mfsdp_bu
   PyObject* zeros = PyObject_GetAttrString(m->st->torch, "zeros");
   PyObject* args = Py_BuildValue("(L)", (long long)numel);
   PyObject* kwargs = Py_BuildValue("{s:O,s:O,s:O}", "dtype", PyTuple_GET_ITEM(m->st->dtypes, dtype), "device", m->device,
-                                   "pin_memory", m->pin ? Py_True : Py_False);
+                                   "pin_memory", m->pin_host ? Py_True : Py_False);
   PyObject* t = (zeros && args && kwargs) ? PyObject_Call(zeros, args, kwargs) : NULL;
   Py_XDECREF(zeros);
   Py_XDECREF(args);
@@ -107,6 +107,6 @@ int mfsdp_torch_memory_init(torch_memory* m, module_state* st, PyObject* device)
   return 0;
 }
 
-void mfsdp_torch_host_memory_init(torch_memory* m, module_state* st, PyObject* cpu, int pin) {
-  *m = (torch_memory){st, cpu, -1, pin};
+void mfsdp_torch_host_memory_init(torch_memory* m, module_state* st, PyObject* cpu, int pin_host) {
+  *m = (torch_memory){st, cpu, -1, pin_host};
 }

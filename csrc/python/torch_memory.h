@@ -11,7 +11,7 @@ typedef struct torch_memory {
   module_state* st;
   PyObject* device; /* torch.device */
   int device_index; /* -1 for CPU */
-  int pin;          /* host buffers in pinned memory (torch.zeros(pin_memory=True)) */
+  int pin_host;     /* host buffers in pinned memory (torch.zeros(pin_memory=True)) */
 } torch_memory;
 
 extern const mfsdp_memory_ops mfsdp_torch_memory_ops;
@@ -21,8 +21,8 @@ extern const mfsdp_memory_ops mfsdp_torch_memory_ops;
 int mfsdp_torch_memory_init(torch_memory* m, module_state* st, PyObject* device);
 
 /* Fills *m for the host buffers of offloaded buckets ([Note: offloaded buckets] in
- * csrc/comm/buffers.c): CPU tensors, pinned when `pin` (`cpu` is torch.device('cpu'), borrowed
+ * csrc/comm/buffers.c): CPU tensors, pinned when `pin_host` (`cpu` is torch.device('cpu'), borrowed
  * as above). */
-void mfsdp_torch_host_memory_init(torch_memory* m, module_state* st, PyObject* cpu, int pin);
+void mfsdp_torch_host_memory_init(torch_memory* m, module_state* st, PyObject* cpu, int pin_host);
 
 #endif

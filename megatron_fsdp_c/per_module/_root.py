@@ -109,12 +109,14 @@ class RootState(EngineOwner):
                 if (id(mod), attr) in g.spmd_specs:
                     spmd_specs[r.index] = g.spmd_specs[(id(mod), attr)]
         # what the buffer builds each group with
-        units = [UnitConfig(g.strategy, g.quant_policy, policies[u], is_cpu_offload(g.offload_policy))
+        units = [UnitConfig(g.strategy, g.quant_policy, OurPolicy(), policies[u], is_cpu_offload(g.offload_policy))
                  for u, g in enumerate(groups)]
+        # outside every group: nothing but the model's plan (sharded) and the payloads' policy
+        outside = UnitConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, None, OurPolicy())
         if exts:  # every rank's all-gather inputs, planned once ([Note: extension parameters])
             plan_inputs(exts, shard_mesh(ctx), ctx.group, ctx.world, ctx.rank)
-        buf = ParamBuffer(records, ShardingStrategy.OPTIM_GRADS_PARAMS, OurPolicy(), ctx, bucket_cap=0,
-                          reduce_queue_bytes=None, grad_prescale=1.0 / ctx.dp_world, reduce_op="sum", units=units,
+        buf = ParamBuffer(records, ctx, units, outside, bucket_cap=0,
+                          reduce_queue_bytes=None, grad_prescale=1.0 / ctx.dp_world, reduce_op="sum",
                           payloads=[(e.record.unit, i) for e in exts for i in e.inputs],
                           pin_host=any(getattr(g.offload_policy, "pin_memory", False) for g in groups))
         buf.load_locals()
