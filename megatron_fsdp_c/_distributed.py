@@ -227,7 +227,7 @@ def make_dist_context(device_mesh, dp_shard_dim, device: torch.device, transport
     parallelism] in _tensor_parallel.py).
     `private`: a name for an engine that must share no communicator with another engine of the
     same model, also over the same ranks: its reductions get an own group too, and its own groups
-    are keyed by that name (the experts' engine, [Note: expert data-parallel mesh] in _experts.py)."""
+    are keyed by that name (the experts' engine, [Note: expert data-parallel mesh] in _megatron_experts.py)."""
     hybrid = dp_outer_dim is not None
     if hybrid:
         _require_initialized()

@@ -36,7 +36,7 @@ every rank runs the same graph, at the cost of an extra gather (logged once). No
 wholly frozen ZeRO-3 unit whose inputs require grad and that runs on some ranks only (its
 backward gathers are issued on demand). A model sharded over several meshes (expert
 parallelism) has one engine, so one such order, per mesh ([Note: a mesh per group] in
-per_module/_root.py, [Note: expert data-parallel mesh] in _experts.py).
+per_module/_root.py, [Note: expert data-parallel mesh] in _megatron_experts.py).
 
 [Note: compile]
 The hooks talk to the C engine and keep Python state, neither of which Dynamo can trace; they
@@ -67,7 +67,7 @@ __all__ = ["HookManager", "HookOwner"]
 
 class HookOwner(Protocol):
     """What HookManager needs from the object that owns the engine: MegatronFSDP (the Megatron-FSDP
-    API), the engine of its experts (_experts.py's ExpertOwner, which passes the backward's
+    API), the engine of its experts (_megatron_experts.py's ExpertOwner, which passes the backward's
     calls on to the wrapper) and the per-module API's root state (per_module/_root.py) are the
     owners. The manager never calls anything else on it.
 

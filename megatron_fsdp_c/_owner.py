@@ -1,6 +1,6 @@
 """EngineOwner: what a sharded model's state does with the engine it owns, shared by the
 Megatron-FSDP style wrapper (megatron_fsdp.py), the engine of its expert parameters
-(_experts.py's ExpertOwner, with expt_device_mesh) and the per-module API's root state
+(_megatron_experts.py's ExpertOwner, with expt_device_mesh) and the per-module API's root state
 (per_module/_root.py): the CPU heap, swapping compute and distributed parameters, the
 unused-parameter flags, attaching gradients, introspection. Each is also the HookOwner
 (_hooks.py) of its HookManager.

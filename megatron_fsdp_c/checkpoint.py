@@ -36,7 +36,7 @@ def _named_optimizer_state(model) -> bool:
     """With expert parallelism the checkpoint keys the optimizer state by parameter name, not by
     torch's index in the param groups: the same index is a different expert on ranks of different
     expert groups, and DCP would merge their states under one key ([Note: expert data-parallel
-    mesh] in _experts.py). The param groups' hyperparameters are saved as they are; their
+    mesh] in _megatron_experts.py). The param groups' hyperparameters are saved as they are; their
     parameter lists differ across ranks, so a load keeps the live optimizer's."""
     return getattr(model, "expert_owner", None) is not None
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ._common import ShardingStrategy, parse_strategy
 from ._distributed import make_dist_context, resolve_device
-from ._experts import expert_context
+from ._megatron_experts import expert_context
 from .optimizer import fully_shard_optimizer, remap_optimizer
 from .megatron_fsdp import MegatronFSDP
 from ._tensor_parallel import other_dims, tp_mesh_of
@@ -182,7 +182,7 @@ def fully_shard_model(
     Megatron-LM: by 1/dp with dp the dense data-parallel size (they already hold every ep peer's
     tokens), expert_dp/dp with average_in_collective, 1 with calculate_per_token_loss. An expert
     mesh without marked parameters, or marked parameters without one, is an error; see [Note:
-    expert data-parallel mesh] in _experts.py.
+    expert data-parallel mesh] in _megatron_experts.py.
     optimizer_cpu_offload, optimizer_offload_fraction: Megatron-core's CPU offload of the
     optimizer (its OptimizerConfig names): main weights, main gradients and the optimizer's state
     live in host memory, and the optimizer steps there (megatron_fsdp_c.FusedAdamW is the fast

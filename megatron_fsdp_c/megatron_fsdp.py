@@ -16,7 +16,7 @@ Microbatch semantics (documented differences from Megatron-FSDP are marked *):
   [Note: unused parameters] in _owner.py.
 - With expt_device_mesh, the expert parameters live in a second engine over the expert
   data-parallel mesh (`self.expert_owner`, an ExpertOwner); every method below acts on both
-  ([Note: expert data-parallel mesh] in _experts.py).
+  ([Note: expert data-parallel mesh] in _megatron_experts.py).
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ import torch
 import torch.nn as nn
 
 from ._common import ShardingStrategy, logger
-from ._state_dict_hooks import register_model_hooks
+from ._megatron_state_dict import register_model_hooks
 from ._distributed import DistContext, check_same_model
-from ._experts import ExpertOwner, expert_scaling, split_experts
+from ._megatron_experts import ExpertOwner, expert_scaling, split_experts
 from .mixed_precision import MixedPrecisionPolicy
 from .no_shard import mark_by_name, replicated_roots
 from ._owner import EngineOwner, clip_grad_norm
@@ -117,7 +117,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
         buf.build_dist_params(self)
         self._start(buf, fsdp_unit_modules)  # [Note: owner start-up] in _owner.py
         self.extensions.start(buf, self.hooks)
-        if expert_records:  # [Note: expert data-parallel mesh] in _experts.py
+        if expert_records:  # [Note: expert data-parallel mesh] in _megatron_experts.py
             scale, expert_op = expert_scaling(dist_ctx, expert_ctx, average_in_collective=average_in_collective,
                                               calculate_per_token_loss=calculate_per_token_loss)
             self.expert_owner = ExpertOwner(
@@ -213,7 +213,7 @@ class MegatronFSDP(EngineOwner, nn.Module):
     def _backward_ends(self, synced: bool) -> None:
         """An engine's backward final callback ran (its HookManager is out of the backward); the
         last one ends the backward for the model: every engine's reductions are in ([Note: expert
-        data-parallel mesh] in _experts.py). Read from the managers, not counted, so that nothing
+        data-parallel mesh] in _megatron_experts.py). Read from the managers, not counted, so that nothing
         is left over from a backward an error interrupted."""
         if self._in_backward():
             return

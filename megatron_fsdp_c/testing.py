@@ -1,5 +1,6 @@
-"""Shared by the tests, the example and the benchmarks: a plain GPT model and a helper that
-runs a function on N real processes (gloo on CPU) and returns what each rank returned."""
+"""Shared by the tests, the example and the benchmarks, not the library's API: a plain GPT model
+(and the VLM and tensor-parallel variants the tests use) and a helper that runs a function on N
+real processes (gloo on CPU) and returns what each rank returned."""
 from __future__ import annotations
 
 import dataclasses

@@ -31,7 +31,7 @@ Behaviours (cell names):
   `.grad is None`); megatron_hsdp_expert_replicas: the experts' mesh (dp_outer 2, dp_shard 1), each
   expert whole on a rank, all-reduced across the 2 replicas; megatron_average_in_collective: AVG
   collectives, experts pre-scaled by expert_dp / dp; Megatron-LM's
-  expert gradient scaling, 1/dp ([Note: expert data-parallel mesh] in megatron_fsdp_c/_experts.py)
+  expert gradient scaling, 1/dp ([Note: expert data-parallel mesh] in megatron_fsdp_c/_megatron_experts.py)
 - megatron_clip: MegatronFSDP.clip_grad_norm_ over both meshes (torch's refuses two meshes) against
   torch's on the reference, norms and parameters after 2 clipped steps
 - megatron_dcp: the Megatron-style model and optimizer saved (save_checkpoint) with dense ZeRO-3 over 4,

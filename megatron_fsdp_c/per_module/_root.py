@@ -206,7 +206,7 @@ class RootState(EngineOwner):
             # size, not the expert data-parallel size). With FSDP2 a script must call it too;
             # we keep FSDP2's default for drop-in parity ([Note: a mesh per group]). The
             # Megatron-style API's expt_device_mesh applies Megatron-LM's factor itself ([Note:
-            # expert data-parallel mesh] in ../_experts.py).
+            # expert data-parallel mesh] in ../_megatron_experts.py).
             factor = g.divide_factor if g.divide_factor is not None else self.dist_ctx.dp_world
             engine.set_prescale(grads, 1.0 / factor)
 

@@ -12,7 +12,7 @@ __all__ = ["register_model_hooks"]
 def register_model_hooks(model) -> None:
     """State-dict hooks on the wrapped module (they run for model.state_dict() and for
     model.module.state_dict() alike)."""
-    # every engine's records (the experts' too: [Note: expert data-parallel mesh] in _experts.py), each
+    # every engine's records (the experts' too: [Note: expert data-parallel mesh] in _megatron_experts.py), each
     # with the data-parallel placement that shards it (a TP one may follow) on its engine's mesh
     records = [(r, o.dist_ctx.mesh.ndim - 1) for o in model.owners() for r in o.param_buffer.records]
 

@@ -112,7 +112,7 @@ def expert_context(expt_device_mesh, hybrid_fsdp_expt_group, *, dp_shard_dim, dp
         "Build the expert mesh over all ranks with init_device_mesh(device, (dp // ep, ep), "
         "mesh_dim_names=(dp_shard_dim, 'ep')) (with HSDP: (outer, dp // ep // outer, ep) and dp_outer_dim first), so "
         "that the ranks holding the same experts agree on their set ([Note: expert data-parallel mesh] in "
-        "megatron_fsdp_c/_experts.py)")
+        "megatron_fsdp_c/_megatron_experts.py)")
     try:
         return make_dist_context(expt_device_mesh, dp_shard_dim, device, transport, collective_timeout,
                                  dp_outer_dim=dp_outer_dim, hybrid_fsdp_group=hybrid_fsdp_expt_group,
