@@ -49,6 +49,9 @@ from typing import Dict, List, Optional
 __all__ = ["BackwardSteps", "register_stepper"]
 
 # The optimizers made with step_in_backward=True (weakly: an optimizer dropped stops stepping).
+# A registry, not a link made with the optimizer: a per-module model's optimizer is made before
+# its lazy init, when its parameters lead to no engine yet; each root's pre-forward looks here for
+# the optimizers holding its parameters (BackwardSteps.before_forward).
 _STEPPERS: "weakref.WeakSet" = weakref.WeakSet()
 
 

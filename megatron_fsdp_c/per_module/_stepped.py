@@ -8,6 +8,12 @@ refreshed before the next forward. Two signals, either of which refreshes:
 - torch's global optimizer step post hook, for every torch.optim.Optimizer: a foreach step (the
   default on a GPU) bumps no version counter of a DTensor (nor of its local tensor), so the
   counters alone missed it and the forward ran on stale weights.
+Why a global hook and a link on the parameters (each engine DTensor's `_mfsdp_model_ref`, a weak
+reference to its owner) rather than a link made with the optimizer: FSDP2 scripts make the
+optimizer from the sharded parameters before the first forward, when no engine exists yet, and
+the optimizer is any torch class, made by the user; only the parameters lead from it to the model.
+Refreshing at every forward after a syncing backward instead would miss a step taken after a
+forward that came between backward and step (an evaluation before stepping), silently.
 """
 from __future__ import annotations
 
