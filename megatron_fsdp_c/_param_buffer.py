@@ -77,12 +77,18 @@ class UnitConfig:
     one per group (RootState), the Megatron-style API one for every unit (model_wide)."""
     strategy: ShardingStrategy
     quant: Optional[QuantizedCommPolicy]
-    policy: MixedPrecisionPolicy
+    policy: Optional[MixedPrecisionPolicy]
     policies: Dict[torch.dtype, MixedPrecisionPolicy] = dataclasses.field(default_factory=dict)
     offload: bool = False  # CPUOffloadPolicy ([Note: offloaded buckets] in csrc/comm/buffers.c)
 
     def policy_of(self, dtype: torch.dtype) -> MixedPrecisionPolicy:
-        return self.policies.get(dtype, self.policy)
+        """The policy of a bucket of `dtype`; never a stand-in for a group's missing one (a bucket
+        reduced under another policy than its group's would be a silent wrong number)."""
+        policy = self.policies.get(dtype, self.policy)
+        if policy is None:
+            raise RuntimeError(f"internal: no engine policy for a bucket of {dtype} (the group's policies name "
+                               f"{sorted(map(str, self.policies))})")
+        return policy
 
 
 def model_wide(strategy: ShardingStrategy, policy: MixedPrecisionPolicy, quant: Optional[QuantizedCommPolicy],

@@ -109,7 +109,7 @@ class RootState(EngineOwner):
                 if (id(mod), attr) in g.spmd_specs:
                     spmd_specs[r.index] = g.spmd_specs[(id(mod), attr)]
         # what the buffer builds each group with
-        units = [UnitConfig(g.strategy, g.quant_policy, OurPolicy(), policies[u], is_cpu_offload(g.offload_policy))
+        units = [UnitConfig(g.strategy, g.quant_policy, None, policies[u], is_cpu_offload(g.offload_policy))
                  for u, g in enumerate(groups)]
         # outside every group: nothing but the model's plan (sharded) and the payloads' policy
         outside = UnitConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, None, OurPolicy())
