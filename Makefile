@@ -180,7 +180,7 @@ asan-build: setup
 
 asan: asan-build
 	$(ASAN_ENV) $(PY) benchmarks/stress.py --budget-s $(ASAN_BUDGET_S) --threads 1,2 --jitter-ms 2 \
-	  > build/asan/stress.log 2>&1; rc=$$?; tail -n 5 build/asan/stress.log; [ $$rc = 0 ]
+	  > build/asan/stress.log 2>&1; rc=$$?; sed -n '/ failures\/runs = /,$$p' build/asan/stress.log | tail -n 150; [ $$rc = 0 ]
 	$(ASAN_ENV) $(PY) -m pytest -q -p no:cacheprovider $(ASAN_TESTS) > build/asan/pytest.log 2>&1; rc=$$?; \
 	  tail -n 5 build/asan/pytest.log; [ $$rc = 0 ]
 

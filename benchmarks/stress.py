@@ -16,7 +16,9 @@ slowest repetition so far times 1.5 is the estimate); a rank still running at th
 killed. A repetition that fails (a check that does not hold, or an exception) ends its spawn (a
 collective may be out of step) and the next spawn goes on with the next seed; so does a rank
 that dies (SIGSEGV, glibc's "malloc(): ..." abort), reported with the cell, seed and threads in
-flight, its exit code and the last lines of its stderr (Python's stacks included: faulthandler).
+flight, its exit code and its last words (support/spawns.py's last_words: a sanitizer's report
+whole, glibc's message, faulthandler's stack of the thread that faulted, the stderr's last lines).
+The summary ends with the first failure in one line, where the end of a log shows it.
 
 Knobs: --reps (the most repetitions per world), --budget-s (the wall-clock bound of the whole
 run), --malloc-perturb N (glibc's MALLOC_PERTURB_: freed and new blocks are filled with bytes
@@ -210,17 +212,10 @@ def _rank_main(rank, world, cells, plan, out_dir):
             return runs
 
 
-def _tail(path, n=40):
-    try:
-        lines = [ln for ln in open(path, errors="replace").read().splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return "\n".join(lines[-n:])
-
-
 def _run_world(world, cells, args, deadline):
     """(runs, failures, first failure text or '') of --world ranks until --reps or the deadline."""
     from megatron_fsdp_c.testing import run_on_ranks
+    from support import spawns
 
     runs, failures, first = 0, 0, ""
     while runs < args.reps and time.time() + 5 < deadline:
@@ -257,7 +252,7 @@ def _run_world(world, cells, args, deadline):
                     first = (f"world {world}: cell {where[0]!r} seed {where[1]} threads {where[2]}: rank(s) {died} died "
                              f"(exit codes {[o[1] for _, o in dead if o[0] == 'dead']}); errors: "
                              + "; ".join(str(o[1])[:1500] for _, o in dead if o[0] == "error")
-                             + "".join(f"\n-- stderr of rank {r}:\n{_tail(os.path.join(out_dir, f'stderr.{r}'))}"
+                             + "".join(f"\n-- stderr of rank {r}:\n{spawns.last_words(os.path.join(out_dir, f'stderr.{r}'), 4000)}"
                                        for r in died))
                 print(f"  world {world}: a spawn ended by a dead or failed rank at {where}", flush=True)
             elif not records:
@@ -311,7 +306,7 @@ def main():
             print(f"world {world}: the chunk of make test's spawn with {args.chunk_of}: {len(cells)} cells", flush=True)
     else:
         chosen = {world: [c for c in (args.cells or list(SUSPECT)) if world in _worlds_of(c)] for world in args.world}
-    from support import rank_grid
+    from support import rank_grid, spawns
 
     rank_grid.session_dir()  # before the ranks start: the directory the grid cells share (checkpoints)
     total_runs = total_failures = 0
@@ -343,6 +338,10 @@ def main():
     print(line)
     if first:
         print("first failure: " + first)
+        # and its gist last, where a log's tail shows it (CI prints the end of make asan's)
+        gist = [ln.strip() for ln in first.splitlines()
+                if ln.startswith(("SUMMARY: ", "Fatal Python error: ")) or spawns.SANITIZER_REPORT.search(ln)]
+        print("first failure, in short: " + " | ".join([first.splitlines()[0][:300]] + gist[:3]))
     if args.log:
         Path(args.log).parent.mkdir(parents=True, exist_ok=True)
         with open(args.log, "a") as f:

@@ -269,13 +269,17 @@ def reset_iter_state(rank, world):
     return out
 
 
-def after_a_failed_backward(rank, world, api):
+def after_a_failed_backward(rank, world, api, compiled=False):
     """[Note: a backward that raised] in megatron_fsdp_c/_hooks.py: a backward raises on every rank
     part way (the last layer's gradient delivered), the script catches it and goes on -- a
     microbatch with gradient sync off, then a synced one and optimizer steps -- with no
     reset_iter_state or zero_grad. Ours trains on, bit for bit with the same script that never
     failed: the failed step's gradients are dropped, none reaches a step. (torch's FSDP2 is no reference here: after a raising backward its modules keep
-    their unsharded parameters and stop training, the losses flat from then on, on torch 2.13.)"""
+    their unsharded parameters and stop training, the losses flat from then on, on torch 2.13.)
+    compiled: the same through torch.compile (AOTAutograd's graphs, backend aot_eager): the user
+    sees the backward's own exception, not an engine error of the next call (on torch 2.11 the
+    per-module API once answered inductor's failing float64 backward with "gradient sync cannot
+    change inside a backward pass")."""
     import megatron_fsdp_c as mf
     from megatron_fsdp_c.per_module import fully_shard
 
@@ -293,11 +297,12 @@ def after_a_failed_backward(rank, world, api):
     out = {}
     for which in ("failed", "clean"):
         model, inner, opt = build()
+        run = torch.compile(model, backend="aot_eager") if compiled else model
         seen = []
         if which == "failed":
             inner[2].fail = "backward"
             try:
-                model(data(0, rank)).sum().backward()
+                run(data(0, rank)).sum().backward()
                 out["error"] = "no error"
             except ValueError as e:
                 out["error"] = str(e)
@@ -305,12 +310,12 @@ def after_a_failed_backward(rank, world, api):
         for step in range(1, 4):
             if api == "per_module":  # a microbatch accumulated locally, then a synced one
                 model.set_requires_gradient_sync(False)
-                model(data(step, rank)).sum().backward()
+                run(data(step, rank)).sum().backward()
                 model.set_requires_gradient_sync(True)
             else:
                 with model.no_sync():
-                    model(data(step, rank)).sum().backward()
-            model(data(10 + step, rank)).sum().backward()
+                    run(data(step, rank)).sum().backward()
+            run(data(10 + step, rank)).sum().backward()
             opt.step()
             opt.zero_grad()
             seen.append({n: p.full_tensor().clone() for n, p in model.named_parameters()})
@@ -360,7 +365,9 @@ def _register():
     add("reset", reset_iter_state, tests=["test_reset_iter_state_after_a_failed_forward_or_backward"])
     add("failed_stepped", failed_backward_that_stepped, tests=["test_a_failed_backward_that_stepped_says_so"])
     for api in ("per_module", "megatron"):
-        add(("failed_backward", api), after_a_failed_backward, api, tests=["test_training_goes_on_after_a_failed_backward"])
+        for compiled in (False, True):
+            add(("failed_backward", api, compiled), after_a_failed_backward, api, compiled,
+                tests=["test_training_goes_on_after_a_failed_backward"], match=dict(api=api, compiled=compiled))
     for impl in ("torch", "ours"):
         add(("summed", impl), summed_loss, impl, tests=["test_summed_loss_gets_fsdp2s_gradients"])
         add(("hook", impl), all_reduce_hook, impl, tests=["test_all_reduce_hook_matches_fsdp2"])
@@ -442,9 +449,10 @@ def test_reset_iter_state_after_a_failed_forward_or_backward():
         close_dicts(r["grads"], r["clean"], "grads after reset")
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("api", ["per_module", "megatron"])
-def test_training_goes_on_after_a_failed_backward(api):
-    for r in _cell(("failed_backward", api)):
+def test_training_goes_on_after_a_failed_backward(api, compiled):
+    for r in _cell(("failed_backward", api, compiled)):
         assert r["error"] == "backward failed", r["error"]
         for step, (failed, clean) in enumerate(zip(r["failed"], r["clean"])):
             assert set(failed) == set(clean)

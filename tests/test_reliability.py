@@ -87,6 +87,43 @@ def differing_models(rank, world):
         return str(e)
 
 
+_DYING = r"""
+import ctypes, faulthandler, sys, threading, time
+faulthandler.enable(file=sys.stderr, all_threads=True)
+def idle(depth):  # a thread with a deep stack: faulthandler dumps it before the faulting one
+    return idle(depth - 1) if depth else time.sleep(60)
+for _ in range(6):
+    threading.Thread(target=idle, args=(30,), daemon=True).start()
+time.sleep(0.2)
+def free_twice():
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    block = libc.malloc(64)
+    libc.free(block)
+    libc.free(block)
+free_twice()
+"""
+
+
+def test_a_dead_rank_is_reported_with_its_fault(tmp_path):
+    """A rank killed by glibc's heap check is reported with glibc's words, Python's fatal line and
+    the faulting thread's stack (spawns.last_words), though faulthandler dumps six deep threads
+    after them: the plain 40-line tail that CI's make asan printed showed none of it (stop 59)."""
+    from support import spawns
+
+    err = tmp_path / "stderr.0"
+    with open(err, "w") as f:
+        rc = subprocess.run([sys.executable, "-c", _DYING], stderr=f, timeout=60).returncode
+    assert rc == -signal.SIGABRT, rc
+    text = open(err).read()
+    words = spawns.last_words(str(err), 4000)
+    assert "free(): double free detected" in words, text[-3000:]
+    assert "Fatal Python error: Aborted" in words
+    assert 'line 15 in free_twice' in words.split("Fatal Python error: Aborted")[1], words
+    assert "free(): double free detected" not in "\n".join(text.splitlines()[-40:])  # what a tail showed
+
+
 def test_model_differing_across_ranks_is_named():
     for message in CELLS.result("differing models", 2):
         assert "differs across ranks" in message and "head.weight" in message, message

@@ -8,7 +8,7 @@ exceptions: a collective whose sizes differ across ranks aborts the process insi
 (std::terminate), and a rank left waiting in a collective its peers never issue hangs. A dead or
 hung rank would lose every cell of the spawn. So every rank writes each cell's result to a file as
 soon as the cell ends; the parent reads them after the spawn, reports the cell in flight when a
-rank died (with the exit code, the survivors' errors and the tail of the dead rank's stderr), and
+rank died (with the exit code, the survivors' errors and the dead rank's last words), and
 spawns again for the cells after it. The ranks start each cell together (through the rendezvous
 store, so gloo's timeouts only measure waits inside the cell); after a cell that raised on some
 rank they check that the default group still pairs a small all-reduce correctly, and if it does
@@ -26,6 +26,7 @@ import gc
 import importlib
 import os
 import pickle
+import re
 import sys
 import tempfile
 import time
@@ -198,14 +199,42 @@ def _grid_worker(rank: int, world: int, cells: Sequence[CellId], out_dir: str, s
             sum(n.isdigit() for n in names), sum(not n.isdigit() for n in names))
 
 
-def _tail(path: str, n: int = 1500) -> str:
+SANITIZER_REPORT = re.compile(r"^==\d+==ERROR: |: runtime error: ")
+
+
+def last_words(path: str, n: int = 6000) -> str:
+    """What names a dead rank's fault, from its stderr file, in this order: a sanitizer's report
+    (ASan's from its ERROR line to its SUMMARY line, UBSan's runtime error and its stack), the
+    lines just before Python's "Fatal Python error" (glibc's "malloc(): ..." or gloo's last
+    words) with that line and faulthandler's stack of the faulting thread, then the end of the
+    file. A plain tail does not do: faulthandler dumps every thread, a rank has a dozen, and CI's
+    make asan once showed only the forkserver's frames and the list of extension modules."""
     try:
         with open(path, errors="replace") as f:
-            text = f.read()
+            lines = [ln for ln in f.read().splitlines() if "Warning" not in ln]
     except OSError:
         return ""
-    lines = [ln for ln in text.splitlines() if "Warning" not in ln and ln.strip()]
-    return "\n".join(lines)[-n:]
+    parts = []
+    start = next((i for i, ln in enumerate(lines) if SANITIZER_REPORT.search(ln)), None)
+    if start is not None:
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("SUMMARY: ")), start + 60)
+        parts.append("\n".join(lines[start:end + 1][:120]))
+    fatal = max((i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error: ")), default=None)
+    if fatal is not None:
+        before = [ln for ln in lines[max(0, fatal - 8):fatal] if ln.strip()]
+        current = next((i for i in range(fatal, len(lines)) if lines[i].startswith("Current thread ")), None)
+        stack = []
+        if current is not None:
+            for ln in lines[current:current + 60]:
+                if not ln.strip() or ln.startswith("Extension modules"):
+                    break
+                stack.append(ln)
+        parts.append("\n".join(before + [lines[fatal]] + stack))
+    text = [ln for ln in lines if ln.strip()]
+    if not parts:
+        return "\n".join(text)[-n:]
+    parts.append("-- its last lines:\n" + "\n".join(text[-8:]))
+    return "\n".join(p[:n // 2] for p in parts)
 
 
 def chunks_of(cells: Sequence[CellId]) -> List[List[CellId]]:
@@ -300,7 +329,7 @@ def _crash_report(out_dir: str, j: int, world: int, outcomes: list) -> list:
         status, value = outcomes[r]
         if status == "dead":
             # the C runtime's last words, then faulthandler's stacks of every thread
-            tail = _tail(os.path.join(out_dir, f"stderr.{r}"), 6000)
+            tail = last_words(os.path.join(out_dir, f"stderr.{r}"), 6000)
             if value == -9:
                 how = "hung and was killed after the spawn's timeout"
             elif "Timeout (" in tail:
