@@ -37,6 +37,7 @@ CORE = ["csrc/core/status.c", "csrc/core/layout.c", "csrc/core/kernels_cpu.c", "
 COMM = [f"csrc/comm/{name}.c" for name in ("guards", "geometry", "buffers", "wire", "replicas", "reduce", "weights",
                                            "backward", "trainable", "pipeline")]
 GLUE = ["csrc/python/glue.c", "csrc/python/plan.c", "csrc/python/kernels.c", "csrc/python/optim.c", "csrc/python/host_heap.c",
+        "csrc/python/fault_trace.c",
         "csrc/python/torch_memory.c", "csrc/python/torch_transport.c", "csrc/python/nccl_transport_type.c",
         "csrc/python/bucket_spec.c", "csrc/python/engine.c", "csrc/python/module.c"]  # floor to roof (glue.h)
 # the CUDA half, floor to roof (maps at the top of csrc/cuda/kernels.cu and nccl_transport.c; the

@@ -169,6 +169,8 @@ def _rank_main(rank, world, cells, plan, out_dir):
     os.dup2(err.fileno(), 2)  # glibc's and gloo's last words go to fd 2
     sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    from megatron_fsdp_c import _C
+    _C.native_fault_trace()  # a fault in a C/C++ thread names its frames (csrc/python/fault_trace.c)
     if plan["perturb"]:
         ctypes.CDLL(None).mallopt(M_PERTURB, plan["perturb"])
     pg = dist.distributed_c10d._get_default_group()

@@ -128,6 +128,14 @@ def trim_host_heap(bound: int, /) -> int:
     bound since the last trim (0: not yet, -1: not glibc/Linux)."""
 
 # ------------------------------------------------------------------------------------------------
+# fault_trace.c ([Note: native fault trace])
+
+def native_fault_trace() -> int:
+    """1: on a fatal signal the faulting thread's native stack goes to stderr, then the handlers
+    installed before this call run (faulthandler's: enable it first); process-wide, once (-1: not
+    glibc)."""
+
+# ------------------------------------------------------------------------------------------------
 # torch_transport.c
 
 class TorchTransport:

@@ -124,6 +124,40 @@ def test_a_dead_rank_is_reported_with_its_fault(tmp_path):
     assert "free(): double free detected" not in "\n".join(text.splitlines()[-40:])  # what a tail showed
 
 
+_NATIVE_THREAD = r"""
+import ctypes, faulthandler, sys, time
+faulthandler.enable(file=sys.stderr, all_threads=True)
+from megatron_fsdp_c import _C
+_C.native_fault_trace()
+libc = ctypes.CDLL(None)
+thread = ctypes.c_ulong()
+# a thread that runs no Python: glibc's abort() as its start routine
+libc.pthread_create(ctypes.byref(thread), None, ctypes.cast(libc.abort, ctypes.c_void_p), None)
+time.sleep(30)
+"""
+
+
+def test_a_fault_in_a_thread_without_python_is_named(tmp_path):
+    """[Note: native fault trace] in csrc/python/fault_trace.c: a thread that runs no Python
+    aborts; faulthandler alone shows no "Current thread" (the rank's test died in a C++ thread
+    and nothing said where); with native_fault_trace the report leads with that thread's native
+    frames (glibc's abort), then faulthandler's stacks of the Python threads, and the exit is
+    still the signal's."""
+    from support import spawns
+
+    err = tmp_path / "stderr.0"
+    with open(err, "w") as f:
+        rc = subprocess.run([sys.executable, "-c", _NATIVE_THREAD], stderr=f, timeout=120, cwd=ROOT).returncode
+    assert rc == -signal.SIGABRT, (rc, open(err).read()[-3000:])
+    words = spawns.last_words(str(err), 6000)
+    native = words.split(spawns.NATIVE_STACK_END)[0]
+    assert native.startswith(spawns.NATIVE_STACK) and "(signal 6," in native, words
+    assert "libc.so.6(abort+" in native, words
+    rest = words.split(spawns.NATIVE_STACK_END)[1]
+    assert "Fatal Python error: Aborted" in rest and "no Python thread faulted" in rest, words
+    assert "line 10 in <module>" in rest, words  # the main thread's place (its sleep)
+
+
 def test_model_differing_across_ranks_is_named():
     for message in CELLS.result("differing models", 2):
         assert "differs across ranks" in message and "head.weight" in message, message

@@ -7,8 +7,8 @@ static int module_exec(PyObject* module) {
   module_state* st = mfsdp_module_state(module);
   if (mfsdp_state_init(module, st) < 0) return -1;
   if (mfsdp_register_plan(module, st) < 0 || mfsdp_register_kernels(module, st) < 0 ||
-      mfsdp_register_optim(module, st) < 0 ||
-      mfsdp_register_host_heap(module, st) < 0 || mfsdp_register_torch_transport(module, st) < 0 ||
+      mfsdp_register_optim(module, st) < 0 || mfsdp_register_host_heap(module, st) < 0 ||
+      mfsdp_register_fault_trace(module, st) < 0 || mfsdp_register_torch_transport(module, st) < 0 ||
       mfsdp_register_nccl_transport(module, st) < 0 || mfsdp_register_bucket_spec(module, st) < 0 ||
       mfsdp_register_engine(module, st) < 0)
     return -1;

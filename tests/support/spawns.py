@@ -141,6 +141,8 @@ def _grid_worker(rank: int, world: int, cells: Sequence[CellId], out_dir: str, s
     # a fatal signal (glibc's heap checks abort, a SIGSEGV) prints every thread's Python stack after
     # the C runtime's last words: the crash report then names the line each thread was on
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    from megatron_fsdp_c import _C
+    _C.native_fault_trace()  # in front of faulthandler: a fault in a C/C++ thread names its frames
     torch.set_num_threads(1)
     # imports (and each module's prepare hook) now, not inside a cell where peers wait in a collective
     for module in dict.fromkeys(c[0] for c in cells):
@@ -200,10 +202,22 @@ def _grid_worker(rank: int, world: int, cells: Sequence[CellId], out_dir: str, s
 
 
 SANITIZER_REPORT = re.compile(r"^==\d+==ERROR: |: runtime error: ")
+NATIVE_STACK, NATIVE_STACK_END = "megatron_fsdp_c: native stack of thread", "megatron_fsdp_c: end of the native stack"
+
+
+def _block(lines: List[str], start: int, most: int) -> List[str]:
+    """faulthandler's stack of one thread from its header line: up to `most` lines (innermost first)."""
+    out = []
+    for ln in lines[start:start + most]:
+        if not ln.strip() or ln.startswith("Extension modules"):
+            break
+        out.append(ln)
+    return out
 
 
 def last_words(path: str, n: int = 6000) -> str:
-    """What names a dead rank's fault, from its stderr file, in this order: a sanitizer's report
+    """What names a dead rank's fault, from its stderr file, in this order: the native stack of the
+    faulting thread ([Note: native fault trace] in csrc/python/fault_trace.c), a sanitizer's report
     (ASan's from its ERROR line to its SUMMARY line, UBSan's runtime error and its stack), the
     lines just before Python's "Fatal Python error" (glibc's "malloc(): ..." or gloo's last
     words) with that line and faulthandler's stack of the faulting thread, then the end of the
@@ -215,20 +229,28 @@ def last_words(path: str, n: int = 6000) -> str:
     except OSError:
         return ""
     parts = []
+    native = next((i for i, ln in enumerate(lines) if ln.startswith(NATIVE_STACK)), None)
+    after_native = 0
+    if native is not None:  # [Note: native fault trace] in csrc/python/fault_trace.c
+        end = next((i for i in range(native, len(lines)) if lines[i].startswith(NATIVE_STACK_END)), native + 70)
+        parts.append("\n".join(lines[native:end + 1][:72]))
+        after_native = end + 1
     start = next((i for i, ln in enumerate(lines) if SANITIZER_REPORT.search(ln)), None)
     if start is not None:
         end = next((i for i in range(start, len(lines)) if lines[i].startswith("SUMMARY: ")), start + 60)
         parts.append("\n".join(lines[start:end + 1][:120]))
     fatal = max((i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error: ")), default=None)
     if fatal is not None:
-        before = [ln for ln in lines[max(0, fatal - 8):fatal] if ln.strip()]
+        before = [ln for ln in lines[max(0, after_native if after_native <= fatal else 0, fatal - 8):fatal] if ln.strip()]
         current = next((i for i in range(fatal, len(lines)) if lines[i].startswith("Current thread ")), None)
-        stack = []
         if current is not None:
-            for ln in lines[current:current + 60]:
-                if not ln.strip() or ln.startswith("Extension modules"):
-                    break
-                stack.append(ln)
+            stack = _block(lines, current, 60)
+        else:  # the faulting thread runs no Python (a C/C++ thread: gloo's, autograd's, the engine's)
+            stack = ["(no Python thread faulted: a C/C++ thread did, its native stack above; Python's threads "
+                     "were at:)"]
+            for i in range(fatal, len(lines)):
+                if lines[i].startswith("Thread 0x"):
+                    stack += _block(lines, i, 14)
         parts.append("\n".join(before + [lines[fatal]] + stack))
     text = [ln for ln in lines if ln.strip()]
     if not parts:
