@@ -1,0 +1,320 @@
+"""Hugging Face checkpoints straight from the shards: save_hf_checkpoint writes the safetensors
+files (and their index) that transformers' from_pretrained loads, every rank writing its own rows
+into the final files, with no gather and no consolidation pass.
+
+[Note: safetensors from the shards]
+A safetensors file is an 8-byte little-endian header length, a JSON header ({name: {dtype,
+shape, data_offsets}}, the offsets relative to the data's start, contiguous in order) and each
+tensor's row-major bytes. Every rank computes the same layout from the state dict's names, shapes
+and dtypes (the same on every rank: one all_gather_object of the layout's digest checks it, so a
+rank that differs raises instead of writing bytes at another rank's offsets). A sharded parameter
+of either API is a Shard(0) DTensor (checkpoint.py): its local piece is rows [o, o + n) of the
+full tensor, one contiguous byte range of it, which the rank writes with os.pwrite at its place
+in the final file. On a mesh dim the tensor is replicated over, only the ranks at coordinate 0
+write (the others hold the same bytes). Anything else -- a Shard on another dim (tensor
+parallelism after the data-parallel shard, shard_placement_fn's), a Partial, a plain tensor (a
+buffer, an unsharded parameter) -- is written whole by one rank, tensor k by rank k % world,
+after DTensor.full_tensor() where it is sharded (a collective: every rank makes them in the
+layout's order). No rank holds more than its shards plus one such tensor.
+
+[Note: publishing a checkpoint]
+The files are written under a hidden directory beside the target (`.<name>.partial-<id>`) and
+renamed to the target by rank 0 when every rank has written and fsynced its bytes (an all_reduce
+of the ranks' outcomes), so a crash, a killed rank or an error leaves no directory that looks like
+a checkpoint, and an existing target is replaced only then (overwrite=True), by two renames.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from typing import Callable, Dict, List, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .megatron_fsdp import MegatronFSDP
+
+__all__ = ["save_hf_checkpoint"]
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class _Entry:
+    """One tensor of the checkpoint: its name, full shape and output dtype, where its bytes go
+    (file, offset in the file), and how this rank contributes ([Note: safetensors from the shards])."""
+
+    def __init__(self, name: str, value: torch.Tensor, dtype: torch.dtype):
+        self.name, self.value, self.dtype = name, value, dtype
+        self.shape = tuple(value.shape)
+        self.nbytes = _numel(self.shape) * dtype.itemsize
+        self.file = ""
+        self.offset = 0  # of its first byte in its file
+
+    def describe(self) -> tuple:
+        return (self.name, self.shape, str(self.dtype), self.file, self.offset)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _rows_of(t: DTensor):
+    """(first row, local tensor) when t's local piece is rows of the full tensor and this rank
+    writes it; (None, None) when another rank at coordinate 0 of a replicated dim writes it;
+    False when the piece is not a row range ([Note: safetensors from the shards])."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) and (not isinstance(p, Shard) or p.dim == 0) for p in t.placements):
+        return False
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:  # this rank holds no piece of it
+        return None, None
+    if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
+        return None, None
+    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(local_shape[1:]) != tuple(t.shape[1:]) or tuple(t._local_tensor.shape) != tuple(local_shape):
+        return False
+    return (offset[0] if t.dim() else 0), t._local_tensor
+
+
+def _output_dtype(name: str, t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
+    out = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    if out not in _SAFETENSORS_DTYPES:
+        raise TypeError(f"save_hf_checkpoint: tensor '{name}' has dtype {out}, which safetensors cannot hold "
+                        f"(it holds {', '.join(str(d) for d in _SAFETENSORS_DTYPES)})")
+    return out
+
+
+def _state_of(model) -> Dict[str, torch.Tensor]:
+    """The tensors to write: the model's state dict (the Megatron-style wrapper's inner module's
+    names), each tied weight once under the name transformers keeps (its _tied_weights_keys name
+    the copies it drops)."""
+    module = model.module if isinstance(model, MegatronFSDP) else model
+    state = module.state_dict()
+    names = {}  # id(parameter) -> its names, in module order
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    tied = getattr(module, "_tied_weights_keys", None) or ()
+    dropped = set(tied.keys() if isinstance(tied, Mapping) else tied)
+    for aliases in names.values():
+        present = [n for n in aliases if n in state]
+        if len(present) < 2:
+            continue
+        keep = next((n for n in present if n not in dropped), present[0])
+        for n in present:
+            if n != keep:
+                del state[n]
+    return state
+
+
+def _plan_files(entries: List[_Entry], max_shard_bytes: int) -> List[tuple]:
+    """Cuts the entries into files in order (a new file when the next tensor would pass
+    max_shard_bytes), sets each entry's file and offset; returns (file name, header bytes, size)."""
+    parts: List[List[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if parts[-1] and size + e.nbytes > max_shard_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(e)
+        size += e.nbytes
+    files = []
+    for i, part in enumerate(parts):
+        fname = SINGLE_FILE if len(parts) == 1 else f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        header, at = {"__metadata__": {"format": "pt"}}, 0
+        for e in part:
+            header[e.name] = {"dtype": _SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                              "data_offsets": [at, at + e.nbytes]}
+            at += e.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        start = 8 + len(text)
+        for e in part:
+            e.file, e.offset = fname, start
+            start += e.nbytes
+        files.append((fname, struct.pack("<Q", len(text)) + text, start))
+    return files
+
+
+def _bytes(t: torch.Tensor, dtype: torch.dtype):
+    """t's row-major bytes in `dtype`, on the host (a buffer os.pwrite takes)."""
+    t = t.detach().to(device="cpu", dtype=dtype).contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def save_hf_checkpoint(model, path: str, *, dtype: Optional[torch.dtype] = None,
+                       max_shard_bytes: int = 5 * 2 ** 30, name_map: Union[None, Mapping[str, str],
+                                                                               Callable[[str], str]] = None,
+                       config=None, overwrite: bool = False) -> None:
+    """Writes `model` (a per-module fully_shard root or the Megatron-style wrapper, or any module
+    with DTensor or plain parameters) as a Hugging Face checkpoint directory at `path`: safetensors
+    files of at most `max_shard_bytes` each (one tensor may pass it alone) and, with several, the
+    model.safetensors.index.json that from_pretrained reads. Every rank calls it; every rank writes
+    its own rows ([Note: safetensors from the shards]); the directory appears whole or not at all
+    ([Note: publishing a checkpoint]).
+
+    dtype: floating tensors are cast to it on the way out (say torch.bfloat16 of float32 main
+    weights); others keep theirs. name_map: the checkpoint's name of each state-dict name (a dict,
+    names it lacks kept, or a callable). config: written beside the weights, by its
+    save_pretrained (a transformers config) or as config.json (a dict). overwrite: replace an
+    existing non-empty `path` (refused otherwise)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    if max_shard_bytes <= 0:
+        raise ValueError(f"save_hf_checkpoint: max_shard_bytes must be positive, not {max_shard_bytes}")
+    state = _state_of(model)
+    if name_map is not None:
+        rename = name_map if callable(name_map) else (lambda n: name_map.get(n, n))
+        renamed = {}
+        for n, t in state.items():
+            new = rename(n)
+            if new in renamed:
+                raise ValueError(f"save_hf_checkpoint: name_map gives two tensors the name '{new}'")
+            renamed[new] = t
+        state = renamed
+    entries = [_Entry(n, t, _output_dtype(n, t, dtype)) for n, t in state.items()]
+    files = _plan_files(entries, max_shard_bytes)
+    target = os.path.abspath(path)
+    parent, base = os.path.split(target)
+    # the layout and the target's state, the same on every rank, or one error on every rank
+    digest = hashlib.sha256(repr([e.describe() for e in entries]).encode()).hexdigest()
+    if rank == 0:
+        exists = os.path.isdir(target) and bool(os.listdir(target))
+        if os.path.exists(target) and not os.path.isdir(target):
+            problem = f"{target} exists and is not a directory"
+        elif exists and not overwrite:
+            problem = f"{target} exists and is not empty (pass overwrite=True to replace it)"
+        else:
+            problem = ""
+        token = uuid.uuid4().hex[:12]
+    else:
+        problem, token = "", ""
+    seen = [None] * world
+    if world > 1:
+        dist.all_gather_object(seen, (digest, problem, token))
+    else:
+        seen = [(digest, problem, token)]
+    if any(d != digest for d, _, _ in seen):
+        bad = [r for r, (d, _, _) in enumerate(seen) if d != seen[0][0]]
+        raise RuntimeError(f"save_hf_checkpoint: rank(s) {bad} have another state dict (names, shapes or dtypes) "
+                           "than rank 0: every rank must save the same model")
+    if seen[0][1]:
+        raise FileExistsError(f"save_hf_checkpoint: {seen[0][1]}")
+    partial = os.path.join(parent, f".{base}.partial-{seen[0][2]}")
+    error = None
+    try:
+        if rank == 0:
+            os.makedirs(parent, exist_ok=True)
+            os.mkdir(partial)
+            for fname, header, size in files:
+                with open(os.path.join(partial, fname), "wb") as f:
+                    f.write(header)
+                    f.truncate(size)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        error = e
+    if _agree_failed(world, error):
+        return _fail(rank, partial, error, "creating the files")
+    fds = {}
+    try:
+        for k, e in enumerate(entries):
+            v = e.value
+            if isinstance(v, DTensor):
+                rows = _rows_of(v)
+                if rows is not False:
+                    first, local = rows
+                    if local is not None and local.numel():
+                        row_bytes = _numel(e.shape[1:]) * e.dtype.itemsize
+                        _pwrite(fds, partial, e.file, _bytes(local, e.dtype), e.offset + first * row_bytes)
+                    continue
+                v = v.full_tensor()  # collective: every rank, in the layout's order
+            if k % world == rank and e.nbytes:
+                _pwrite(fds, partial, e.file, _bytes(v, e.dtype), e.offset)
+        for fd in fds.values():
+            os.fsync(fd)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        error = e
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if _agree_failed(world, error):
+        return _fail(rank, partial, error, "writing the tensors")
+    try:
+        if rank == 0:
+            if len(files) > 1:
+                index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                         "weight_map": {e.name: e.file for e in entries}}
+                with open(os.path.join(partial, INDEX_FILE), "w") as f:
+                    json.dump(index, f, indent=2)
+            if config is not None:
+                if hasattr(config, "save_pretrained"):
+                    config.save_pretrained(partial)
+                else:
+                    with open(os.path.join(partial, "config.json"), "w") as f:
+                        json.dump(dict(config), f, indent=2)
+            _publish(partial, target, seen[0][2])
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        error = e
+    if _agree_failed(world, error):
+        return _fail(rank, partial, error, "publishing the directory")
+    return None
+
+
+def _pwrite(fds: dict, directory: str, fname: str, data, offset: int) -> None:
+    fd = fds.get(fname)
+    if fd is None:
+        fd = fds[fname] = os.open(os.path.join(directory, fname), os.O_WRONLY)
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _publish(partial: str, target: str, token: str) -> None:
+    """[Note: publishing a checkpoint]: the finished directory renamed to the target (an old one
+    moved aside first, removed after)."""
+    old = None
+    if os.path.isdir(target):
+        old = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.old-{token}")
+        os.rename(target, old)
+    os.rename(partial, target)
+    fd = os.open(os.path.dirname(target), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _agree_failed(world: int, error) -> bool:
+    """Whether any rank failed (one all_reduce: every rank takes the same branch)."""
+    if world == 1:
+        return error is not None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _fail(rank: int, partial: str, error, what: str):
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    if error is not None:
+        raise RuntimeError(f"save_hf_checkpoint failed {what} on rank {rank}: {type(error).__name__}: {error}") \
+            from error
+    raise RuntimeError(f"save_hf_checkpoint: another rank failed {what} (its error says why); nothing was "
+                       "published")

@@ -1,0 +1,229 @@
+"""Hugging Face checkpoints straight from the shards (megatron_fsdp_c.save_hf_checkpoint,
+[Note: safetensors from the shards]): a transformers Llama, untied and with tied embeddings,
+trained two steps under either API, exported by every rank writing its own rows, then read back
+by transformers' from_pretrained. The proof, on rank 0: every tensor of our files is bitwise the
+tensor save_pretrained writes from the gathered model (read with safetensors, not compared by
+file hash), the loaded model's logits equal the trained sharded model's bit for bit, and with a
+bf16 cast on the way out the tensors equal torch's own cast of the gathered ones. Also: several
+shard files and their index, the refusals (an existing target, a layout that differs across
+ranks) and a rank killed in the middle of an export (nothing published, the previous checkpoint
+untouched)."""
+import os
+import signal
+
+import pytest
+import torch
+
+import megatron_fsdp_c as mf
+from megatron_fsdp_c.testing import run_on_ranks
+
+pytest.importorskip("transformers")
+
+from support import rank_grid
+from support.checks import assert_named
+
+VOCAB = 64
+CELLS = rank_grid.Cells(__name__)
+# (api, strategy): the Megatron-style API's zero_dp_strategy, the per-module API's reshard_after_forward
+SETUPS = [("megatron", 0), ("megatron", 1), ("megatron", 2), ("megatron", 3), ("per_module", True),
+          ("per_module", False)]
+
+
+def llama(tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return LlamaForCausalLM._from_config(config, attn_implementation="eager")
+
+
+def tokens(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, VOCAB, (2, 8), generator=g)
+
+
+def trained(rank, world, api, strategy, tied):
+    """A Llama trained two steps under `api`: (the model to save, its inner HF module)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    model = llama(tied)
+    if api == "megatron":
+        wrapped, opt = mf.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=strategy)
+    else:
+        from megatron_fsdp_c.per_module import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer, reshard_after_forward=strategy)
+        wrapped = fully_shard(model, reshard_after_forward=strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x = tokens(step, rank)
+        wrapped(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return wrapped, model
+
+
+def gathered(wrapped, api):
+    """The full state dict on every rank (the reference's tensors)."""
+    if api == "megatron":
+        return mf.full_state_dict(wrapped, rank0_only=False)
+    from torch.distributed.tensor import DTensor
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu() for n, t in wrapped.state_dict().items()}
+
+
+def compare_files(ours_dir, ref_dir, checks, what):
+    from safetensors.torch import load_file
+
+    def load(d):
+        out = {}
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".safetensors"):
+                out.update(load_file(os.path.join(d, f)))
+        return out
+    ours, ref = load(ours_dir), load(ref_dir)
+    checks[f"{what}: the names save_pretrained writes"] = (set(ours) == set(ref),
+                                                         f"ours only {sorted(set(ours) - set(ref))}, "
+                                                         f"save_pretrained's only {sorted(set(ref) - set(ours))}")
+    bad = [n for n in set(ours) & set(ref)
+           if ours[n].dtype != ref[n].dtype or ours[n].shape != ref[n].shape or not torch.equal(ours[n], ref[n])]
+    checks[f"{what}: every tensor bitwise save_pretrained's"] = (not bad, f"differ: {sorted(bad)}")
+
+
+def export_cell(rank, world, api, strategy, tied):
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    wrapped, model = trained(rank, world, api, strategy, tied)
+    root = os.path.join(rank_grid.session_dir(), "hf", f"{api}-{strategy}-{tied}-{world}")
+    ours, ours_bf16 = os.path.join(root, "ours"), os.path.join(root, "ours_bf16")
+    mf.save_hf_checkpoint(wrapped, ours, config=model.config)
+    mf.save_hf_checkpoint(wrapped, ours_bf16, dtype=torch.bfloat16, max_shard_bytes=20_000, config=model.config)
+    full = gathered(wrapped, api)
+    x = tokens(9, 0)
+    logits = wrapped(input_ids=x).logits.detach()  # every rank: the sharded model's forward
+    checks = {}
+    if rank == 0:
+        ref = llama(tied)
+        ref.load_state_dict(full)
+        ref.save_pretrained(os.path.join(root, "ref"))
+        ref.to(torch.bfloat16).save_pretrained(os.path.join(root, "ref_bf16"))
+        compare_files(ours, os.path.join(root, "ref"), checks, "fp32")
+        compare_files(ours_bf16, os.path.join(root, "ref_bf16"), checks, "bf16 cast")
+        files = sorted(os.listdir(ours_bf16))
+        checks["several shard files and an index"] = (
+            "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1, files)
+        loaded = LlamaForCausalLM.from_pretrained(ours, attn_implementation="eager")
+        if tied:
+            checks["from_pretrained ties the head"] = (
+                loaded.lm_head.weight is loaded.model.embed_tokens.weight, "lm_head not tied")
+        same = torch.equal(loaded(input_ids=x).logits, logits)
+        checks["from_pretrained's logits bit for bit the trained model's"] = (same, "logits differ")
+    dist.barrier()
+    return checks
+
+
+def _register():
+    for api, strategy in SETUPS:
+        for tied in (False, True):
+            CELLS.add(("export", api, strategy, tied), export_cell, api, strategy, tied, worlds=(2,),
+                      tests=["test_export_is_what_save_pretrained_writes"],
+                      match=dict(api=api, strategy=strategy, tied=tied))
+    for world in (1, 4):  # one setup each API at the other world sizes
+        for api, strategy in (("megatron", 3), ("per_module", True)):
+            CELLS.add(("export_at", world, api, strategy), export_cell, api, strategy, world == 4,
+                      worlds=(world,), tests=["test_export_at_other_world_sizes"],
+                      match=dict(api=api, strategy=strategy, world=world))
+    CELLS.add("refusals", refusals, tests=["test_refusals"])
+
+
+def refusals(rank, world):
+    import torch.distributed as dist
+    wrapped, model = trained(rank, world, "per_module", True, False)
+    root = os.path.join(rank_grid.session_dir(), "hf_refusals")
+    target = os.path.join(root, "ckpt")
+    mf.save_hf_checkpoint(wrapped, target)
+    out = {}
+    try:
+        mf.save_hf_checkpoint(wrapped, target)
+        out["exists"] = "no error"
+    except FileExistsError as e:
+        out["exists"] = str(e)
+    mf.save_hf_checkpoint(wrapped, target, overwrite=True, dtype=torch.bfloat16)
+    from safetensors import safe_open
+    with safe_open(os.path.join(target, "model.safetensors"), "pt") as f:
+        out["overwritten"] = str(f.get_tensor("lm_head.weight").dtype)
+    try:  # a name that only rank 1 maps: the layouts differ
+        mf.save_hf_checkpoint(wrapped, os.path.join(root, "differ"),
+                              name_map={"lm_head.weight": "head.weight"} if rank == 1 else None)
+        out["differ"] = "no error"
+    except RuntimeError as e:
+        out["differ"] = str(e)
+    mf.save_hf_checkpoint(wrapped, os.path.join(root, "renamed"), name_map=lambda n: "base." + n)
+    with safe_open(os.path.join(root, "renamed", "model.safetensors"), "pt") as f:
+        out["renamed"] = sorted(f.keys())
+    out["names"] = sorted(model.state_dict())
+    try:
+        mf.save_hf_checkpoint(wrapped, os.path.join(root, "collide"), name_map=lambda n: "same")
+        out["collide"] = "no error"
+    except ValueError as e:
+        out["collide"] = str(e)
+    dist.barrier()
+    out["left"] = sorted(os.listdir(root))
+    return out
+
+
+def killed_in_the_middle(rank, world, root):
+    """Rank 1 dies (SIGKILL) at its first write of an export over an earlier checkpoint."""
+    from megatron_fsdp_c import hf_checkpoint
+
+    wrapped, model = trained(rank, world, "per_module", True, False)
+    target = os.path.join(root, "ckpt")
+    mf.save_hf_checkpoint(wrapped, target)
+    if rank == 1:
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        hf_checkpoint._pwrite = die  # the fault: this rank's process dies in the middle of the export
+    try:
+        mf.save_hf_checkpoint(wrapped, target, overwrite=True, dtype=torch.bfloat16)
+        return "no error"
+    except Exception as e:  # noqa: BLE001 - what the user sees
+        return f"{type(e).__name__}: {e}"
+
+
+_register()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("api,strategy", SETUPS)
+def test_export_is_what_save_pretrained_writes(api, strategy, tied):
+    assert_named(CELLS.result(("export", api, strategy, tied), 2))
+
+
+@pytest.mark.parametrize("world,api,strategy", [(1, "megatron", 3), (1, "per_module", True),
+                                                (4, "megatron", 3), (4, "per_module", True)])
+def test_export_at_other_world_sizes(world, api, strategy):
+    assert_named(CELLS.result(("export_at", world, api, strategy), world))
+
+
+def test_refusals():
+    for r in CELLS.result("refusals", 2):
+        assert "exists and is not empty (pass overwrite=True" in r["exists"], r["exists"]
+        assert r["overwritten"] == "torch.bfloat16", r
+        assert "rank(s) [1] have another state dict" in r["differ"], r["differ"]
+        assert r["renamed"] == ["base." + n for n in r["names"]], r["renamed"]
+        assert "name_map gives two tensors the name 'same'" in r["collide"], r["collide"]
+        assert r["left"] == ["ckpt", "renamed"], r["left"]  # nothing partial left behind by the refused calls
+
+
+def test_a_rank_killed_in_the_middle_publishes_nothing(tmp_path):
+    """Rank 0's call raises; the target still holds the earlier checkpoint, byte for byte; no
+    directory that looks like a checkpoint appears beside it ([Note: publishing a checkpoint])."""
+    outcomes = run_on_ranks(killed_in_the_middle, 2, str(tmp_path), raise_errors=False, timeout_s=120)
+    assert outcomes[1][0] == "dead", outcomes[1]
+    status, raised = outcomes[0]
+    assert status == "ok" and raised.startswith("RuntimeError"), outcomes[0]
+    from safetensors.torch import load_file
+    loaded = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in loaded.values())  # the earlier (fp32) one, whole
+    assert [d for d in os.listdir(tmp_path) if not d.startswith(".")] == ["ckpt"], os.listdir(tmp_path)
