@@ -12,7 +12,7 @@ from . import _C  # noqa: F401 - the engine, importable as megatron_fsdp_c._C
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from ._common import ShardingStrategy
 from .fused_adam import FusedAdam, FusedAdamW
-from .hf_checkpoint import save_hf_checkpoint
+from .hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from .fully_shard import close, fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy, QuantizedCommPolicy
@@ -36,4 +36,5 @@ __all__ = [
     "load_checkpoint",
     "full_state_dict",
     "save_hf_checkpoint",
+    "load_hf_checkpoint",
 ]

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints straight from the shards: save_hf_checkpoint writes the safetensors
 files (and their index) that transformers' from_pretrained loads, every rank writing its own rows
-into the final files, with no gather and no consolidation pass.
+into the final files, with no gather and no consolidation pass; load_hf_checkpoint reads such a
+checkpoint (or one from the hub) into a sharded model, every rank reading only its own rows.
 
 [Note: safetensors from the shards]
 A safetensors file is an 8-byte little-endian header length, a JSON header ({name: {dtype,
@@ -39,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .megatron_fsdp import MegatronFSDP
 
-__all__ = ["save_hf_checkpoint"]
+__all__ = ["save_hf_checkpoint", "load_hf_checkpoint"]
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -72,23 +73,34 @@ def _numel(shape) -> int:
     return n
 
 
-def _rows_of(t: DTensor):
-    """(first row, local tensor) when t's local piece is rows of the full tensor and this rank
-    writes it; (None, None) when another rank at coordinate 0 of a replicated dim writes it;
-    False when the piece is not a row range ([Note: safetensors from the shards])."""
+def _row_range(t: DTensor):
+    """(first row, local tensor) when t's local piece is a range of rows of the full tensor (its
+    placements Shard(0) and Replicate only); None otherwise, or where this rank holds no piece."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not all(type(p) in (Shard, Replicate) and (not isinstance(p, Shard) or p.dim == 0) for p in t.placements):
-        return False
-    coord = t.device_mesh.get_coordinate()
-    if coord is None:  # this rank holds no piece of it
-        return None, None
-    if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
-        return None, None
+        return None
+    if t.device_mesh.get_coordinate() is None:
+        return None
     local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(local_shape[1:]) != tuple(t.shape[1:]) or tuple(t._local_tensor.shape) != tuple(local_shape):
-        return False
+        return None
     return (offset[0] if t.dim() else 0), t._local_tensor
+
+
+def _rows_of(t: DTensor):
+    """For writing: (first row, local tensor) when this rank writes its piece as rows; (None, None)
+    when another rank writes it (a replica at another coordinate of a Replicate dim, or no piece
+    here); False when the piece is not a row range ([Note: safetensors from the shards])."""
+    if t.device_mesh.get_coordinate() is None:
+        return None, None
+    rows = _row_range(t)
+    if rows is None:
+        return False
+    coord = t.device_mesh.get_coordinate()
+    if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
+        return None, None
+    return rows
 
 
 def _output_dtype(name: str, t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -318,3 +330,149 @@ def _fail(rank: int, partial: str, error, what: str):
             from error
     raise RuntimeError(f"save_hf_checkpoint: another rank failed {what} (its error says why); nothing was "
                        "published")
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+_TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
+
+
+class _Stored:
+    """One tensor of a checkpoint on disk: its file, dtype, shape and absolute byte range."""
+
+    def __init__(self, name: str, file: str, meta: dict, data_start: int, file_size: int):
+        self.name, self.file = name, file
+        code = meta.get("dtype")
+        if code not in _TORCH_DTYPES:
+            raise ValueError(f"load_hf_checkpoint: tensor '{name}' in {file} has dtype {code!r}, which "
+                             f"megatron_fsdp_c cannot read (it reads {', '.join(_TORCH_DTYPES)})")
+        self.dtype, self.shape = _TORCH_DTYPES[code], tuple(meta["shape"])
+        begin, end = meta["data_offsets"]
+        self.begin, self.end = data_start + begin, data_start + end
+        if end - begin != _numel(self.shape) * self.dtype.itemsize:
+            raise ValueError(f"load_hf_checkpoint: tensor '{name}' in {file} holds {end - begin} bytes, but its "
+                             f"shape {list(self.shape)} and dtype {code} need {_numel(self.shape) * self.dtype.itemsize}")
+        if self.end > file_size:
+            raise ValueError(f"load_hf_checkpoint: {file} is truncated: tensor '{name}' needs bytes up to "
+                             f"{self.end}, the file has {file_size}")
+
+    def read(self, fd: int, first_row: int = 0, rows: Optional[int] = None) -> torch.Tensor:
+        """Rows [first_row, first_row + rows) (default: all), in the stored dtype."""
+        row_shape = self.shape[1:]
+        row_bytes = _numel(row_shape) * self.dtype.itemsize
+        rows = (self.shape[0] if self.shape else 1) - first_row if rows is None else rows
+        n = rows * row_bytes if self.shape else self.dtype.itemsize
+        buf = bytearray(n)
+        view, at = memoryview(buf), self.begin + first_row * row_bytes
+        while view:
+            got = os.preadv(fd, [view], at)
+            if got == 0:
+                raise ValueError(f"load_hf_checkpoint: {self.file} ended inside tensor '{self.name}'")
+            view, at = view[got:], at + got
+        if not n:
+            return torch.empty((rows,) + row_shape, dtype=self.dtype)
+        flat = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
+        return flat.reshape((rows,) + row_shape if self.shape else ())
+
+
+def _stored_tensors(path: str) -> Dict[str, _Stored]:
+    """Every tensor of the checkpoint directory `path` (an index and its files, or one file)."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(path, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"load_hf_checkpoint: {path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    out = {}
+    for fname in files:
+        full = os.path.join(path, fname)
+        size = os.path.getsize(full)
+        with open(full, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"load_hf_checkpoint: {full} is truncated (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if 8 + n > size:
+                raise ValueError(f"load_hf_checkpoint: {full} is truncated: its header needs {8 + n} bytes, "
+                                 f"the file has {size}")
+            header = json.loads(f.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                out[name] = _Stored(name, full, meta, 8 + n, size)
+    return out
+
+
+def _local_of_full(full: torch.Tensor, t: DTensor) -> torch.Tensor:
+    """This rank's piece of `full` for DTensor t (any mix of Shard and Replicate)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) for p in t.placements):
+        raise NotImplementedError(f"load_hf_checkpoint: a DTensor with placements {t.placements} (only Shard and "
+                                  "Replicate are read)")
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def load_hf_checkpoint(model, path: str, *, strict: bool = True,
+                       name_map: Union[None, Mapping[str, str], Callable[[str], str]] = None) -> None:
+    """Reads the Hugging Face checkpoint directory `path` (safetensors files and their index, as
+    save_pretrained or save_hf_checkpoint wrote them) into `model` (a per-module fully_shard root
+    or the Megatron-style wrapper): every rank reads only its own rows of each sharded parameter
+    (positioned reads), casts them to the model's dtype and loads them through the model's
+    load_state_dict, which installs the main weights and refreshes the compute weights. Every rank
+    calls it. name_map: the checkpoint's name of each state-dict name (a dict or a callable), as
+    for save_hf_checkpoint. strict: names of the model missing from the checkpoint, or of the
+    checkpoint missing from the model, raise one ValueError listing them (strict=False loads what
+    matches; a tied weight counts once, under the name save_hf_checkpoint writes). A shape that
+    differs, a truncated file or a dtype safetensors does not have raise a ValueError naming the
+    tensor and its file."""
+    stored = _stored_tensors(os.path.abspath(path))
+    state = _state_of(model)
+    rename = (lambda n: n) if name_map is None else name_map if callable(name_map) else (lambda n: name_map.get(n, n))
+    wanted = {}
+    for n in state:
+        if rename(n) in wanted:
+            raise ValueError(f"load_hf_checkpoint: name_map gives two tensors the name '{rename(n)}'")
+        wanted[rename(n)] = n
+    missing = sorted(n for c, n in wanted.items() if c not in stored)
+    unexpected = sorted(c for c in stored if c not in wanted)
+    if strict and (missing or unexpected):
+        raise ValueError(f"load_hf_checkpoint: {path} does not match the model: missing from the checkpoint "
+                         f"{missing}, not in the model {unexpected} (strict=False loads what matches; name_map "
+                         "renames)")
+    loaded = {}
+    fds: Dict[str, int] = {}
+    try:
+        for ckpt_name, name in wanted.items():
+            s = stored.get(ckpt_name)
+            if s is None:
+                continue
+            target = state[name]
+            if tuple(target.shape) != s.shape:
+                raise ValueError(f"load_hf_checkpoint: tensor '{ckpt_name}' in {s.file} has shape {list(s.shape)}, "
+                                 f"the model's '{name}' {list(target.shape)}")
+            fd = fds.get(s.file)
+            if fd is None:
+                fd = fds[s.file] = os.open(s.file, os.O_RDONLY)
+            if isinstance(target, DTensor):
+                if target.device_mesh.get_coordinate() is None:
+                    continue  # this rank holds no piece of it
+                rows = _row_range(target)
+                if rows is not None:  # its own rows only
+                    first, local = rows
+                    piece = s.read(fd, first, local.shape[0] if local.dim() else None)
+                else:  # another placement: its piece of the whole tensor
+                    piece = _local_of_full(s.read(fd), target)
+                local = target._local_tensor
+                loaded[name] = DTensor.from_local(piece.to(device=local.device, dtype=local.dtype).reshape(local.shape),
+                                                  target.device_mesh, target.placements, run_check=False,
+                                                  shape=target.shape, stride=target.stride())
+            else:
+                loaded[name] = s.read(fd).to(device=target.device, dtype=target.dtype)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    module = model.module if isinstance(model, MegatronFSDP) else model
+    module.load_state_dict(loaded, strict=False)

@@ -45,8 +45,19 @@ def tokens(step, rank):
 
 def trained(rank, world, api, strategy, tied):
     """A Llama trained two steps under `api`: (the model to save, its inner HF module)."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     model = llama(tied)
+    wrapped, opt = shard(model, api, strategy)
+    for step in range(2):
+        x = tokens(step, rank)
+        wrapped(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return wrapped, model
+
+
+def shard(model, api, strategy):
+    """(the sharded model, its optimizer) under `api`."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     if api == "megatron":
         wrapped, opt = mf.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                                       fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=strategy)
@@ -56,12 +67,7 @@ def trained(rank, world, api, strategy, tied):
             fully_shard(layer, reshard_after_forward=strategy)
         wrapped = fully_shard(model, reshard_after_forward=strategy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        x = tokens(step, rank)
-        wrapped(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return wrapped, model
+    return wrapped, opt
 
 
 def gathered(wrapped, api):
@@ -123,6 +129,51 @@ def export_cell(rank, world, api, strategy, tied):
     return checks
 
 
+def import_cell(rank, world, api, strategy):
+    """A hub-format checkpoint (save_pretrained: several shard files and an index) read into a
+    sharded model whose own weights differ (another seed): the next steps' losses and the final
+    weights equal from_pretrained + the same sharding's, bit for bit."""
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    directory = os.path.join(rank_grid.session_dir(), "hub", f"{api}-{strategy}-{world}")
+    if rank == 0:
+        torch.manual_seed(1)
+        hub = llama(False)
+        with torch.no_grad():
+            for p in hub.parameters():
+                p.normal_()
+        hub.save_pretrained(directory, max_shard_size="20KB")
+    dist.barrier()
+    out = {}
+    for which in ("ours", "from_pretrained"):
+        if which == "ours":
+            model = llama(False)
+        else:
+            model = LlamaForCausalLM.from_pretrained(directory, attn_implementation="eager")
+        wrapped, opt = shard(model, api, strategy)
+        if which == "ours":
+            mf.load_hf_checkpoint(wrapped, directory)
+        losses = []
+        for step in range(2):
+            x = tokens(step, rank)
+            loss = wrapped(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        out[which] = (losses, gathered(wrapped, api))
+    (ours, ours_params), (ref, ref_params) = out["ours"], out["from_pretrained"]
+    files = os.listdir(directory)
+    return {
+        "the hub checkpoint has several files and an index": (
+            "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1, files),
+        "losses bit for bit from_pretrained's": (all(torch.equal(a, b) for a, b in zip(ours, ref)), f"{ours} {ref}"),
+        "final weights bit for bit": (all(torch.equal(ours_params[n], ref_params[n]) for n in ref_params),
+                                      [n for n in ref_params if not torch.equal(ours_params[n], ref_params[n])]),
+    }
+
+
 def _register():
     for api, strategy in SETUPS:
         for tied in (False, True):
@@ -134,6 +185,11 @@ def _register():
             CELLS.add(("export_at", world, api, strategy), export_cell, api, strategy, world == 4,
                       worlds=(world,), tests=["test_export_at_other_world_sizes"],
                       match=dict(api=api, strategy=strategy, world=world))
+    for api, strategy in SETUPS:
+        CELLS.add(("import", api, strategy), import_cell, api, strategy, worlds=(2,),
+                  tests=["test_import_trains_as_from_pretrained"], match=dict(api=api, strategy=strategy))
+    CELLS.add(("import", "per_module", True, 4), import_cell, "per_module", True, worlds=(4,),
+              tests=["test_import_at_world_4"])
     CELLS.add("refusals", refusals, tests=["test_refusals"])
 
 
@@ -227,3 +283,53 @@ def test_a_rank_killed_in_the_middle_publishes_nothing(tmp_path):
     loaded = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in loaded.values())  # the earlier (fp32) one, whole
     assert [d for d in os.listdir(tmp_path) if not d.startswith(".")] == ["ckpt"], os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("api,strategy", SETUPS)
+def test_import_trains_as_from_pretrained(api, strategy):
+    assert_named(CELLS.result(("import", api, strategy), 2))
+
+
+def test_import_at_world_4():
+    assert_named(CELLS.result(("import", "per_module", True, 4), 4))
+
+
+def test_import_errors_name_the_tensor_and_the_file(tmp_path):
+    """On a plain (unsharded) model, in this process: a missing tensor, an unexpected one, a shape
+    that differs, a truncated file, each a ValueError naming what and where; strict=False loads
+    what matches."""
+    import json
+
+    model = llama(False)
+    good = tmp_path / "good"
+    model.save_pretrained(good, max_shard_size="20KB")
+    index = json.loads((good / "model.safetensors.index.json").read_text())
+    fresh = llama(False)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    mf.load_hf_checkpoint(fresh, str(good))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+    def broken(name, edit):
+        d = tmp_path / name
+        d.mkdir()
+        for f in os.listdir(good):
+            (d / f).write_bytes((good / f).read_bytes())
+        edit(d)
+        return str(d)
+
+    head_file = index["weight_map"]["lm_head.weight"]
+    with pytest.raises(ValueError, match=r"missing from the checkpoint \['lm_head.weight'\], not in the model "
+                                         r"\['lm_head.weight'\]"):
+        mf.load_hf_checkpoint(llama(False), str(good), name_map={"lm_head.weight": "head.weight"})
+    with pytest.raises(ValueError, match="name_map gives two tensors the name 'model.norm.weight'"):
+        mf.load_hf_checkpoint(llama(False), str(good), name_map={"lm_head.weight": "model.norm.weight"})
+    mf.load_hf_checkpoint(llama(False), str(good), name_map={"lm_head.weight": "head.weight"}, strict=False)
+    small = llama(False)
+    small.lm_head = torch.nn.Linear(32, VOCAB - 1, bias=False)
+    with pytest.raises(ValueError, match=rf"'lm_head.weight' in .*{head_file} has shape \[{VOCAB}, 32\], the model's"):
+        mf.load_hf_checkpoint(small, str(good), strict=False)
+    cut = broken("truncated", lambda d: (d / head_file).write_bytes((d / head_file).read_bytes()[:-100]))
+    with pytest.raises(ValueError, match=rf"{head_file} is truncated: tensor '.*' needs bytes up to"):
+        mf.load_hf_checkpoint(llama(False), cut)
