@@ -92,12 +92,12 @@ def _rows_of(t: DTensor):
     """For writing: (first row, local tensor) when this rank writes its piece as rows; (None, None)
     when another rank writes it (a replica at another coordinate of a Replicate dim, or no piece
     here); False when the piece is not a row range ([Note: safetensors from the shards])."""
-    if t.device_mesh.get_coordinate() is None:
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:
         return None, None
     rows = _row_range(t)
     if rows is None:
         return False
-    coord = t.device_mesh.get_coordinate()
     if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
         return None, None
     return rows
@@ -131,6 +131,19 @@ def _state_of(model) -> Dict[str, torch.Tensor]:
             if n != keep:
                 del state[n]
     return state
+
+
+def _checkpoint_names(state: dict, name_map, caller: str) -> Dict[str, str]:
+    """{checkpoint name: state-dict name}, through name_map (a dict, names it lacks kept, or a
+    callable); two state-dict names mapped to one checkpoint name raise."""
+    rename = (lambda n: n) if name_map is None else name_map if callable(name_map) else (lambda n: name_map.get(n, n))
+    out: Dict[str, str] = {}
+    for n in state:
+        c = rename(n)
+        if c in out:
+            raise ValueError(f"{caller}: name_map gives two tensors the name '{c}'")
+        out[c] = n
+    return out
 
 
 def _plan_files(entries: List[_Entry], max_shard_bytes: int) -> List[tuple]:
@@ -189,16 +202,8 @@ def save_hf_checkpoint(model, path: str, *, dtype: Optional[torch.dtype] = None,
     if max_shard_bytes <= 0:
         raise ValueError(f"save_hf_checkpoint: max_shard_bytes must be positive, not {max_shard_bytes}")
     state = _state_of(model)
-    if name_map is not None:
-        rename = name_map if callable(name_map) else (lambda n: name_map.get(n, n))
-        renamed = {}
-        for n, t in state.items():
-            new = rename(n)
-            if new in renamed:
-                raise ValueError(f"save_hf_checkpoint: name_map gives two tensors the name '{new}'")
-            renamed[new] = t
-        state = renamed
-    entries = [_Entry(n, t, _output_dtype(n, t, dtype)) for n, t in state.items()]
+    names = _checkpoint_names(state, name_map, "save_hf_checkpoint")
+    entries = [_Entry(c, state[n], _output_dtype(c, state[n], dtype)) for c, n in names.items()]
     files = _plan_files(entries, max_shard_bytes)
     target = os.path.abspath(path)
     parent, base = os.path.split(target)
@@ -430,12 +435,7 @@ def load_hf_checkpoint(model, path: str, *, strict: bool = True,
     tensor and its file."""
     stored = _stored_tensors(os.path.abspath(path))
     state = _state_of(model)
-    rename = (lambda n: n) if name_map is None else name_map if callable(name_map) else (lambda n: name_map.get(n, n))
-    wanted = {}
-    for n in state:
-        if rename(n) in wanted:
-            raise ValueError(f"load_hf_checkpoint: name_map gives two tensors the name '{rename(n)}'")
-        wanted[rename(n)] = n
+    wanted = _checkpoint_names(state, name_map, "load_hf_checkpoint")
     missing = sorted(n for c, n in wanted.items() if c not in stored)
     unexpected = sorted(c for c in stored if c not in wanted)
     if strict and (missing or unexpected):

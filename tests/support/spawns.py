@@ -229,19 +229,24 @@ def last_words(path: str, n: int = 6000) -> str:
     except OSError:
         return ""
     parts = []
+
+    def span(is_start, end_prefix, most):
+        """The first block from a line is_start accepts to one starting with end_prefix (its end)."""
+        start = next((i for i, ln in enumerate(lines) if is_start(ln)), None)
+        if start is None:
+            return 0
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith(end_prefix)), start + most - 1)
+        parts.append("\n".join(lines[start:end + 1][:most]))
+        return end + 1
+    # [Note: native fault trace] in csrc/python/fault_trace.c
     native = next((i for i, ln in enumerate(lines) if ln.startswith(NATIVE_STACK)), None)
-    after_native = 0
-    if native is not None:  # [Note: native fault trace] in csrc/python/fault_trace.c
-        end = next((i for i in range(native, len(lines)) if lines[i].startswith(NATIVE_STACK_END)), native + 70)
-        parts.append("\n".join(lines[native:end + 1][:72]))
-        after_native = end + 1
-    start = next((i for i, ln in enumerate(lines) if SANITIZER_REPORT.search(ln)), None)
-    if start is not None:
-        end = next((i for i in range(start, len(lines)) if lines[i].startswith("SUMMARY: ")), start + 60)
-        parts.append("\n".join(lines[start:end + 1][:120]))
+    after_native = span(lambda ln: ln.startswith(NATIVE_STACK), NATIVE_STACK_END, 72)
+    span(SANITIZER_REPORT.search, "SUMMARY: ", 120)
     fatal = max((i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error: ")), default=None)
     if fatal is not None:
-        before = [ln for ln in lines[max(0, after_native if after_native <= fatal else 0, fatal - 8):fatal] if ln.strip()]
+        # glibc's or gloo's last words: just before the native stack where it precedes the fatal line
+        upto = native if native is not None and after_native <= fatal else fatal
+        before = [ln for ln in lines[max(0, upto - 8):upto] if ln.strip()]
         current = next((i for i in range(fatal, len(lines)) if lines[i].startswith("Current thread ")), None)
         if current is not None:
             stack = _block(lines, current, 60)
