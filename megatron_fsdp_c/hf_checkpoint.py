@@ -31,13 +31,17 @@ import json
 import os
 import shutil
 import struct
+import threading
 import uuid
+import warnings
+from concurrent.futures import Future
 from typing import Callable, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._distributed import own_group
 from .megatron_fsdp import MegatronFSDP
 
 __all__ = ["save_hf_checkpoint", "load_hf_checkpoint"]
@@ -175,16 +179,17 @@ def _plan_files(entries: List[_Entry], max_shard_bytes: int) -> List[tuple]:
     return files
 
 
-def _bytes(t: torch.Tensor, dtype: torch.dtype):
-    """t's row-major bytes in `dtype`, on the host (a buffer os.pwrite takes)."""
-    t = t.detach().to(device="cpu", dtype=dtype).contiguous()
+def _bytes(t: torch.Tensor, dtype: torch.dtype, copy: bool = False):
+    """t's row-major bytes in `dtype`, on the host (a buffer os.pwrite takes); a copy of its own
+    when `copy` (an asynchronous save's snapshot), else possibly t's memory."""
+    t = t.detach().to(device="cpu", dtype=dtype, copy=copy).contiguous()
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def save_hf_checkpoint(model, path: str, *, dtype: Optional[torch.dtype] = None,
                        max_shard_bytes: int = 5 * 2 ** 30, name_map: Union[None, Mapping[str, str],
                                                                                Callable[[str], str]] = None,
-                       config=None, overwrite: bool = False) -> None:
+                       config=None, overwrite: bool = False, async_save: bool = False) -> Optional[Future]:
     """Writes `model` (a per-module fully_shard root or the Megatron-style wrapper, or any module
     with DTensor or plain parameters) as a Hugging Face checkpoint directory at `path`: safetensors
     files of at most `max_shard_bytes` each (one tensor may pass it alone) and, with several, the
@@ -196,7 +201,12 @@ def save_hf_checkpoint(model, path: str, *, dtype: Optional[torch.dtype] = None,
     weights); others keep theirs. name_map: the checkpoint's name of each state-dict name (a dict,
     names it lacks kept, or a callable). config: written beside the weights, by its
     save_pretrained (a transformers config) or as config.json (a dict). overwrite: replace an
-    existing non-empty `path` (refused otherwise)."""
+    existing non-empty `path` (refused otherwise). async_save: return a concurrent.futures.Future
+    as soon as this rank's bytes are copied to host memory, and write them in the background while
+    training goes on ([Note: an asynchronous save]); its result() is None once the checkpoint is
+    published, or raises why it was not. A save waits for the one before it; wait for the last
+    one before destroy_process_group."""
+    _wait_for_previous_save()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
     if max_shard_bytes <= 0:
@@ -231,61 +241,132 @@ def save_hf_checkpoint(model, path: str, *, dtype: Optional[torch.dtype] = None,
                            "than rank 0: every rank must save the same model")
     if seen[0][1]:
         raise FileExistsError(f"save_hf_checkpoint: {seen[0][1]}")
-    partial = os.path.join(parent, f".{base}.partial-{seen[0][2]}")
+    token = seen[0][2]
+    partial = os.path.join(parent, f".{base}.partial-{token}")
     error = None
     try:
         if rank == 0:
-            os.makedirs(parent, exist_ok=True)
-            os.mkdir(partial)
-            for fname, header, size in files:
-                with open(os.path.join(partial, fname), "wb") as f:
-                    f.write(header)
-                    f.truncate(size)
+            _create_files(partial, parent, files, entries, config)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = e
     if _agree_failed(world, error):
         return _fail(rank, partial, error, "creating the files")
+    pieces = _pieces(entries, world, rank, copy=async_save)
+    if not async_save:
+        return _write_and_publish(pieces, partial, target, token, world, rank, None)
+    try:  # the snapshot: full_tensor's collectives run here, on the caller's thread, in every rank's order
+        pieces = list(pieces)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        error = e
+    if _agree_failed(world, error):
+        return _fail(rank, partial, error, "copying the tensors to host memory")
+    group = own_group("hf checkpoint", range(world), backend="gloo") if world > 1 else None
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(_write_and_publish(pieces, partial, target, token, world, rank, group))
+        except BaseException as e:  # noqa: BLE001 - the future carries it to whoever waits
+            future.set_exception(e)
+    future.set_running_or_notify_cancel()
+    threading.Thread(target=run, name="mfsdp-hf-save", daemon=False).start()
+    _IN_FLIGHT[0] = future
+    return future
+
+
+# [Note: an asynchronous save]
+# save_hf_checkpoint(async_save=True) does on the caller's thread everything that needs the
+# model or the training's process groups: the layout agreed, the files created (headers, index,
+# config), and a snapshot of this rank's bytes in host memory, each its own copy (cast where
+# asked), so the optimizer may change the weights at once; full_tensor's collectives for the
+# tensors one rank writes whole run there too. A thread (non-daemon: the interpreter's exit
+# waits for it) then writes and fsyncs the bytes and publishes the directory; its two agreements
+# (did every rank write? was it published?) go over a gloo group of their own ("hf checkpoint",
+# _distributed.own_group), never a group the training's collectives use, so no collective of the
+# training and of the save can meet out of order. Host memory: one copy of the rank's bytes until
+# the thread ends, as torch's dcp.async_save stages. A save first waits for the one before it
+# (the gloo group serves one at a time); a failure is the future's exception, and also a warning
+# at the next save, so that a future nobody asked does not fail silently.
+_IN_FLIGHT: List[Optional[Future]] = [None]
+
+
+def _wait_for_previous_save() -> None:
+    previous, _IN_FLIGHT[0] = _IN_FLIGHT[0], None
+    if previous is None:
+        return
+    error = previous.exception()
+    if error is not None:
+        warnings.warn(f"save_hf_checkpoint: the previous asynchronous save failed: {error}", RuntimeWarning,
+                      stacklevel=3)
+
+
+def _create_files(partial: str, parent: str, files: List[tuple], entries: List[_Entry], config) -> None:
+    """Rank 0: the hidden directory with each file's header and size, the index and the config."""
+    os.makedirs(parent, exist_ok=True)
+    os.mkdir(partial)
+    for fname, header, size in files:
+        with open(os.path.join(partial, fname), "wb") as f:
+            f.write(header)
+            f.truncate(size)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                 "weight_map": {e.name: e.file for e in entries}}
+        with open(os.path.join(partial, INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2)
+    if config is not None:
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(partial)
+        else:
+            with open(os.path.join(partial, "config.json"), "w") as f:
+                json.dump(dict(config), f, indent=2)
+
+
+def _pieces(entries: List[_Entry], world: int, rank: int, copy: bool):
+    """What this rank writes: (file, offset, bytes), entry by entry ([Note: safetensors from the
+    shards]); a generator, so that a synchronous save holds one tensor's bytes at a time."""
+    for k, e in enumerate(entries):
+        v = e.value
+        if isinstance(v, DTensor):
+            rows = _rows_of(v)
+            if rows is not False:
+                first, local = rows
+                if local is not None and local.numel():
+                    row_bytes = _numel(e.shape[1:]) * e.dtype.itemsize
+                    yield e.file, e.offset + first * row_bytes, _bytes(local, e.dtype, copy)
+                continue
+            v = v.full_tensor()  # collective: every rank, in the layout's order
+        if k % world == rank and e.nbytes:
+            yield e.file, e.offset, _bytes(v, e.dtype, copy)
+
+
+def _write_and_publish(pieces, partial: str, target: str, token: str, world: int, rank: int, group) -> None:
+    """Every rank writes and fsyncs its pieces; rank 0 publishes when all did; one outcome on every
+    rank. group: the agreements' process group (None: the default one)."""
+    error = None
     fds = {}
     try:
-        for k, e in enumerate(entries):
-            v = e.value
-            if isinstance(v, DTensor):
-                rows = _rows_of(v)
-                if rows is not False:
-                    first, local = rows
-                    if local is not None and local.numel():
-                        row_bytes = _numel(e.shape[1:]) * e.dtype.itemsize
-                        _pwrite(fds, partial, e.file, _bytes(local, e.dtype), e.offset + first * row_bytes)
-                    continue
-                v = v.full_tensor()  # collective: every rank, in the layout's order
-            if k % world == rank and e.nbytes:
-                _pwrite(fds, partial, e.file, _bytes(v, e.dtype), e.offset)
-        for fd in fds.values():
-            os.fsync(fd)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        for fname, offset, data in pieces:  # drawn to the end after a failed write: its collectives
+            if error is None:
+                try:
+                    _pwrite(fds, partial, fname, data, offset)
+                except Exception as e:  # noqa: BLE001 - every rank learns of it below
+                    error = e
+        if error is None:
+            for fd in fds.values():
+                os.fsync(fd)
+    except Exception as e:  # noqa: BLE001 - a collective of full_tensor failed: every rank learns of it below
         error = e
     finally:
         for fd in fds.values():
             os.close(fd)
-    if _agree_failed(world, error):
+    if _agree_failed(world, error, group):
         return _fail(rank, partial, error, "writing the tensors")
     try:
         if rank == 0:
-            if len(files) > 1:
-                index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                         "weight_map": {e.name: e.file for e in entries}}
-                with open(os.path.join(partial, INDEX_FILE), "w") as f:
-                    json.dump(index, f, indent=2)
-            if config is not None:
-                if hasattr(config, "save_pretrained"):
-                    config.save_pretrained(partial)
-                else:
-                    with open(os.path.join(partial, "config.json"), "w") as f:
-                        json.dump(dict(config), f, indent=2)
-            _publish(partial, target, seen[0][2])
+            _publish(partial, target, token)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = e
-    if _agree_failed(world, error):
+    if _agree_failed(world, error, group):
         return _fail(rank, partial, error, "publishing the directory")
     return None
 
@@ -317,13 +398,14 @@ def _publish(partial: str, target: str, token: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _agree_failed(world: int, error) -> bool:
-    """Whether any rank failed (one all_reduce: every rank takes the same branch)."""
+def _agree_failed(world: int, error, group=None) -> bool:
+    """Whether any rank failed (one all_reduce over `group`: every rank takes the same branch)."""
     if world == 1:
         return error is not None
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
@@ -361,23 +443,25 @@ class _Stored:
             raise ValueError(f"load_hf_checkpoint: {file} is truncated: tensor '{name}' needs bytes up to "
                              f"{self.end}, the file has {file_size}")
 
-    def read(self, fd: int, first_row: int = 0, rows: Optional[int] = None) -> torch.Tensor:
-        """Rows [first_row, first_row + rows) (default: all), in the stored dtype."""
+    def read(self, fd: int, first_row: int = 0, rows: Optional[int] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows [first_row, first_row + rows) (default: all), in the stored dtype; read straight
+        into `out` when given (a contiguous host tensor of the stored dtype and as many elements)."""
         row_shape = self.shape[1:]
         row_bytes = _numel(row_shape) * self.dtype.itemsize
         rows = (self.shape[0] if self.shape else 1) - first_row if rows is None else rows
         n = rows * row_bytes if self.shape else self.dtype.itemsize
-        buf = bytearray(n)
-        view, at = memoryview(buf), self.begin + first_row * row_bytes
+        if out is None:
+            out = torch.empty((rows,) + row_shape if self.shape else (), dtype=self.dtype)
+        if not n:
+            return out
+        view, at = memoryview(out.reshape(-1).view(torch.uint8).numpy()), self.begin + first_row * row_bytes
         while view:
             got = os.preadv(fd, [view], at)
             if got == 0:
                 raise ValueError(f"load_hf_checkpoint: {self.file} ended inside tensor '{self.name}'")
             view, at = view[got:], at + got
-        if not n:
-            return torch.empty((rows,) + row_shape, dtype=self.dtype)
-        flat = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
-        return flat.reshape((rows,) + row_shape if self.shape else ())
+        return out
 
 
 def _stored_tensors(path: str) -> Dict[str, _Stored]:
@@ -425,14 +509,16 @@ def load_hf_checkpoint(model, path: str, *, strict: bool = True,
     """Reads the Hugging Face checkpoint directory `path` (safetensors files and their index, as
     save_pretrained or save_hf_checkpoint wrote them) into `model` (a per-module fully_shard root
     or the Megatron-style wrapper): every rank reads only its own rows of each sharded parameter
-    (positioned reads), casts them to the model's dtype and loads them through the model's
+    (positioned reads, straight into the state dict's tensors where the dtype is the model's: no
+    copy of the model is held), casts them to the model's dtype and loads them through the model's
     load_state_dict, which installs the main weights and refreshes the compute weights. Every rank
     calls it. name_map: the checkpoint's name of each state-dict name (a dict or a callable), as
     for save_hf_checkpoint. strict: names of the model missing from the checkpoint, or of the
     checkpoint missing from the model, raise one ValueError listing them (strict=False loads what
     matches; a tied weight counts once, under the name save_hf_checkpoint writes). A shape that
     differs, a truncated file or a dtype safetensors does not have raise a ValueError naming the
-    tensor and its file."""
+    tensor and its file. An asynchronous save still running is waited for first."""
+    _wait_for_previous_save()
     stored = _stored_tensors(os.path.abspath(path))
     state = _state_of(model)
     wanted = _checkpoint_names(state, name_map, "load_hf_checkpoint")
@@ -442,35 +528,35 @@ def load_hf_checkpoint(model, path: str, *, strict: bool = True,
         raise ValueError(f"load_hf_checkpoint: {path} does not match the model: missing from the checkpoint "
                          f"{missing}, not in the model {unexpected} (strict=False loads what matches; name_map "
                          "renames)")
+    pairs = [(name, stored[c]) for c, name in wanted.items() if c in stored]
+    for name, s in pairs:  # every check before a byte of the model changes
+        if tuple(state[name].shape) != s.shape:
+            raise ValueError(f"load_hf_checkpoint: tensor '{s.name}' in {s.file} has shape {list(s.shape)}, "
+                             f"the model's '{name}' {list(state[name].shape)}")
     loaded = {}
     fds: Dict[str, int] = {}
     try:
-        for ckpt_name, name in wanted.items():
-            s = stored.get(ckpt_name)
-            if s is None:
-                continue
+        for name, s in pairs:  # each into the state dict's own tensor, then load_state_dict installs them
             target = state[name]
-            if tuple(target.shape) != s.shape:
-                raise ValueError(f"load_hf_checkpoint: tensor '{ckpt_name}' in {s.file} has shape {list(s.shape)}, "
-                                 f"the model's '{name}' {list(target.shape)}")
             fd = fds.get(s.file)
             if fd is None:
                 fd = fds[s.file] = os.open(s.file, os.O_RDONLY)
             if isinstance(target, DTensor):
                 if target.device_mesh.get_coordinate() is None:
                     continue  # this rank holds no piece of it
-                rows = _row_range(target)
-                if rows is not None:  # its own rows only
-                    first, local = rows
-                    piece = s.read(fd, first, local.shape[0] if local.dim() else None)
-                else:  # another placement: its piece of the whole tensor
-                    piece = _local_of_full(s.read(fd), target)
-                local = target._local_tensor
-                loaded[name] = DTensor.from_local(piece.to(device=local.device, dtype=local.dtype).reshape(local.shape),
-                                                  target.device_mesh, target.placements, run_check=False,
-                                                  shape=target.shape, stride=target.stride())
+                local, rows = target._local_tensor, _row_range(target)
             else:
-                loaded[name] = s.read(fd).to(device=target.device, dtype=target.dtype)
+                local, rows = target, (0, target)
+            if rows is not None:  # its own rows only, straight into place where the bytes fit
+                first = rows[0]
+                count = local.shape[0] if local.dim() else None
+                if local.device.type == "cpu" and local.dtype == s.dtype and local.is_contiguous():
+                    s.read(fd, first, count, out=local)
+                else:
+                    local.copy_(s.read(fd, first, count).reshape(local.shape))
+            else:  # another placement: its piece of the whole tensor
+                local.copy_(_local_of_full(s.read(fd), target).reshape(local.shape))
+            loaded[name] = target
     finally:
         for fd in fds.values():
             os.close(fd)

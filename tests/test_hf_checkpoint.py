@@ -56,13 +56,16 @@ def trained(rank, world, api, strategy, tied):
 
 
 def shard(model, api, strategy):
-    """(the sharded model, its optimizer) under `api`."""
+    """(the sharded model, its optimizer) under `api` ("megatron", "per_module", or torch's "fsdp2")."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     if api == "megatron":
         wrapped, opt = mf.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                                       fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=strategy)
     else:
-        from megatron_fsdp_c.per_module import fully_shard
+        if api == "fsdp2":  # torch's own, the reference
+            from torch.distributed.fsdp import fully_shard
+        else:
+            from megatron_fsdp_c.per_module import fully_shard
         for layer in model.model.layers:
             fully_shard(layer, reshard_after_forward=strategy)
         wrapped = fully_shard(model, reshard_after_forward=strategy)
@@ -78,22 +81,173 @@ def gathered(wrapped, api):
     return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu() for n, t in wrapped.state_dict().items()}
 
 
-def compare_files(ours_dir, ref_dir, checks, what):
+def load_dir(d):
+    """Every tensor of the safetensors files in directory d, by name."""
     from safetensors.torch import load_file
+    out = {}
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(d, f)))
+    return out
 
-    def load(d):
-        out = {}
-        for f in sorted(os.listdir(d)):
-            if f.endswith(".safetensors"):
-                out.update(load_file(os.path.join(d, f)))
-        return out
-    ours, ref = load(ours_dir), load(ref_dir)
+
+def compare_files(ours_dir, ref_dir, checks, what):
+    ours, ref = load_dir(ours_dir), load_dir(ref_dir)
     checks[f"{what}: the names save_pretrained writes"] = (set(ours) == set(ref),
                                                          f"ours only {sorted(set(ours) - set(ref))}, "
                                                          f"save_pretrained's only {sorted(set(ref) - set(ours))}")
     bad = [n for n in set(ours) & set(ref)
            if ours[n].dtype != ref[n].dtype or ours[n].shape != ref[n].shape or not torch.equal(ours[n], ref[n])]
     checks[f"{what}: every tensor bitwise save_pretrained's"] = (not bad, f"differ: {sorted(bad)}")
+
+
+def hf_names(wrapped, api):
+    """The sharded model's state dict (DTensors) under the checkpoint's names: the Megatron-style
+    wrapper names its tensors 'module.' + the inner model's name, as Megatron-FSDP does."""
+    sd = wrapped.state_dict()
+    return {k.removeprefix("module."): v for k, v in sd.items()} if api == "megatron" else sd
+
+
+def dcp_hf_cell(rank, world, api, strategy):
+    """torch's own Hugging Face path on our shards, side by side with FSDP2 doing the same:
+    dcp.save with HuggingFaceStorageWriter, consolidated (torchtitan's last_save_in_hf), then
+    from_pretrained on it, and HuggingFaceStorageReader back into a freshly sharded model of other
+    weights that trains on."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    from transformers import LlamaForCausalLM
+
+    root = os.path.join(rank_grid.session_dir(), "dcp_hf", f"{api}-{strategy}-{world}")
+    x = tokens(9, 0)
+    out = {}
+    for which in (api, "fsdp2"):
+        how = strategy if which == api or api == "per_module" else True  # FSDP2 beside Megatron's: ZeRO-3
+        wrapped, model = trained(rank, world, which, how, False)
+        path = os.path.join(root, which)
+        dcp.save(hf_names(wrapped, which), storage_writer=HuggingFaceStorageWriter(
+            path, save_distributed=True, enable_consolidation=True))
+        if rank == 0:
+            model.config.save_pretrained(path)
+        logits = wrapped(input_ids=x).logits.detach()
+        dist.barrier()
+        loaded = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager")
+        fresh = llama(False)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.normal_()
+        wrapped, opt = shard(fresh, which, how)
+        sd = hf_names(wrapped, which)
+        dcp.load(sd, storage_reader=HuggingFaceStorageReader(path))
+        wrapped.load_state_dict({("module." + k if which == "megatron" else k): v for k, v in sd.items()})
+        losses = []
+        for step in range(2, 4):
+            t = tokens(step, rank)
+            loss = wrapped(input_ids=t, labels=t).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        out[which] = dict(logits=logits, from_pretrained=loaded(input_ids=x).logits.detach(), losses=losses,
+                          files=load_dir(path))
+    ours, ref = out[api], out["fsdp2"]
+    bad = sorted(n for n in ref["files"] if n not in ours["files"] or not torch.equal(ours["files"][n], ref["files"][n]))
+    return {
+        "consolidated files: FSDP2's names and every tensor bitwise FSDP2's": (
+            set(ours["files"]) == set(ref["files"]) and not bad, f"differ or missing: {bad}"),
+        "from_pretrained on them: the trained model's logits bit for bit": (
+            torch.equal(ours["from_pretrained"], ours["logits"]), "logits differ"),
+        "read back by HuggingFaceStorageReader: the next losses bit for bit FSDP2's": (
+            all(torch.equal(a, b) for a, b in zip(ours["losses"], ref["losses"])), f"{ours['losses']} {ref['losses']}"),
+    }
+
+
+def async_cell(rank, world, api, strategy):
+    """save_hf_checkpoint(async_save=True) ([Note: an asynchronous save]) while training goes on:
+    its writes held back until two more optimizer steps changed the weights still give the files
+    a synchronous save wrote before those steps (the snapshot); one not held back runs beside the
+    steps' collectives; a save waits for the one before it; a rank's failed write is every rank's
+    future's exception, nothing is published, and the next save warns of it."""
+    import threading
+    import warnings
+    from concurrent.futures import Future
+    import torch.distributed as dist
+    from megatron_fsdp_c import hf_checkpoint
+
+    model = llama(False)
+    wrapped, opt = shard(model, api, strategy)
+
+    def steps(first, n):
+        for step in range(first, first + n):
+            x = tokens(step, rank)
+            wrapped(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    root = os.path.join(rank_grid.session_dir(), "async", f"{api}-{strategy}-{world}")
+    d = {k: os.path.join(root, k) for k in ("sync", "async", "beside", "beside_ref", "next", "failed", "after")}
+    steps(0, 2)
+    mf.save_hf_checkpoint(wrapped, d["sync"], max_shard_bytes=20_000)
+    write, gate = hf_checkpoint._pwrite, threading.Event()
+
+    def held(*args):
+        gate.wait()
+        write(*args)
+    hf_checkpoint._pwrite = held
+    try:
+        future = mf.save_hf_checkpoint(wrapped, d["async"], max_shard_bytes=20_000, async_save=True)
+        pending = not future.done()
+        steps(2, 2)  # the optimizer writes the weights while the save has written nothing
+        gate.set()
+        outcome = future.result(timeout=60)
+    finally:
+        hf_checkpoint._pwrite = write
+    now = gathered(wrapped, api)
+    mf.save_hf_checkpoint(wrapped, d["beside_ref"])
+    beside = mf.save_hf_checkpoint(wrapped, d["beside"], async_save=True)
+    steps(4, 2)  # its writes and agreements run beside these steps' collectives
+    beside_ok = beside.result(timeout=60) is None
+    queued = mf.save_hf_checkpoint(wrapped, d["next"], async_save=True)
+    mf.save_hf_checkpoint(wrapped, d["after"])  # waits for `queued` first
+    queued_done = queued.done()
+    if rank == 1:
+        def broken(*args):
+            raise OSError("no space left on device (injected)")
+        hf_checkpoint._pwrite = broken
+    try:
+        failing = mf.save_hf_checkpoint(wrapped, d["failed"], async_save=True)
+        failure = failing.exception(timeout=60)
+    finally:
+        hf_checkpoint._pwrite = write
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mf.save_hf_checkpoint(wrapped, d["after"], overwrite=True)
+    dist.barrier()
+    snap, ref = load_dir(d["async"]), load_dir(d["sync"])
+    moved = [n for n in ref if not torch.equal(ref[n], now[n])]
+    return {
+        "a Future, not done while its writes are held": (isinstance(future, Future) and pending, repr(future)),
+        "its result is None": (outcome is None, repr(outcome)),
+        "the weights moved after the snapshot": (len(moved) > 0, "the two steps changed nothing"),
+        "the files hold the snapshot: bitwise the synchronous save's": (
+            set(snap) == set(ref) and all(torch.equal(snap[n], ref[n]) for n in ref),
+            [n for n in ref if n not in snap or not torch.equal(snap[n], ref[n])]),
+        "the index of several files written": (os.path.exists(os.path.join(d["async"], "model.safetensors.index.json")),
+                                              os.listdir(d["async"])),
+        "beside training: published, the files the synchronous save wrote": (
+            beside_ok and all(torch.equal(a, b) for a, b in zip(load_dir(d["beside"]).values(),
+                                                                 load_dir(d["beside_ref"]).values())), "differ"),
+        "a save waits for the one before it": (queued_done, "the earlier future was still running"),
+        "a failed write: every rank's future raises, naming the rank and the error": (
+            isinstance(failure, RuntimeError) and "writing the tensors" in str(failure)
+            and ("no space left on device (injected)" in str(failure) if rank == 1 else "another rank failed" in str(failure)),
+            repr(failure)),
+        "nothing published": (not os.path.exists(d["failed"]) and not any(".failed.partial" in f for f in os.listdir(root)),
+                              sorted(os.listdir(root))),
+        "the next save warns of the failure": (
+            any(issubclass(w.category, RuntimeWarning) and "previous asynchronous save failed" in str(w.message)
+                for w in caught), [str(w.message) for w in caught]),
+    }
 
 
 def export_cell(rank, world, api, strategy, tied):
@@ -191,6 +345,12 @@ def _register():
     CELLS.add(("import", "per_module", True, 4), import_cell, "per_module", True, worlds=(4,),
               tests=["test_import_at_world_4"])
     CELLS.add("refusals", refusals, tests=["test_refusals"])
+    for api, strategy in (("megatron", 3), ("per_module", True)):
+        CELLS.add(("async", api, strategy), async_cell, api, strategy, worlds=(2,),
+                  tests=["test_async_save_while_training"], match=dict(api=api, strategy=strategy))
+    for api, strategy in SETUPS:
+        CELLS.add(("dcp_hf", api, strategy), dcp_hf_cell, api, strategy, worlds=(2,),
+                  tests=["test_torch_hf_storage_writer_and_reader"], match=dict(api=api, strategy=strategy))
 
 
 def refusals(rank, world):
@@ -288,6 +448,16 @@ def test_a_rank_killed_in_the_middle_publishes_nothing(tmp_path):
 @pytest.mark.parametrize("api,strategy", SETUPS)
 def test_import_trains_as_from_pretrained(api, strategy):
     assert_named(CELLS.result(("import", api, strategy), 2))
+
+
+@pytest.mark.parametrize("api,strategy", [("megatron", 3), ("per_module", True)])
+def test_async_save_while_training(api, strategy):
+    assert_named(CELLS.result(("async", api, strategy), 2))
+
+
+@pytest.mark.parametrize("api,strategy", SETUPS)
+def test_torch_hf_storage_writer_and_reader(api, strategy):
+    assert_named(CELLS.result(("dcp_hf", api, strategy), 2))
 
 
 def test_import_at_world_4():
