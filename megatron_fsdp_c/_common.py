@@ -127,3 +127,13 @@ def weak_call(owner, method: str, *args, **kwargs):
         if o is not None:
             getattr(o, method)(*args, *hook_args, **kwargs)
     return hook
+
+
+def transformers_initialiser(module: torch.nn.Module):
+    """A transformers model's own initialiser of one of its submodules (PreTrainedModel's
+    _init_weights, bound: what from_config and from_pretrained run on every module, norms and
+    rotary embeddings' buffers included), or None for any other model. Told by class name, so
+    transformers need not be installed."""
+    if any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__):
+        return getattr(module, "_init_weights", None)
+    return None

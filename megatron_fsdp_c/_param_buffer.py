@@ -19,6 +19,7 @@ csrc/core/mfsdp_layout.h, reached through _C.plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from typing import Dict, List, Optional
@@ -28,7 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
-from ._common import ShardingStrategy, contiguous_stride, move_storage
+from ._common import ShardingStrategy, contiguous_stride, move_storage, transformers_initialiser
 from ._distributed import DistContext, check_quant_transport
 from ._extensions import ROLE_EXTENSION, ROLE_PARAMS, ROLE_PAYLOAD, values_of, repoint
 from ._memory_report import StorageTally, memory_report
@@ -299,8 +300,10 @@ class ParamBuffer:
     def load_from_meta(self, root: nn.Module, device: torch.device) -> dict:
         """Materialises a meta-device model one module at a time, in module (construction) order
         so the random initialisation matches a model built directly on `device`: to_empty +
-        reset_parameters, the module's rows go straight into this rank's shards, the module's
-        full tensors are dropped. No rank ever holds more than its shards plus one module (and,
+        reset_parameters (a transformers model: its _init_weights on each module, the initialiser
+        from_config and from_pretrained run, which also makes the rotary embeddings' buffers),
+        the module's rows go straight into this rank's shards, the module's full tensors are
+        dropped. No rank ever holds more than its shards plus one module (and,
         while compute parameters are pointed at their buckets, one gathered bucket).
         Returns the peak parameter bytes (weights, main weights, the module being materialised)
         measured in each phase."""
@@ -309,11 +312,14 @@ class ParamBuffer:
             self.engine.init_begin(b, True)
         peak = {"materialise": 0, "point": 0}
         done = set()
+        hf_init = transformers_initialiser(root)
         for name, mod in root.named_modules():
             metas = [attr for attr, p in mod._parameters.items() if p is not None and p.is_meta]
             if not metas and not any(b is not None and b.is_meta for b in mod._buffers.values()):
                 continue
             reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
+            if hf_init is not None:  # its norms and rotary embeddings have no reset_parameters
+                reset = functools.partial(hf_init, mod)
             if reset is None:
                 raise ValueError(
                     f"init_model_with_meta_device: module '{name or '<root>'}' ({type(mod).__name__}) holds meta "

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._common import transformers_initialiser
 from ._distributed import own_group
 from .megatron_fsdp import MegatronFSDP
 
@@ -504,6 +505,25 @@ def _local_of_full(full: torch.Tensor, t: DTensor) -> torch.Tensor:
     return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
+def _remake_buffers(module: torch.nn.Module) -> None:
+    """Makes the buffers of a transformers model that no checkpoint holds.
+
+    [Note: buffers no checkpoint holds]
+    A transformers model keeps some buffers out of its state dict (non-persistent: the rotary embeddings' inv_freq, computed from the config), so
+    no checkpoint restores them, and a model materialised from the meta device (to_empty) holds
+    garbage there. from_pretrained makes them with the model's _init_weights; so does the load,
+    for each module that holds such buffers and no parameters of its own (_init_weights would
+    re-draw a module's parameters too; the rotary embeddings have none). Recomputing them on a
+    model built eagerly gives the same values."""
+    init = transformers_initialiser(module)
+    if init is None:
+        return
+    with torch.no_grad():
+        for mod in module.modules():
+            if mod._non_persistent_buffers_set and all(p is None for p in mod._parameters.values()):
+                init(mod)
+
+
 def load_hf_checkpoint(model, path: str, *, strict: bool = True,
                        name_map: Union[None, Mapping[str, str], Callable[[str], str]] = None) -> None:
     """Reads the Hugging Face checkpoint directory `path` (safetensors files and their index, as
@@ -517,9 +537,20 @@ def load_hf_checkpoint(model, path: str, *, strict: bool = True,
     checkpoint missing from the model, raise one ValueError listing them (strict=False loads what
     matches; a tied weight counts once, under the name save_hf_checkpoint writes). A shape that
     differs, a truncated file or a dtype safetensors does not have raise a ValueError naming the
-    tensor and its file. An asynchronous save still running is waited for first."""
+    tensor and its file. An asynchronous save still running is waited for first. A model
+    initialised on the meta device loads once materialised (the per-module API: to_empty after
+    fully_shard; the Megatron-style API: init_model_with_meta_device=True); a transformers
+    model's buffers that no checkpoint holds are made as from_pretrained makes them ([Note:
+    buffers no checkpoint holds])."""
     _wait_for_previous_save()
     stored = _stored_tensors(os.path.abspath(path))
+    module = model.module if isinstance(model, MegatronFSDP) else model
+    on_meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise ValueError(f"load_hf_checkpoint: the model still has tensors on the meta device ({on_meta[:4]}"
+                         f"{' ...' if len(on_meta) > 4 else ''}): materialise it first, model.to_empty(device=...) "
+                         "after fully_shard (the Megatron-style API does it with init_model_with_meta_device=True)")
+    _remake_buffers(module)
     state = _state_of(model)
     wanted = _checkpoint_names(state, name_map, "load_hf_checkpoint")
     missing = sorted(n for c, n in wanted.items() if c not in stored)
@@ -560,5 +591,4 @@ def load_hf_checkpoint(model, path: str, *, strict: bool = True,
     finally:
         for fd in fds.values():
             os.close(fd)
-    module = model.module if isinstance(model, MegatronFSDP) else model
     module.load_state_dict(loaded, strict=False)

@@ -55,12 +55,14 @@ def trained(rank, world, api, strategy, tied):
     return wrapped, model
 
 
-def shard(model, api, strategy):
-    """(the sharded model, its optimizer) under `api` ("megatron", "per_module", or torch's "fsdp2")."""
+def shard(model, api, strategy, meta=False):
+    """(the sharded model, its optimizer) under `api` ("megatron", "per_module", or torch's "fsdp2");
+    meta: `model` is on the meta device, materialised as each API does it."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     if api == "megatron":
         wrapped, opt = mf.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=strategy)
+                                      fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=strategy,
+                                      init_model_with_meta_device=meta)
     else:
         if api == "fsdp2":  # torch's own, the reference
             from torch.distributed.fsdp import fully_shard
@@ -69,6 +71,8 @@ def shard(model, api, strategy):
         for layer in model.model.layers:
             fully_shard(layer, reshard_after_forward=strategy)
         wrapped = fully_shard(model, reshard_after_forward=strategy)
+        if meta:
+            model.to_empty(device="cpu")  # FSDP2's way: after fully_shard, before the optimizer
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return wrapped, opt
 
@@ -283,14 +287,16 @@ def export_cell(rank, world, api, strategy, tied):
     return checks
 
 
-def import_cell(rank, world, api, strategy):
+def import_cell(rank, world, api, strategy, meta=False):
     """A hub-format checkpoint (save_pretrained: several shard files and an index) read into a
-    sharded model whose own weights differ (another seed): the next steps' losses and the final
-    weights equal from_pretrained + the same sharding's, bit for bit."""
+    sharded model whose own weights differ (another seed), or with `meta` one built on the meta
+    device (its rotary embeddings' buffers made by the load: [Note: buffers no checkpoint holds]):
+    the next steps' losses and the final weights equal from_pretrained + the same sharding's, bit
+    for bit."""
     import torch.distributed as dist
     from transformers import LlamaForCausalLM
 
-    directory = os.path.join(rank_grid.session_dir(), "hub", f"{api}-{strategy}-{world}")
+    directory = os.path.join(rank_grid.session_dir(), "hub", f"{api}-{strategy}-{world}-{meta}")
     if rank == 0:
         torch.manual_seed(1)
         hub = llama(False)
@@ -301,11 +307,14 @@ def import_cell(rank, world, api, strategy):
     dist.barrier()
     out = {}
     for which in ("ours", "from_pretrained"):
-        if which == "ours":
+        if which == "ours" and meta:
+            with torch.device("meta"):
+                model = llama(False)
+        elif which == "ours":
             model = llama(False)
         else:
             model = LlamaForCausalLM.from_pretrained(directory, attn_implementation="eager")
-        wrapped, opt = shard(model, api, strategy)
+        wrapped, opt = shard(model, api, strategy, meta=meta and which == "ours")
         if which == "ours":
             mf.load_hf_checkpoint(wrapped, directory)
         losses = []
@@ -344,6 +353,9 @@ def _register():
                   tests=["test_import_trains_as_from_pretrained"], match=dict(api=api, strategy=strategy))
     CELLS.add(("import", "per_module", True, 4), import_cell, "per_module", True, worlds=(4,),
               tests=["test_import_at_world_4"])
+    for api, strategy in (("megatron", 3), ("megatron", 1), ("per_module", True)):
+        CELLS.add(("import_meta", api, strategy), import_cell, api, strategy, True, worlds=(2,),
+                  tests=["test_import_into_a_meta_initialised_model"], match=dict(api=api, strategy=strategy))
     CELLS.add("refusals", refusals, tests=["test_refusals"])
     for api, strategy in (("megatron", 3), ("per_module", True)):
         CELLS.add(("async", api, strategy), async_cell, api, strategy, worlds=(2,),
@@ -460,14 +472,19 @@ def test_torch_hf_storage_writer_and_reader(api, strategy):
     assert_named(CELLS.result(("dcp_hf", api, strategy), 2))
 
 
+@pytest.mark.parametrize("api,strategy", [("megatron", 3), ("megatron", 1), ("per_module", True)])
+def test_import_into_a_meta_initialised_model(api, strategy):
+    assert_named(CELLS.result(("import_meta", api, strategy), 2))
+
+
 def test_import_at_world_4():
     assert_named(CELLS.result(("import", "per_module", True, 4), 4))
 
 
 def test_import_errors_name_the_tensor_and_the_file(tmp_path):
     """On a plain (unsharded) model, in this process: a missing tensor, an unexpected one, a shape
-    that differs, a truncated file, each a ValueError naming what and where; strict=False loads
-    what matches."""
+    that differs, a truncated file, a model still on the meta device, each a ValueError naming
+    what and where (and the fix); strict=False loads what matches."""
     import json
 
     model = llama(False)
@@ -503,3 +520,8 @@ def test_import_errors_name_the_tensor_and_the_file(tmp_path):
     cut = broken("truncated", lambda d: (d / head_file).write_bytes((d / head_file).read_bytes()[:-100]))
     with pytest.raises(ValueError, match=rf"{head_file} is truncated: tensor '.*' needs bytes up to"):
         mf.load_hf_checkpoint(llama(False), cut)
+    with torch.device("meta"):
+        on_meta = llama(False)
+    with pytest.raises(ValueError, match=r"still has tensors on the meta device \(\['model.embed_tokens.weight', .*"
+                                         r"model.to_empty\(device=...\) after fully_shard"):
+        mf.load_hf_checkpoint(on_meta, str(good))
