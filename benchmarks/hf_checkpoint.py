@@ -32,26 +32,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp_c as mf
+from bench_worker import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from megatron_fsdp_c.testing import init_distributed
-
-
-def resident_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def reset_peak():
-    """The kernel's resident-set peak (VmHWM) restarts from the current resident set."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def drop_page_cache() -> bool:
@@ -74,13 +56,13 @@ def measure(fn, cold=False):
         COLD[0] = drop_page_cache()
     dist.barrier()
     ctypes.CDLL(None).malloc_trim(0)  # freed memory back to the OS: a call's peak cannot hide in a reused heap
-    reset_peak()
-    before = resident_bytes()
+    reset_peak_rss()
+    before = current_rss_bytes()
     t0 = time.perf_counter()
     fn()
     os.sync()
     dist.barrier()
-    return time.perf_counter() - t0, peak_bytes() - before
+    return time.perf_counter() - t0, peak_rss_bytes() - before
 
 
 COLD = [False]  # whether the imports read from the disk (the page cache could be emptied)

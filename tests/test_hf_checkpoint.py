@@ -55,6 +55,19 @@ def trained(rank, world, api, strategy, tied):
     return wrapped, model
 
 
+def train(wrapped, opt, rank, steps):
+    """One optimizer step per step of `steps` on its tokens: the losses."""
+    losses = []
+    for step in steps:
+        x = tokens(step, rank)
+        loss = wrapped(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def shard(model, api, strategy, meta=False):
     """(the sharded model, its optimizer) under `api` ("megatron", "per_module", or torch's "fsdp2");
     meta: `model` is on the meta device, materialised as each API does it."""
@@ -145,14 +158,7 @@ def dcp_hf_cell(rank, world, api, strategy):
         sd = hf_names(wrapped, which)
         dcp.load(sd, storage_reader=HuggingFaceStorageReader(path))
         wrapped.load_state_dict({("module." + k if which == "megatron" else k): v for k, v in sd.items()})
-        losses = []
-        for step in range(2, 4):
-            t = tokens(step, rank)
-            loss = wrapped(input_ids=t, labels=t).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
+        losses = train(wrapped, opt, rank, range(2, 4))
         out[which] = dict(logits=logits, from_pretrained=loaded(input_ids=x).logits.detach(), losses=losses,
                           files=load_dir(path))
     ours, ref = out[api], out["fsdp2"]
@@ -317,14 +323,7 @@ def import_cell(rank, world, api, strategy, meta=False):
         wrapped, opt = shard(model, api, strategy, meta=meta and which == "ours")
         if which == "ours":
             mf.load_hf_checkpoint(wrapped, directory)
-        losses = []
-        for step in range(2):
-            x = tokens(step, rank)
-            loss = wrapped(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
+        losses = train(wrapped, opt, rank, range(2))
         out[which] = (losses, gathered(wrapped, api))
     (ours, ours_params), (ref, ref_params) = out["ours"], out["from_pretrained"]
     files = os.listdir(directory)
